@@ -1,0 +1,167 @@
+"""Start the other replicas of a plain ``python train.py`` by re-running the script, and watch them.
+
+Lightning Fabric's subprocess launcher does the same: the process the user started becomes
+rank 0, and ranks 1..N-1 are the same command line with RANK/WORLD_SIZE/MASTER_* set. A child
+dies with its parent (PR_SET_PDEATHSIG); the parent's watcher notices a child that fails, and if
+the parent does not stop by itself within ``grace`` seconds (say it is not in a collective) it
+is stopped with exit code 1, so the command never hangs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from stratagem.cluster.spec import ProcessEnv
+
+_PR_SET_PDEATHSIG = 1
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def relaunch_command(argv: Sequence[str] | None = None) -> list[str]:
+    """The command line that re-runs this program: ``python script.py args`` or ``python -m mod``."""
+    argv = list(sys.argv if argv is None else argv)
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name not in ("__main__",):
+        name = spec.name
+        if name.endswith(".__main__"):
+            name = name[: -len(".__main__")]
+        return [sys.executable, "-m", name, *argv[1:]]
+    if not argv or argv[0] in ("", "-c") or not os.path.exists(argv[0]):
+        raise RuntimeError(
+            "this program cannot be re-run to start the other replicas (it is an interactive "
+            f"session or `python -c`; sys.argv={argv!r}). Put the code in a script and run "
+            "`stratagem run -n N script.py`, or use torchrun"
+        )
+    return [sys.executable, *argv]
+
+
+class ReplicaProcesses:
+    """The children this process started (ranks 1..N-1), watched until they exit."""
+
+    def __init__(
+        self,
+        procs: list[subprocess.Popen[bytes]],
+        grace: float,
+        on_failure: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.procs = procs
+        self.grace = grace
+        self.on_failure = on_failure
+        self.failed: tuple[int, int] | None = None  # (rank, exit code)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stratagem-replica-watch", daemon=True)
+        self._thread.start()
+        atexit.register(self.shutdown)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            for rank, p in enumerate(self.procs, start=1):
+                code = p.poll()
+                if code not in (None, 0) and self.failed is None:
+                    self.failed = (rank, code)
+                    if self.on_failure is not None:
+                        self.on_failure(rank, code)
+                    self._stop.wait(self.grace)
+                    if self._stop.is_set():
+                        return
+                    sys.stderr.write(
+                        f"stratagem: replica {rank} exited with code {code}; "
+                        f"rank 0 did not stop within {self.grace:.0f}s, stopping it\n"
+                    )
+                    sys.stderr.flush()
+                    self.kill()
+                    os._exit(1)
+            if all(p.poll() is not None for p in self.procs) and self.failed is None:
+                return
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def shutdown(self, wait: float = 30.0) -> None:
+        """At exit: give the children ``wait`` seconds to finish, then stop them."""
+        self._stop.set()
+        deadline = time.monotonic() + wait
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        self.kill()
+
+
+_children: ReplicaProcesses | None = None
+
+
+def ensure_replicas(
+    num_replicas: int | None,
+    *,
+    grace: float = 60.0,
+    environ: dict[str, str] | None = None,
+) -> ProcessEnv:
+    """This process's place in a job of ``num_replicas`` processes, starting the others if needed.
+
+    Joins the job a launcher (torchrun, ``stratagem run``) set up; otherwise re-runs this script
+    ``num_replicas - 1`` times with the launch variables set and becomes rank 0.
+    """
+    global _children
+    env = ProcessEnv.from_environ(environ)
+    if env is not None:
+        if num_replicas is not None and env.world_size != num_replicas:
+            raise RuntimeError(
+                f"this process was launched as rank {env.rank} of WORLD_SIZE={env.world_size}, "
+                f"but the strategy asks for {num_replicas} replicas; make them agree "
+                f"(e.g. `stratagem run -n {num_replicas} ...`) or pass num_replicas=None"
+            )
+        return env
+    if num_replicas is None or num_replicas == 1:
+        return ProcessEnv.single()
+    if _children is not None:
+        raise RuntimeError("replicas were already started by an earlier strategy in this process")
+    cmd = relaunch_command()
+    port = find_free_port()
+    base = dict(os.environ)
+    procs: list[subprocess.Popen[bytes]] = []
+    for rank in range(1, num_replicas):
+        child = ProcessEnv(rank, num_replicas, rank, num_replicas, "127.0.0.1", port, "self")
+        procs.append(
+            subprocess.Popen(cmd, env={**base, **child.to_environ()}, preexec_fn=_die_with_parent)
+        )
+    _children = ReplicaProcesses(procs, grace)
+    return ProcessEnv(0, num_replicas, 0, num_replicas, "127.0.0.1", port, "self")
+
+
+def children() -> ReplicaProcesses | None:
+    """The replicas this process started, if it started any."""
+    return _children

@@ -1,0 +1,26 @@
+"""comm: a thin layer over torch.distributed: nested collectives, timeouts, named failures, the
+bucketed gradient reducer."""
+
+from stratagem.comm.communicator import (
+    Communicator,
+    LocalCommunicator,
+    ProcessGroupCommunicator,
+    init_process_group,
+)
+from stratagem.comm.errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    ReplicaMismatchError,
+    WorkerFailedError,
+)
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "Communicator",
+    "LocalCommunicator",
+    "ProcessGroupCommunicator",
+    "ReplicaMismatchError",
+    "WorkerFailedError",
+    "init_process_group",
+]

@@ -1,0 +1,24 @@
+"""The errors communication raises: a failed worker named by rank, a mismatch across replicas."""
+
+from __future__ import annotations
+
+
+class CollectiveError(RuntimeError):
+    """A collective could not complete (a peer failed, timed out or disagreed)."""
+
+
+class WorkerFailedError(CollectiveError):
+    """Another worker of the job failed; ``rank`` names it when it is known."""
+
+    def __init__(self, message: str, rank: int | None = None, exit_code: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective waited longer than the configured timeout for its peers."""
+
+
+class ReplicaMismatchError(ValueError):
+    """Replicas passed different structures, shapes or dtypes to the same collective."""

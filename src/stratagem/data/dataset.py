@@ -1,0 +1,297 @@
+"""The Dataset plan (an immutable graph of nodes) and its tf.data-named fluent methods."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from stratagem.data.iterator import Context, DatasetIterator, StatefulIterator
+from stratagem.data.options import (
+    AUTOTUNE,
+    INFINITE_CARDINALITY,
+    UNKNOWN_CARDINALITY,
+    Options,
+)
+
+
+class Dataset:
+    """A tf.data-style dataset: a plan; iterating it builds a runtime (a DatasetIterator).
+
+    Subclasses set ``_inputs`` and implement ``_make_iterator`` and ``_cardinality``.
+    Every ``iter(ds)`` starts a new epoch (reshuffling where asked) without ``set_epoch``.
+    """
+
+    _inputs: tuple[Dataset, ...] = ()
+
+    # -- plan protocol ---------------------------------------------------------------
+    def _make_iterator(self, ctx: Context) -> StatefulIterator:
+        raise NotImplementedError
+
+    def _cardinality(self) -> int:
+        return UNKNOWN_CARDINALITY
+
+    def _with_inputs(self, inputs: Sequence[Dataset]) -> Dataset:
+        clone = copy.copy(self)
+        clone._inputs = tuple(inputs)
+        clone._epochs_started = 0
+        return clone
+
+    def _own_options(self) -> Options | None:
+        return None
+
+    # -- iteration -------------------------------------------------------------------
+    def __iter__(self) -> DatasetIterator:
+        epoch = getattr(self, "_epochs_started", 0)
+        self._epochs_started = epoch + 1
+        return DatasetIterator(self, epoch=epoch)
+
+    def iterator(self, epoch: int | None = None, seed: int | None = None) -> DatasetIterator:
+        """An iterator for an explicit epoch (and seed for unseeded randomness)."""
+        if epoch is None:
+            return iter(self)
+        return DatasetIterator(self, epoch=epoch, seed=seed)
+
+    def iterator_from_state(self, state: dict[str, Any]) -> DatasetIterator:
+        """A fresh iterator restored from ``state`` (see DatasetIterator.state_dict)."""
+        it = DatasetIterator(self, epoch=int(state.get("epoch", 0)), seed=0)
+        it.load_state_dict(state)
+        return it
+
+    def cardinality(self) -> int:
+        """Number of elements, INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2)."""
+        return self._cardinality()
+
+    def __len__(self) -> int:
+        n = self.cardinality()
+        if n < 0:
+            kind = "infinite" if n == INFINITE_CARDINALITY else "unknown"
+            raise TypeError(
+                f"len() of a dataset with {kind} cardinality; use take(n) or iterate instead"
+            )
+        return n
+
+    def options(self) -> Options:
+        """The options of this pipeline: those of its inputs merged with its own."""
+        merged = Options()
+        for inp in self._inputs:
+            merged = merged.merge(inp.options())
+        own = self._own_options()
+        return merged.merge(own) if own is not None else merged
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} cardinality={self.cardinality()}>"
+
+    # -- sources -------------------------------------------------------------------
+    @staticmethod
+    def range(*args: int) -> Dataset:
+        from stratagem.data.sources import RangeDataset
+
+        return RangeDataset(*args)
+
+    @staticmethod
+    def from_tensor_slices(tensors: Any) -> Dataset:
+        from stratagem.data.sources import TensorSlicesDataset
+
+        return TensorSlicesDataset(tensors)
+
+    @staticmethod
+    def from_tensors(tensors: Any) -> Dataset:
+        from stratagem.data.sources import TensorsDataset
+
+        return TensorsDataset(tensors)
+
+    @staticmethod
+    def from_generator(generator: Callable[[], Iterable[Any]], args: tuple = ()) -> Dataset:
+        from stratagem.data.sources import GeneratorDataset
+
+        return GeneratorDataset(generator, args)
+
+    @staticmethod
+    def list_files(
+        file_pattern: str | Sequence[str], shuffle: bool | None = None, seed: int | None = None
+    ) -> Dataset:
+        from stratagem.data.sources import ListFilesDataset
+
+        return ListFilesDataset(file_pattern, shuffle=shuffle, seed=seed)
+
+    @staticmethod
+    def zip(*datasets: Any) -> Dataset:
+        from stratagem.data.transforms import ZipDataset
+
+        if len(datasets) == 1 and isinstance(datasets[0], tuple | dict):
+            return ZipDataset(datasets[0])
+        return ZipDataset(tuple(datasets))
+
+    @staticmethod
+    def from_torch(torch_dataset: Any, num_parallel_calls: int | None = None) -> Dataset:
+        from stratagem.data.torch_interop import from_torch
+
+        return from_torch(torch_dataset, num_parallel_calls=num_parallel_calls)
+
+    # -- transformations -------------------------------------------------------------
+    def map(
+        self,
+        map_func: Callable[..., Any],
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+        *,
+        with_rng: bool = False,
+        seed: int | None = None,
+        use_processes: bool = False,
+        name: str | None = None,
+    ) -> Dataset:
+        """Apply ``map_func`` to each element (tuples are unpacked into arguments).
+
+        ``num_parallel_calls`` (an int or AUTOTUNE) runs it on a thread pool, or with
+        ``use_processes=True`` on a spawn-context process pool (``map_func`` must be
+        picklable; tensors come back through shared memory). ``with_rng=True`` passes
+        ``rng=``, a ``numpy.random.Generator`` seeded from (seed, epoch, element index), so
+        random transforms do not depend on the number of threads or processes.
+        """
+        if num_parallel_calls is None and not use_processes:
+            from stratagem.data.transforms import MapDataset
+
+            return MapDataset(self, map_func, with_rng=with_rng, seed=seed, name=name)
+        from stratagem.data.parallel import ParallelMapDataset
+
+        return ParallelMapDataset(
+            self,
+            map_func,
+            num_parallel_calls if num_parallel_calls is not None else AUTOTUNE,
+            deterministic,
+            with_rng=with_rng,
+            seed=seed,
+            use_processes=use_processes,
+            name=name,
+        )
+
+    def filter(self, predicate: Callable[..., Any]) -> Dataset:
+        from stratagem.data.transforms import FilterDataset
+
+        return FilterDataset(self, predicate)
+
+    def flat_map(self, map_func: Callable[..., Dataset]) -> Dataset:
+        from stratagem.data.parallel import InterleaveDataset
+
+        return InterleaveDataset(self, map_func, 1, 1, None, None)
+
+    def interleave(
+        self,
+        map_func: Callable[..., Dataset],
+        cycle_length: int | None = None,
+        block_length: int | None = None,
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+    ) -> Dataset:
+        from stratagem.data.parallel import InterleaveDataset
+
+        return InterleaveDataset(
+            self, map_func, cycle_length, block_length, num_parallel_calls, deterministic
+        )
+
+    def batch(
+        self,
+        batch_size: int,
+        drop_remainder: bool = False,
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+    ) -> Dataset:
+        from stratagem.data.batching import BatchDataset
+
+        del num_parallel_calls, deterministic  # batching is cheap; accepted for tf parity
+        return BatchDataset(self, batch_size, drop_remainder)
+
+    def padded_batch(
+        self,
+        batch_size: int,
+        padded_shapes: Any = None,
+        padding_values: Any = None,
+        drop_remainder: bool = False,
+    ) -> Dataset:
+        from stratagem.data.batching import BatchDataset
+
+        return BatchDataset(
+            self, batch_size, drop_remainder, padded=True,
+            padded_shapes=padded_shapes, padding_values=padding_values,
+        )
+
+    def unbatch(self) -> Dataset:
+        from stratagem.data.batching import UnbatchDataset
+
+        return UnbatchDataset(self)
+
+    def shuffle(
+        self, buffer_size: int, seed: int | None = None, reshuffle_each_iteration: bool = True
+    ) -> Dataset:
+        from stratagem.data.shuffle import ShuffleDataset
+
+        return ShuffleDataset(self, buffer_size, seed, reshuffle_each_iteration)
+
+    def repeat(self, count: int | None = None) -> Dataset:
+        from stratagem.data.transforms import RepeatDataset
+
+        return RepeatDataset(self, count)
+
+    def take(self, count: int) -> Dataset:
+        from stratagem.data.transforms import TakeDataset
+
+        return TakeDataset(self, count)
+
+    def skip(self, count: int) -> Dataset:
+        from stratagem.data.transforms import SkipDataset
+
+        return SkipDataset(self, count)
+
+    def shard(self, num_shards: int, index: int) -> Dataset:
+        from stratagem.data.transforms import ShardDataset
+
+        return ShardDataset(self, num_shards, index)
+
+    def enumerate(self, start: int = 0) -> Dataset:
+        from stratagem.data.transforms import EnumerateDataset
+
+        return EnumerateDataset(self, start)
+
+    def concatenate(self, dataset: Dataset) -> Dataset:
+        from stratagem.data.transforms import ConcatenateDataset
+
+        return ConcatenateDataset(self, dataset)
+
+    def cache(self, filename: str = "") -> Dataset:
+        from stratagem.data.cache import CacheDataset
+
+        return CacheDataset(self, filename)
+
+    def prefetch(self, buffer_size: int = AUTOTUNE) -> Dataset:
+        from stratagem.data.prefetch import PrefetchDataset
+
+        return PrefetchDataset(self, buffer_size)
+
+    def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
+        out = transformation_func(self)
+        if not isinstance(out, Dataset):
+            raise TypeError(
+                f"apply() expects a function returning a Dataset, got {type(out).__name__}"
+            )
+        return out
+
+    def with_options(self, options: Options) -> Dataset:
+        from stratagem.data.transforms import OptionsDataset
+
+        if not isinstance(options, Options):
+            raise TypeError(f"with_options expects stratagem.data.Options, got {options!r}")
+        return OptionsDataset(self, options)
+
+    # -- interop ---------------------------------------------------------------------
+    def as_dataloader(self) -> Any:
+        """A view with ``__iter__``, ``__len__``, ``batch_size`` and ``dataset``, for code
+        that expects a ``torch.utils.data.DataLoader``."""
+        from stratagem.data.torch_interop import DataLoaderView
+
+        return DataLoaderView(self)
+
+    def as_numpy_iterator(self) -> Any:
+        from stratagem.data.torch_interop import to_numpy
+
+        return (to_numpy(e) for e in self)

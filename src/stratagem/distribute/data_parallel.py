@@ -1,0 +1,177 @@
+"""DataParallelExtended: replicas of one model, one per process, kept identical (mirrored).
+
+The engine behind the default, one-device, mirrored and multi-worker strategies. It composes a
+Communicator (the replicas), a device (where this replica computes) and a MirrorRegistry (what
+the scope created); the strategies differ only in how they build these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.comm import Communicator, nest
+from stratagem.distribute import context
+from stratagem.distribute.input import DistributedDataset, PerReplicaDatasets, place, to_tensors
+from stratagem.distribute.mirror import MirrorRegistry
+from stratagem.distribute.reduce_op import ReduceOp
+from stratagem.distribute.strategy import StrategyExtended
+
+
+def _leaf_tensor(x: Any) -> torch.Tensor:
+    t = to_tensors(x)
+    if isinstance(t, torch.Tensor):
+        return t
+    return torch.as_tensor(t)
+
+
+class DataParallelExtended(StrategyExtended):
+    """N replicas (processes) of one model over a Communicator."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        device: torch.device | None,
+        *,
+        mirror: bool = True,
+        gradient_op: str = "sum",
+        sync_buffers: bool = True,
+        first_bucket_bytes: int | None = None,
+        bucket_bytes: int | None = None,
+        name: str = "strategy",
+    ) -> None:
+        self.comm = comm
+        self._device = device
+        self.sync_buffers = sync_buffers
+        self.registry: MirrorRegistry | None = (
+            MirrorRegistry(
+                comm,
+                device,
+                gradient_op=gradient_op,
+                first_bucket_bytes=first_bucket_bytes,
+                bucket_bytes=bucket_bytes,
+                strategy_name=name,
+            )
+            if mirror
+            else None
+        )
+        self._in_run = False
+
+    # --- facts ------------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def replica_id(self) -> int:
+        return self.comm.rank
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @property
+    def should_checkpoint(self) -> bool:
+        return self.comm.rank == 0
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    # --- scope and run ----------------------------------------------------------------------
+    def scope(self) -> contextlib.AbstractContextManager[None]:
+        return self.registry.capture() if self.registry is not None else contextlib.nullcontext()
+
+    def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        owner = self.owner()
+        args = place(args, self._device)
+        kwargs = place(dict(kwargs), self._device)
+        reg = self.registry
+        if reg is not None:
+            for v in (getattr(fn, "__self__", None), *args, *kwargs.values()):
+                if isinstance(v, nn.Module):
+                    reg.check_module(v)
+            if self.sync_buffers:
+                reg.sync_buffers()
+        ctx = context.ReplicaContext(owner, self.comm.rank)
+        with context.replica_scope(ctx), self._run_checks():
+            return fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _run_checks(self) -> Iterator[None]:
+        """While ``run`` executes eagerly: refuse modules and optimizers made outside the scope."""
+        reg = self.registry
+        if reg is None or self._in_run:
+            yield
+            return
+        from torch.nn.modules import module as module_mod
+        from torch.optim import optimizer as optim_mod
+
+        def check_module(module: nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
+            reg.check_module(module)
+
+        def check_optimizer(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            reg.check_optimizer(opt)
+
+        h1 = module_mod.register_module_forward_pre_hook(check_module)
+        h2 = optim_mod.register_optimizer_step_pre_hook(check_optimizer)
+        self._in_run = True
+        try:
+            yield
+        finally:
+            self._in_run = False
+            h1.remove()
+            h2.remove()
+
+    # --- reductions -------------------------------------------------------------------------
+    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        return self.comm.all_reduce(value, op.value, check=True)
+
+    def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+        leaves, treedef = nest.flatten(value)
+        tensors = [_leaf_tensor(x).to(self._device) if self._device else _leaf_tensor(x) for x in leaves]
+        if axis is None:
+            out = self.comm.all_reduce(tensors, op.value, check=True)
+            return nest.unflatten(treedef, out)
+        sums = []
+        counts = []
+        for t in tensors:
+            if t.dim() == 0:
+                raise ValueError(f"cannot reduce a scalar along axis {axis}; use axis=None")
+            sums.append(t.sum(dim=axis))
+            counts.append(torch.tensor(t.shape[axis], dtype=torch.int64, device=t.device))
+        total_sums, total_counts = self.comm.all_reduce((sums, counts), "sum", check=True)
+        if op is ReduceOp.SUM:
+            return nest.unflatten(treedef, total_sums)
+        means = [
+            s / c.clamp(min=1) if s.is_floating_point() else torch.div(s, c.clamp(min=1), rounding_mode="floor")
+            for s, c in zip(total_sums, total_counts)
+        ]
+        return nest.unflatten(treedef, means)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        leaves, treedef = nest.flatten(value)
+        tensors = [_leaf_tensor(x) for x in leaves]
+        for t in tensors:
+            if t.dim() == 0:
+                raise ValueError("gather needs tensors with at least one dimension")
+        shapes = [
+            torch.empty([0 if d == axis % t.dim() else s for d, s in enumerate(t.shape)], dtype=t.dtype, device="meta")
+            for t in tensors
+        ]
+        self.comm.check_same("gather", shapes)
+        return nest.unflatten(treedef, [self.comm.gather_varlen(t, axis % t.dim()) for t in tensors])
+
+    # --- input ------------------------------------------------------------------------------
+    def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]:
+        return DistributedDataset(dataset, self.comm, self._device)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any
+    ) -> Iterable[Any]:
+        return PerReplicaDatasets(dataset_fn, self.comm, self._device, self.num_replicas_in_sync)

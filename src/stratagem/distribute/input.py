@@ -1,0 +1,259 @@
+"""Distributed input: global batches split across replicas, per-replica pipelines, InputContext.
+
+``split_sizes`` is the plan (tf.distribute's rebatching: a batch of B over N replicas gives the
+first B mod N replicas one element more than the others, so ``range(6).batch(4)`` on 2 replicas
+gives [0,1]/[2,3] then [4]/[5], and a replica left without data gets a zero-size batch). The
+iterators run it: every step the replicas agree (one tiny all-reduce) whether anyone still has
+data, so an uneven end never hangs and the loop stops on every replica at once.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from stratagem.comm import Communicator, nest
+
+
+@dataclass(frozen=True)
+class InputContext:
+    """What ``dataset_fn`` is told about the input pipeline it builds (tf.distribute.InputContext)."""
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"global batch size {global_batch_size} is not divisible by "
+                f"{self.num_replicas_in_sync} replicas; use a multiple of "
+                f"{self.num_replicas_in_sync} (e.g. "
+                f"{(global_batch_size // self.num_replicas_in_sync + 1) * self.num_replicas_in_sync})"
+            )
+        return global_batch_size // self.num_replicas_in_sync
+
+
+def split_sizes(batch_size: int, num_replicas: int) -> list[int]:
+    """How many elements of a global batch each replica gets (tf.distribute's rebatching)."""
+    base, extra = divmod(batch_size, num_replicas)
+    return [base + (1 if r < extra else 0) for r in range(num_replicas)]
+
+
+def to_tensors(batch: Any) -> Any:
+    """A batch with numpy arrays and lists of numbers turned into tensors."""
+    if isinstance(batch, (list, tuple)) and batch and not hasattr(batch, "_fields") and all(
+        isinstance(x, numbers.Number) for x in batch
+    ):
+        return torch.tensor(batch)
+    if isinstance(batch, dict):
+        return {k: to_tensors(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_tensors(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_tensors(v) for v in batch)
+    if isinstance(batch, np.ndarray):
+        return torch.from_numpy(batch)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """The common leading dimension of a batch's tensors; a clear error when they disagree."""
+    leaves, _ = nest.flatten(batch)
+    sizes = []
+    for x in leaves:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise ValueError(
+                f"a global batch must hold tensors with a batch dimension; got a leaf "
+                f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ()'} "
+                f"in {nest.signature(batch)}"
+            )
+        sizes.append(int(x.shape[0]))
+    if not sizes:
+        raise ValueError("a global batch must hold at least one tensor")
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"the tensors of a batch have different batch sizes {sizes} ({nest.signature(batch)}); "
+            "every tensor must have the same first dimension"
+        )
+    return sizes[0]
+
+
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    return nest.map_structure(lambda t: t[start:stop], batch)
+
+
+def place(value: Any, device: torch.device | None) -> Any:
+    """``value`` with its tensors moved to ``device`` (None leaves them)."""
+    if device is None:
+        return value
+    return nest.map_structure(
+        lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, value
+    )
+
+
+def _fingerprint(batch: Any) -> list[float]:
+    leaves, _ = nest.flatten(batch)
+    return [float(t.double().sum()) if t.numel() else 0.0 for t in leaves]
+
+
+class _Agreement:
+    """The per-step vote: does any replica still have data, do all?"""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def vote(self, has: bool) -> tuple[bool, bool]:
+        if self.comm.world_size == 1:
+            return has, has
+        t = torch.tensor([int(has), -int(has)], dtype=torch.int64, device=self.comm.device)
+        self.comm.all_reduce_(t, "max")
+        return bool(t[0] > 0), bool(-t[1] > 0)
+
+
+class DistributedDataset:
+    """Global batches from ``dataset``; each replica iterates over its slices of them."""
+
+    def __init__(self, dataset: Iterable[Any], comm: Communicator, device: torch.device | None) -> None:
+        self.dataset = dataset
+        self.comm = comm
+        self.device = device
+
+    def __iter__(self) -> Iterator[Any]:
+        return DistributedIterator(iter(self.dataset), self.comm, self.device)
+
+
+class DistributedIterator:
+    """Splits each global batch; checks once that every replica sees the same global batches."""
+
+    def __init__(self, source: Iterator[Any], comm: Communicator, device: torch.device | None) -> None:
+        self.source = source
+        self.comm = comm
+        self.device = device
+        self.vote = _Agreement(comm)
+        self._checked = False
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.source, _END)
+        anyone, everyone = self.vote.vote(batch is not _END)
+        if not anyone:
+            raise StopIteration
+        if not everyone:
+            raise RuntimeError(
+                "the dataset ended on some replicas but not on others; experimental_distribute_dataset "
+                "expects every replica to see the same global batches (use "
+                "distribute_datasets_from_function for per-replica pipelines)"
+            )
+        batch = to_tensors(batch)
+        size = batch_size_of(batch)
+        if not self._checked:
+            self._check_same(batch)
+        n, r = self.comm.world_size, self.comm.rank
+        sizes = split_sizes(size, n)
+        start = sum(sizes[:r])
+        return place(slice_batch(batch, start, start + sizes[r]), self.device)
+
+    def _check_same(self, batch: Any) -> None:
+        self._checked = True
+        if self.comm.world_size == 1:
+            return
+        self.comm.check_same("experimental_distribute_dataset (first global batch)", batch)
+        prints = self.comm.all_gather_object(_fingerprint(batch))
+        if any(p != prints[0] for p in prints):
+            raise RuntimeError(
+                "the dataset yielded different first global batches on different replicas; "
+                "experimental_distribute_dataset expects every replica to see the same global "
+                "batches: seed any shuffling (e.g. DataLoader(..., generator=torch.Generator()"
+                ".manual_seed(0))) or use distribute_datasets_from_function"
+            )
+
+
+class PerReplicaDatasets:
+    """Per-replica batches from ``dataset_fn(InputContext)``, one input pipeline per process."""
+
+    def __init__(
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        comm: Communicator,
+        device: torch.device | None,
+        num_replicas_in_sync: int,
+    ) -> None:
+        self.comm = comm
+        self.device = device
+        ctx = InputContext(comm.world_size, comm.rank, num_replicas_in_sync)
+        self.dataset = dataset_fn(ctx)
+
+    def __iter__(self) -> Iterator[Any]:
+        return PerReplicaIterator(iter(self.dataset), self.comm, self.device)
+
+
+class PerReplicaIterator:
+    """Yields this replica's batches; once its pipeline ends while others go on, zero-size ones."""
+
+    def __init__(self, source: Iterator[Any], comm: Communicator, device: torch.device | None) -> None:
+        self.source = source
+        self.comm = comm
+        self.device = device
+        self.vote = _Agreement(comm)
+        self._empty: Any = None
+
+    def __iter__(self) -> PerReplicaIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.source, _END)
+        anyone, everyone = self.vote.vote(batch is not _END)
+        if not anyone:
+            raise StopIteration
+        if batch is not _END:
+            batch = to_tensors(batch)
+            batch_size_of(batch)
+            if self._empty is None:
+                self._empty = slice_batch(batch, 0, 0)
+        if not everyone:
+            batch = self._empty_like_peers(batch)
+        return place(batch, self.device)
+
+    def _empty_like_peers(self, batch: Any) -> Any:
+        """Replicas without data take a zero-size batch shaped like the others' batches."""
+        specs = self.comm.all_gather_object(None if self._empty is None else _spec(self._empty))
+        if batch is not _END:
+            return batch
+        if self._empty is not None:
+            return self._empty
+        spec = next((s for s in specs if s is not None), None)
+        if spec is None:
+            raise RuntimeError("no replica has seen a batch to shape an empty batch after")
+        return _from_spec(spec)
+
+
+def _spec(empty: Any) -> Any:
+    return nest.map_structure(lambda t: ("tensor", tuple(t.shape), str(t.dtype)), empty)
+
+
+def _from_spec(spec: Any) -> Any:
+    def make(s: Any) -> Any:
+        return torch.empty(s[1], dtype=getattr(torch, s[2].replace("torch.", "")))
+
+    return _rebuild(spec, make)
+
+
+def _rebuild(spec: Any, make: Callable[[Any], Any]) -> Any:
+    if isinstance(spec, tuple) and len(spec) == 3 and spec[0] == "tensor":
+        return make(spec)
+    if isinstance(spec, dict):
+        return {k: _rebuild(v, make) for k, v in spec.items()}
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_rebuild(v, make) for v in spec)
+    return spec
+
+
+_END: Any = object()

@@ -1,0 +1,43 @@
+"""compute_average_loss: the per-replica loss whose summed gradients equal the global mean's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stratagem.distribute import context
+
+
+def compute_average_loss(
+    per_example_loss: torch.Tensor,
+    global_batch_size: int | None = None,
+    sample_weight: Any = None,
+) -> torch.Tensor:
+    """Sum of ``per_example_loss`` (times ``sample_weight``) divided by the global batch size.
+
+    Gradients of mirrored parameters are *summed* across replicas, so dividing by the global
+    batch size gives the gradient of the mean loss over the global batch. With
+    ``global_batch_size=None`` the true global batch size is counted across replicas (one small
+    all-reduce), so a partial last batch or a replica with an empty batch is exact. Dividing by
+    the per-replica batch instead (a per-replica ``mean()``) would multiply the effective learning
+    rate by the number of replicas.
+    """
+    loss = per_example_loss
+    if sample_weight is not None:
+        loss = loss * torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device)
+    if loss.dim() == 0:
+        raise ValueError(
+            "compute_average_loss expects per-example losses with a batch dimension; got a scalar "
+            "(use reduction='none' in the loss function)"
+        )
+    local = loss.shape[0]
+    if global_batch_size is None:
+        ctx = context.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            global_batch_size = int(ctx.all_reduce("sum", torch.tensor(local, dtype=torch.int64)))
+        else:
+            global_batch_size = local
+    if global_batch_size <= 0 and local > 0:
+        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    return loss.sum() / max(int(global_batch_size), 1)

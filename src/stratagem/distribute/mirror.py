@@ -1,0 +1,211 @@
+"""Mirrored variables without a wrapper: what ``scope()`` captures and how it is kept in sync.
+
+While a strategy's scope is open, torch's global registration hooks see every parameter and
+buffer a module registers: each is placed on the replica's device and remembered. When the
+scope closes, replicas check that they created the same parameters (names, shapes, dtypes),
+rank 0's values are broadcast to all, and one GradientReducer is (re)built over every mirrored
+parameter, so gradients are reduced during backward. Modules used in ``strategy.run`` whose
+parameters were not created in a scope are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.comm import Communicator
+from stratagem.comm.reducer import GradientReducer
+
+
+class _IdSet:
+    """A set of tensors by identity that does not keep them alive (tensors compare by value)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        key = id(t)
+        self._refs[key] = weakref.ref(t, lambda _r, k=key: self._refs.pop(k, None))
+
+    def __contains__(self, t: object) -> bool:
+        r = self._refs.get(id(t))
+        return r is not None and r() is t
+
+
+class OutsideScopeError(ValueError):
+    """A module or optimizer used under a strategy was not created in its scope."""
+
+
+class MirrorRegistry:
+    """The parameters and buffers created in one strategy's scope."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        device: torch.device | None,
+        *,
+        gradient_op: str = "sum",
+        first_bucket_bytes: int | None = None,
+        bucket_bytes: int | None = None,
+        strategy_name: str = "strategy",
+    ) -> None:
+        self.comm = comm
+        self.device = device
+        self.gradient_op = gradient_op
+        self.bucket_kw = {"first_bucket_bytes": first_bucket_bytes, "bucket_bytes": bucket_bytes}
+        self.strategy_name = strategy_name
+        self._mirrored = _IdSet()
+        self._params: list[tuple[weakref.ref[torch.Tensor], str]] = []
+        self._buffers: list[tuple[weakref.ref[torch.Tensor], str]] = []
+        self._new: list[tuple[torch.Tensor, str]] = []
+        self._checked_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.reducer: GradientReducer | None = None
+        self._depth = 0
+
+    # --- capture --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Capture parameters and buffers registered inside; sync them when the scope closes."""
+        self._depth += 1
+        if self._depth > 1:
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        from torch.nn.modules import module as module_mod
+
+        h1 = module_mod.register_module_parameter_registration_hook(self._on_parameter)
+        h2 = module_mod.register_module_buffer_registration_hook(self._on_buffer)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            h1.remove()
+            h2.remove()
+            self._depth -= 1
+            if ok:
+                self.sync()
+
+    def _place(self, t: torch.Tensor) -> torch.Tensor | None:
+        if self.device is None or t.device == self.device or t.device.type == "meta":
+            return None
+        return t.to(self.device)
+
+    def _on_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> Any:
+        if param is None or isinstance(param, nn.parameter.UninitializedParameter):
+            return None
+        moved = self._place(param)
+        if moved is not None:
+            param = nn.Parameter(moved, requires_grad=param.requires_grad)
+        self._remember(param, f"{type(module).__name__}.{name}", is_param=True)
+        return param if moved is not None else None
+
+    def _on_buffer(self, module: nn.Module, name: str, buffer: torch.Tensor | None) -> Any:
+        if buffer is None:
+            return None
+        moved = self._place(buffer)
+        if moved is not None:
+            buffer = moved
+        self._remember(buffer, f"{type(module).__name__}.{name}", is_param=False)
+        return buffer if moved is not None else None
+
+    def _remember(self, t: torch.Tensor, name: str, *, is_param: bool) -> None:
+        if t in self._mirrored:
+            return
+        self._mirrored.add(t)
+        (self._params if is_param else self._buffers).append((weakref.ref(t), name))
+        self._new.append((t, name))
+
+    # --- sync -------------------------------------------------------------------------------
+    def live_params(self) -> list[tuple[torch.Tensor, str]]:
+        live = [(r(), n) for r, n in self._params]
+        self._params = [(r, n) for r, n in self._params if r() is not None]
+        return [(t, n) for t, n in live if t is not None]
+
+    def live_buffers(self) -> list[tuple[torch.Tensor, str]]:
+        live = [(r(), n) for r, n in self._buffers]
+        self._buffers = [(r, n) for r, n in self._buffers if r() is not None]
+        return [(t, n) for t, n in live if t is not None]
+
+    def sync(self) -> None:
+        """Make the tensors created since the last sync identical everywhere; rebuild the reducer."""
+        new, self._new = self._new, []
+        if not new:
+            return
+        new = [(t, n) for t, n in new if t.device.type != "meta"]
+        if self.comm.world_size > 1 and new:
+            shapes = [(n, tuple(t.shape), str(t.dtype)) for t, n in new]
+            sigs = self.comm.all_gather_object(shapes)
+            if any(s != sigs[0] for s in sigs):
+                diff = next(r for r, s in enumerate(sigs) if s != sigs[0])
+                raise ValueError(
+                    f"replicas created different parameters in {self.strategy_name}.scope(): "
+                    f"replica 0 created {_summary(sigs[0])}, replica {diff} created "
+                    f"{_summary(sigs[diff])}; build the same model on every replica"
+                )
+            self.comm.broadcast_tensors_([t.data for t, _ in new], src=0)
+        self._rebuild_reducer()
+
+    def _rebuild_reducer(self) -> None:
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
+        params = [(p, n) for p, n in self.live_params() if p.device.type != "meta" and p.requires_grad]
+        if self.comm.world_size > 1 and params:
+            self.reducer = GradientReducer(
+                self.comm,
+                [p for p, _ in params],  # type: ignore[misc]
+                [n for _, n in params],
+                op=self.gradient_op,
+                **{k: v for k, v in self.bucket_kw.items() if v is not None},
+            )
+
+    def sync_buffers(self) -> None:
+        """Broadcast rank 0's buffers (BatchNorm statistics) before a step, as DDP does."""
+        if self.comm.world_size == 1:
+            return
+        bufs = [b for b, _ in self.live_buffers() if b.device.type != "meta"]
+        if bufs:
+            self.comm.broadcast_tensors_(bufs, src=0)
+
+    # --- checks -----------------------------------------------------------------------------
+    def is_mirrored(self, t: torch.Tensor) -> bool:
+        return t in self._mirrored
+
+    def check_module(self, module: nn.Module) -> None:
+        if module in self._checked_modules:
+            return
+        for name, p in module.named_parameters():
+            if p not in self._mirrored:
+                raise OutsideScopeError(
+                    f"{type(module).__name__} (parameter {name!r}, shape {tuple(p.shape)}) was "
+                    f"created outside {self.strategy_name}.scope(); create the model (and its "
+                    f"optimizer) inside `with strategy.scope():` so its variables are mirrored"
+                )
+        self._checked_modules.add(module)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer in self._checked_optimizers:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p not in self._mirrored:
+                    raise OutsideScopeError(
+                        f"{type(optimizer).__name__} steps a parameter of shape {tuple(p.shape)} "
+                        f"that was not created in {self.strategy_name}.scope(); create the model "
+                        "inside `with strategy.scope():` so replicas stay identical"
+                    )
+        self._checked_optimizers.add(optimizer)
+
+
+def _summary(sig: list[tuple[str, tuple[int, ...], str]]) -> str:
+    head = ", ".join(f"{n}{list(s)}" for n, s, _ in sig[:4])
+    return f"{len(sig)} tensors ({head}{', ...' if len(sig) > 4 else ''})"

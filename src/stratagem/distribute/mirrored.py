@@ -1,0 +1,94 @@
+"""MirroredStrategy: N replicas on one machine, one process each, gradients all-reduced.
+
+A plain ``python train.py`` that builds ``MirroredStrategy(num_replicas=2)`` starts the other
+replica itself (re-running the script); under torchrun or ``stratagem run`` it joins the job the
+launcher made. CPU replicas use gloo, CUDA replicas NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from stratagem.cluster import ProcessEnv, ensure_replicas
+from stratagem.distribute.data_parallel import DataParallelExtended
+from stratagem.distribute.reduce_op import ReduceOp
+from stratagem.distribute.replicas import join_group
+from stratagem.distribute.strategy import Strategy
+
+
+def _resolve_devices(devices: Sequence[str] | None, num_replicas: int | None, env: ProcessEnv | None) -> list[torch.device] | None:
+    if devices is not None:
+        devs = [torch.device(d) for d in devices]
+        if not devs:
+            raise ValueError("MirroredStrategy(devices=[]) needs at least one device")
+        if num_replicas is not None and num_replicas != len(devs):
+            raise ValueError(f"devices={list(devices)} gives {len(devs)} replicas but num_replicas={num_replicas}")
+        for d in devs:
+            if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
+                raise ValueError(
+                    f"device {d} is not available (this machine has {torch.cuda.device_count()} GPUs)"
+                )
+        return devs
+    return None
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism over ``devices`` or ``num_replicas`` processes on this machine.
+
+    ``gradient_reduction=ReduceOp.SUM`` (tf.distribute's contract: scale the loss with
+    ``compute_average_loss``); ``ReduceOp.MEAN`` opts in to DDP's averaging of gradients, for
+    losses that are per-replica means. ``timeout`` bounds every collective (seconds).
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str] | None = None,
+        *,
+        num_replicas: int | None = None,
+        gradient_reduction: ReduceOp | str = ReduceOp.SUM,
+        timeout: float = 120.0,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        if num_replicas is not None and num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        devs = _resolve_devices(devices, num_replicas, None)
+        launched = ProcessEnv.from_environ()
+        if devs is not None:
+            count: int | None = len(devs)
+        elif num_replicas is not None:
+            count = num_replicas
+        elif launched is not None:
+            count = launched.world_size
+        else:
+            count = max(torch.cuda.device_count(), 1)
+        if devs is None and launched is None and count is not None:
+            gpus = torch.cuda.device_count()
+            if gpus:
+                if count > gpus:
+                    raise ValueError(f"num_replicas={count} but this machine has {gpus} GPUs")
+                devs = [torch.device("cuda", i) for i in range(count)]
+        env = ensure_replicas(count)
+        if devs is not None:
+            device = devs[env.local_rank % len(devs)]
+        elif torch.cuda.is_available():
+            device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        else:
+            device = torch.device("cpu")
+        if device.type == "cpu" and env.local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+        self.env = env
+        self.device = device
+        comm = join_group(env, device, timeout=timeout)
+        op = ReduceOp.of(gradient_reduction).value
+        super().__init__(
+            DataParallelExtended(
+                comm,
+                device,
+                gradient_op=op,
+                bucket_bytes=int(bucket_cap_mb * 1024 * 1024),
+                name="MirroredStrategy",
+            )
+        )

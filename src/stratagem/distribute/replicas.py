@@ -1,0 +1,69 @@
+"""join_group: turn a ProcessEnv into the Communicator of every replica of the job (once per process)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stratagem.cluster import ProcessEnv
+from stratagem.cluster.launch import children
+from stratagem.comm import Communicator, LocalCommunicator, ProcessGroupCommunicator, init_process_group
+
+_joined: dict[str, Any] = {}
+
+
+def _probe(exc: BaseException) -> tuple[int | None, str]:
+    """Which replica failed, as far as the launcher of this process knows."""
+    kids = children()
+    if kids is not None:
+        import time
+
+        deadline = time.monotonic() + 2.0
+        while kids.failed is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if kids.failed is not None:
+            rank, code = kids.failed
+            return rank, f"it exited with code {code}"
+    return None, ""
+
+
+def join_group(env: ProcessEnv, device: torch.device, *, timeout: float) -> Communicator:
+    """The communicator of this job; the process group is formed on first use and reused."""
+    if env.world_size == 1:
+        return LocalCommunicator(device)
+    if dist.is_initialized():
+        existing = _joined.get("comm")
+        if existing is not None:
+            return existing  # type: ignore[no-any-return]
+        return ProcessGroupCommunicator(dist.group.WORLD, device, probe=_probe)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    comm, store = init_process_group(
+        env.rank,
+        env.world_size,
+        env.master_addr,
+        env.master_port,
+        backend=backend,
+        device=device,
+        timeout=timeout,
+        is_store_server=env.rank == 0 and not agent_store,
+        probe=_probe,
+    )
+    _joined["comm"] = comm
+    _joined["store"] = store
+    atexit.register(_leave)
+    return comm
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass

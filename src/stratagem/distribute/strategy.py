@@ -1,0 +1,143 @@
+"""Strategy, the user-facing API, and StrategyExtended, the small interface strategies implement.
+
+As in tf.distribute, ``Strategy`` is the same for every strategy and delegates to its
+``extended`` object, which is where strategies differ (data-parallel replicas, pipeline stages).
+Concrete strategies are final subclasses that only build their ``extended``.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from stratagem.distribute import context
+from stratagem.distribute.reduce_op import ReduceOp
+
+
+class StrategyExtended(abc.ABC):
+    """What a strategy must provide; ``Strategy`` turns it into tf.distribute's API."""
+
+    _owner: weakref.ref[Strategy] | None = None
+
+    def bind(self, strategy: Strategy) -> None:
+        """Called once by the Strategy this object extends."""
+        self._owner = weakref.ref(strategy)
+
+    def owner(self) -> Strategy:
+        s = self._owner() if self._owner is not None else None
+        if s is None:
+            raise RuntimeError(f"{type(self).__name__} is not bound to a live Strategy")
+        return s
+
+    @property
+    @abc.abstractmethod
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def replica_id(self) -> int:
+        """This process's replica id in the sync group."""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device | None:
+        """Where this process's replica computes (None: leave tensors where they are)."""
+
+    @property
+    @abc.abstractmethod
+    def should_checkpoint(self) -> bool:
+        """Whether this process writes shared files (checkpoints, logs): the chief."""
+
+    @abc.abstractmethod
+    def scope(self) -> contextlib.AbstractContextManager[None]:
+        """Capture what is created inside ``strategy.scope()`` (modules, optimizers)."""
+
+    @abc.abstractmethod
+    def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """Run ``fn`` as this process's replica(s); return its local result."""
+
+    @abc.abstractmethod
+    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        """``value`` reduced across the replicas in sync (called by every replica)."""
+
+    @abc.abstractmethod
+    def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any: ...
+
+    @abc.abstractmethod
+    def gather(self, value: Any, axis: int) -> Any: ...
+
+    @abc.abstractmethod
+    def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]: ...
+
+    @abc.abstractmethod
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any) -> Iterable[Any]: ...
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait for every process of the strategy."""
+
+
+class Strategy:
+    """Distribution of one training program over replicas (tf.distribute.Strategy's API)."""
+
+    def __init__(self, extended: StrategyExtended) -> None:
+        self._extended = extended
+        extended.bind(self)
+
+    @property
+    def extended(self) -> StrategyExtended:
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas take part in each step."""
+        return self._extended.num_replicas_in_sync
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Make this the current strategy; modules and optimizers created here are distributed."""
+        with context.strategy_scope(self), self._extended.scope():
+            yield
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Run ``fn(*args, **kwargs)`` on every replica; returns this process's per-replica value."""
+        return self._extended.call_for_replica(fn, tuple(args), dict(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combine per-replica ``value`` across replicas (and along ``axis`` if given).
+
+        With ``axis=None`` replicas' values are added (SUM) or averaged (MEAN) element-wise; with
+        an axis the values are also reduced along it, and MEAN divides by the true number of
+        elements along that axis over all replicas. The result is the same on every replica.
+        """
+        return self._extended.reduce(ReduceOp.of(reduce_op), value, axis)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate per-replica ``value`` along ``axis`` in replica order (sizes may differ)."""
+        return self._extended.gather(value, axis)
+
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Iterable[Any]:
+        """Global batches in, this replica's slice of each out (zero-size when it gets none)."""
+        return self._extended.distribute_dataset(dataset, options)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None
+    ) -> Iterable[Any]:
+        """Per-replica batches from ``dataset_fn(InputContext)``, called once per input pipeline."""
+        return self._extended.distribute_datasets_from_function(dataset_fn, options)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values of the replicas this process runs (one per process in stratagem)."""
+        return (value,)
+
+    def barrier(self) -> None:
+        """Wait until every process of the strategy gets here."""
+        self._extended.barrier()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"

@@ -1,0 +1,176 @@
+"""Run a function (or a script) as N processes of one job, on free ports, with a hard timeout.
+
+Every process gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT as torchrun would set them,
+so strategies built inside join the job. Results come back per rank; a process that fails or a
+job that outlives ``timeout`` is reported with each rank's exit code and the tail of its output,
+and every process is killed: a test never hangs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stratagem.cluster import ProcessEnv, find_free_port
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    returncode: int | None
+    value: Any
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def _tail(text: str, n: int = 30) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def _report(results: Sequence[WorkerResult], what: str) -> str:
+    parts = [what]
+    for r in results:
+        parts.append(f"--- rank {r.rank}: exit {r.returncode} after {r.seconds:.1f}s")
+        if r.stderr.strip():
+            parts.append(_tail(r.stderr))
+        if r.stdout.strip():
+            parts.append("[stdout] " + _tail(r.stdout, 10))
+    return "\n".join(parts)
+
+
+def _run(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float, cwd: str | None) -> tuple[list[subprocess.Popen[str]], list[float], bool, list[Any]]:
+    files = []
+    procs = []
+    for cmd, env in zip(cmds, envs):
+        out = tempfile.TemporaryFile("w+")
+        err = tempfile.TemporaryFile("w+")
+        files.append((out, err))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, cwd=cwd, start_new_session=True))
+    start = time.monotonic()
+    ended = [0.0] * len(procs)
+    timed_out = False
+    while True:
+        for i, p in enumerate(procs):
+            if p.poll() is not None and not ended[i]:
+                ended[i] = time.monotonic() - start
+        if all(p.poll() is not None for p in procs):
+            break
+        if time.monotonic() - start > timeout:
+            timed_out = True
+            break
+        time.sleep(0.05)
+    for i, p in enumerate(procs):
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+            ended[i] = time.monotonic() - start
+        else:
+            try:  # children the worker itself started
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return procs, ended, timed_out, files
+
+
+def _env(base: Mapping[str, str] | None, extra: Mapping[str, str]) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "STRATAGEM_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE"):
+        env.pop(k, None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *,
+    args: Sequence[Any] = (),
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> list[WorkerResult]:
+    """Run ``fn(*args)`` in ``nprocs`` fresh processes forming one job; its return values by rank.
+
+    ``fn`` must be importable (a module-level function); its return value must be picklable.
+    """
+    module = fn.__module__
+    qualname = fn.__qualname__
+    path = Path(inspect.getfile(fn)).resolve().parent
+    port = find_free_port()
+    with tempfile.TemporaryDirectory(prefix="stratagem-workers-") as tmp:
+        argfile = Path(tmp, "args.pkl")
+        argfile.write_bytes(pickle.dumps(tuple(args)))
+        cmds, envs = [], []
+        for rank in range(nprocs):
+            penv = ProcessEnv(rank, nprocs, rank, nprocs, "127.0.0.1", port, "torchrun")
+            extra = {
+                **penv.to_environ(),
+                "PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),
+                "STRATAGEM_TEST_TARGET": f"{module}:{qualname}",
+                "STRATAGEM_TEST_ARGS": str(argfile),
+                "STRATAGEM_TEST_RESULT": str(Path(tmp, f"result{rank}.pkl")),
+            }
+            cmds.append([sys.executable, "-c", "from stratagem.testing.workers import _main; _main()"])
+            envs.append(_env(env, extra))
+        procs, ended, timed_out, files = _run(cmds, envs, timeout, None)
+        results = []
+        for rank, (p, secs, (out, err)) in enumerate(zip(procs, ended, files)):
+            out.seek(0)
+            err.seek(0)
+            rfile = Path(tmp, f"result{rank}.pkl")
+            value = pickle.loads(rfile.read_bytes()) if rfile.exists() else None
+            results.append(WorkerResult(rank, p.returncode, value, out.read(), err.read(), secs))
+    if timed_out:
+        raise TimeoutError(_report(results, f"{qualname} on {nprocs} processes did not finish within {timeout}s"))
+    if check and any(r.returncode != 0 for r in results):
+        raise AssertionError(_report(results, f"{qualname} failed on {nprocs} processes"))
+    return results
+
+
+def run_script(
+    argv: Sequence[str],
+    *,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> WorkerResult:
+    """Run ``python argv...`` as a user would (no launch variables set), with a hard timeout."""
+    procs, ended, timed_out, files = _run([[sys.executable, *argv]], [_env(env, {})], timeout, cwd)
+    out, err = files[0]
+    out.seek(0)
+    err.seek(0)
+    result = WorkerResult(0, procs[0].returncode, None, out.read(), err.read(), ended[0])
+    if timed_out:
+        raise TimeoutError(_report([result], f"{' '.join(argv)} did not finish within {timeout}s"))
+    return result
+
+
+def _main() -> None:
+    import importlib
+
+    target = os.environ["STRATAGEM_TEST_TARGET"]
+    module, qualname = target.split(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    args = pickle.loads(Path(os.environ["STRATAGEM_TEST_ARGS"]).read_bytes())
+    value = obj(*args)
+    Path(os.environ["STRATAGEM_TEST_RESULT"]).write_bytes(pickle.dumps(value))
+    sys.stdout.flush()
+    sys.stderr.flush()
