@@ -38,3 +38,178 @@ def parity_worker(n: int) -> str:
 @pytest.mark.parametrize("n", [2, 4])
 def test_parity_with_single_device(n):
     assert [r.value for r in run_workers(parity_worker, n, args=(n,))] == ["ok"] * n
+
+
+# --- reductions, gathers and distributed input as tables of cases, on 2 replicas -------------
+
+REDUCE_CASES = [
+    # (op, axis, per-replica values for replicas 0/1, expected)
+    ("sum", None, [[0.0, 1, 2, 3], [4.0, 5, 6, 7]], [4.0, 6, 8, 10]),
+    ("sum", 0, [[0.0, 1, 2, 3], [4.0, 5, 6, 7]], 28.0),
+    ("mean", None, [[0.0, 1, 2, 3], [4.0, 5, 6, 7]], [2.0, 3, 4, 5]),
+    ("mean", 0, [[0.0, 1, 2, 3], [4.0, 5, 6, 7]], 3.5),
+    # a last batch of 6 split 4/2: MEAN divides by the 6 examples, not by the 2 replicas
+    ("mean", 0, [[1.0, 1, 1, 1], [4.0, 4]], 2.0),
+    ("sum", 0, [[1.0, 1, 1, 1], [4.0, 4]], 12.0),
+    # a replica with an empty batch counts for nothing
+    ("mean", 0, [[3.0, 5.0], []], 4.0),
+]
+
+GATHER_CASES = [
+    ([[0.0, 1], [2.0, 3, 4]], 0, [0.0, 1, 2, 3, 4]),
+    ([[0.0, 1], []], 0, [0.0, 1]),
+]
+
+# (global batch sizes, per-replica sizes on 2 replicas) - tf.distribute's rebatching
+DATASET_CASES = [
+    ([4, 2], [[2, 2], [1, 1]]),  # range(6).batch(4) -> [0,1]/[2,3], then [4]/[5]
+    ([3], [[2, 1]]),
+    ([1], [[1, 0]]),  # one replica gets a zero-size batch
+]
+
+
+def semantics_worker() -> dict:
+    strategy = sg.MirroredStrategy(num_replicas=2)
+    rank = strategy.extended.replica_id
+    out: dict = {"reduce": [], "gather": [], "dataset": [], "nested": None}
+    for op, axis, values, _ in REDUCE_CASES:
+        got = strategy.reduce(op, torch.tensor(values[rank]), axis=axis)
+        out["reduce"].append(got.tolist())
+    for values, axis, _ in GATHER_CASES:
+        out["gather"].append(strategy.gather(torch.tensor(values[rank]), axis=axis).tolist())
+    nested = {"a": torch.tensor([1.0, 2.0]) * (rank + 1), "b": (torch.tensor(3), [torch.ones(2, 2)])}
+    red = strategy.reduce("sum", nested)
+    out["nested"] = [red["a"].tolist(), int(red["b"][0]), red["b"][1][0].tolist()]
+    for sizes, _ in DATASET_CASES:
+        total = sum(sizes)
+        batches = [torch.arange(total)[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(sizes))]
+        out["dataset"].append([b.tolist() for b in strategy.experimental_distribute_dataset(batches)])
+    # replica context inside run; cross-replica context outside
+    ctx_in = strategy.run(lambda: (sg.get_replica_context().replica_id_in_sync_group,
+                                   sg.get_replica_context().num_replicas_in_sync))
+    with strategy.scope():
+        out["cross_replica_ctx_is_none"] = sg.get_replica_context() is None
+    out["ctx"] = list(ctx_in)
+    out["all_reduce"] = strategy.run(lambda: sg.get_replica_context().all_reduce("sum", torch.tensor(rank + 1))).item()
+    out["local_results"] = len(strategy.experimental_local_results(torch.tensor(1)))
+    # per-replica pipelines of different lengths: replica 1 runs dry first and gets empty batches
+    def dataset_fn(ctx: sg.InputContext):
+        n = 3 if ctx.input_pipeline_id == 0 else 1
+        return [(torch.full((2, 3), float(i)), torch.zeros(2, dtype=torch.int64)) for i in range(n)]
+
+    shapes = [tuple(x.shape) for x, _ in strategy.distribute_datasets_from_function(dataset_fn)]
+    out["from_function"] = shapes
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_reduce_gather_and_input_semantics():
+    results = run_workers(semantics_worker, 2)
+    for rank, res in enumerate(r.value for r in results):
+        for (op, axis, _, want), got in zip(REDUCE_CASES, res["reduce"]):
+            assert got == pytest.approx(want), (op, axis)
+        for (_, _, want), got in zip(GATHER_CASES, res["gather"]):
+            assert got == want
+        assert res["nested"] == [[3.0, 6.0], 6, [[2.0, 2.0], [2.0, 2.0]]]
+        for (_sizes, per_replica), got in zip(DATASET_CASES, res["dataset"]):
+            assert [len(b) for b in got] == [s[rank] for s in per_replica]
+        assert res["ctx"] == [rank, 2]
+        assert res["cross_replica_ctx_is_none"]
+        assert res["all_reduce"] == 3
+        assert res["local_results"] == 1
+        assert res["from_function"] == ([(2, 3)] * 3 if rank == 0 else [(2, 3), (0, 3), (0, 3)])
+    # the slices of range(6).batch(4): replica 0 gets [0,1] then [4]; replica 1 [2,3] then [5]
+    assert results[0].value["dataset"][0] == [[0, 1], [4]]
+    assert results[1].value["dataset"][0] == [[2, 3], [5]]
+
+
+# --- eager and compiled steps agree; DDP-style mean reduction is an explicit opt-in -------------
+
+
+def compiled_worker() -> str:
+    strategy = sg.MirroredStrategy(num_replicas=2)
+    batches = global_batches([8, 8, 5])
+    eager = assert_matches_single_device(strategy, make_model, make_sgd, per_example, batches)
+    compiled = assert_matches_single_device(
+        strategy, make_model, make_sgd, per_example, batches,
+        wrap_step=lambda f: sg.function(f, backend="aot_eager"), atol=1e-5,
+    )
+    for (name, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    return "ok"
+
+
+def mean_reduction_worker() -> list[float]:
+    strategy = sg.MirroredStrategy(num_replicas=2, gradient_reduction=sg.ReduceOp.MEAN)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Linear(3, 1, bias=False)
+    x = torch.ones(2, 3) * (strategy.extended.replica_id + 1)
+
+    def step(x):
+        model(x).mean().backward()  # a per-replica mean loss, DDP style
+        return model.weight.grad.clone()
+
+    return strategy.run(step, args=(x,)).flatten().tolist()
+
+
+@pytest.mark.timeout(240)
+def test_eager_and_compiled_steps_agree():
+    assert [r.value for r in run_workers(compiled_worker, 2, timeout=220)] == ["ok", "ok"]
+
+
+@pytest.mark.timeout(120)
+def test_mean_gradient_reduction_opt_in():
+    # replica inputs are all-ones and all-twos: DDP-style averaging gives 1.5 per weight
+    for r in run_workers(mean_reduction_worker, 2):
+        assert r.value == pytest.approx([1.5, 1.5, 1.5])
+
+
+# --- bad input: a clear error on every replica, and no hang -------------------------------------
+
+
+def errors_worker() -> dict:
+    strategy = sg.MirroredStrategy(num_replicas=2)
+    rank = strategy.extended.replica_id
+    out = {}
+    outside = nn.Linear(2, 2)
+    try:
+        strategy.run(lambda x: outside(x), args=(torch.ones(1, 2),))
+    except sg.OutsideScopeError as e:
+        out["outside"] = str(e)
+    with strategy.scope():
+        inside = nn.Linear(2, 2)
+    opt = torch.optim.SGD(outside.parameters(), lr=0.1)
+
+    def step_with_foreign_optimizer(x):
+        inside(x).sum().backward()
+        opt.step()
+
+    try:
+        strategy.run(step_with_foreign_optimizer, args=(torch.ones(1, 2),))
+    except sg.OutsideScopeError as e:
+        out["optimizer"] = str(e)
+    value = torch.zeros(3 if rank == 0 else 4)
+    try:
+        strategy.run(lambda: sg.get_replica_context().all_reduce("sum", value))
+    except sg.ReplicaMismatchError as e:
+        out["shape"] = str(e)
+    structure = (torch.zeros(2), torch.zeros(2)) if rank == 0 else [torch.zeros(2)]
+    try:
+        strategy.run(lambda: sg.get_replica_context().all_reduce("sum", structure))
+    except sg.ReplicaMismatchError as e:
+        out["structure"] = str(e)
+    # still in sync afterwards: a correct collective works
+    out["after"] = strategy.reduce("sum", torch.tensor(1.0)).item()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_errors_on_every_replica():
+    for r in run_workers(errors_worker, 2):
+        res = r.value
+        assert "created outside MirroredStrategy.scope()" in res["outside"]
+        assert "SGD steps a parameter" in res["optimizer"]
+        assert "replica 0: float32[3]; replica 1: float32[4]" in res["shape"]
+        assert "replica 0: (float32[2], float32[2]); replica 1: [float32[2]]" in res["structure"]
+        assert res["after"] == 2.0

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from stratagem.cluster.spec import ProcessEnv
 
@@ -75,6 +76,14 @@ class ReplicaProcesses:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stratagem-replica-watch", daemon=True)
         self._thread.start()
+        self._crashed = False
+        previous = sys.excepthook
+
+        def excepthook(*exc: Any) -> None:
+            self._crashed = True  # rank 0 is dying: do not wait long for its children
+            previous(*exc)
+
+        sys.excepthook = excepthook
         atexit.register(self.shutdown)
 
     def _watch(self) -> None:
@@ -110,15 +119,26 @@ class ReplicaProcesses:
                 p.kill()
 
     def shutdown(self, wait: float = 30.0) -> None:
-        """At exit: give the children ``wait`` seconds to finish, then stop them."""
+        """At exit: give the children ``wait`` seconds to finish, then stop them.
+
+        If rank 0 ends normally but a child failed, the command still exits non-zero.
+        """
         self._stop.set()
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + (2.0 if self._crashed else wait)
         for p in self.procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 break
         self.kill()
+        failed = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.returncode]
+        if failed and not self._crashed and self.failed is None:
+            self.failed = failed[0]
+        if self.failed is not None and not self._crashed:
+            rank, code = self.failed
+            sys.stderr.write(f"stratagem: replica {rank} failed (exit code {code})\n")
+            sys.stderr.flush()
+            os._exit(1)
 
 
 _children: ReplicaProcesses | None = None

@@ -79,7 +79,8 @@ def stack(
     value = 0 if padding_value is None else padding_value
     out = torch.full((len(tensors), *target), value, dtype=tensors[0].dtype)
     for i, t in enumerate(tensors):
-        out[(i, *(slice(0, n) for n in t.shape))] = t
+        index: tuple[Any, ...] = (i, *(slice(0, n) for n in t.shape))
+        out[index] = t
     return out
 
 

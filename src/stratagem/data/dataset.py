@@ -172,7 +172,7 @@ class Dataset:
         return FilterDataset(self, predicate)
 
     def flat_map(self, map_func: Callable[..., Dataset]) -> Dataset:
-        from stratagem.data.parallel import InterleaveDataset
+        from stratagem.data.interleave import InterleaveDataset
 
         return InterleaveDataset(self, map_func, 1, 1, None, None)
 
@@ -184,7 +184,7 @@ class Dataset:
         num_parallel_calls: int | None = None,
         deterministic: bool | None = None,
     ) -> Dataset:
-        from stratagem.data.parallel import InterleaveDataset
+        from stratagem.data.interleave import InterleaveDataset
 
         return InterleaveDataset(
             self, map_func, cycle_length, block_length, num_parallel_calls, deterministic

@@ -100,6 +100,7 @@ class _InterleaveIterator(StatefulIterator):
         return pos, self._open(x, pos, snap)
 
     def _next_slot(self) -> _Slot | None:
+        slot: _Slot | None
         if self.futures:
             slot = self.futures.popleft()[1]
         elif self.input_done:

@@ -147,7 +147,9 @@ class _ParallelMapIterator(StatefulIterator):
         return self._pool().submit(_timed_call, self.ds._fn, x, seed)
 
     def _target(self) -> int:
-        return self.tuner.parallelism() if self.ds._n == AUTOTUNE else self.max_workers
+        p = self.tuner.parallelism() if self.ds._n == AUTOTUNE else self.max_workers
+        # processes: keep a second element queued per worker to hide the pipe round trip
+        return 2 * p if self.ds._use_processes else p
 
     def _fill(self) -> None:
         target = self._target()
@@ -183,7 +185,7 @@ class _ParallelMapIterator(StatefulIterator):
         if self.deterministic:
             entry = pending[0]
         else:
-            futures = {e.future: e for e in pending}
+            futures: dict[Any, _Entry] = {e.future: e for e in pending}
             done, _ = cf.wait(list(futures), return_when=cf.FIRST_COMPLETED)
             entry = min((futures[f] for f in done), key=lambda e: e.pos)
         assert entry.future is not None

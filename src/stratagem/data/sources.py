@@ -12,7 +12,6 @@ import torch
 
 from stratagem.data.dataset import Dataset
 from stratagem.data.iterator import Context, StatefulIterator
-from stratagem.data.options import UNKNOWN_CARDINALITY
 from stratagem.data.structure import flatten, pack_as
 
 
@@ -271,14 +270,3 @@ class _LineIterator(StatefulIterator):
             self.fh.close()
             self.fh = None
 
-
-__all__ = [
-    "FileSource",
-    "GeneratorDataset",
-    "ListFilesDataset",
-    "RangeDataset",
-    "TensorSlicesDataset",
-    "TensorsDataset",
-    "TextLineDataset",
-    "UNKNOWN_CARDINALITY",
-]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stratagem.data.dataset import Dataset
-from stratagem.data.functions import call, call_checked, element_rng
+from stratagem.data.functions import call_checked, element_rng
 from stratagem.data.iterator import Context, StatefulIterator
 from stratagem.data.options import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Options
 from stratagem.data.structure import flatten, pack_as
@@ -351,5 +351,3 @@ class OptionsDataset(Dataset):
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return self._inputs[0]._make_iterator(ctx.child(0))
 
-
-__all__ = ["call"]

@@ -141,6 +141,21 @@ class DistributedIterator:
     def __iter__(self) -> DistributedIterator:
         return self
 
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the underlying iterator (a stratagem.data iterator can resume)."""
+        if not hasattr(self.source, "state_dict"):
+            raise TypeError(
+                f"{type(self.source).__name__} cannot save its position; use a stratagem.data "
+                "Dataset to resume input exactly"
+            )
+        return {"source": self.source.state_dict(), "checked": self._checked}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not hasattr(self.source, "load_state_dict"):
+            raise TypeError(f"{type(self.source).__name__} cannot restore a position")
+        self.source.load_state_dict(state["source"])
+        self._checked = bool(state.get("checked", False))
+
     def __next__(self) -> Any:
         batch = next(self.source, _END)
         anyone, everyone = self.vote.vote(batch is not _END)
@@ -207,6 +222,15 @@ class PerReplicaIterator:
 
     def __iter__(self) -> PerReplicaIterator:
         return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of this replica's pipeline (a stratagem.data iterator can resume)."""
+        if not hasattr(self.source, "state_dict"):
+            raise TypeError(f"{type(self.source).__name__} cannot save its position")
+        return {"source": self.source.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.source.load_state_dict(state["source"])
 
     def __next__(self) -> Any:
         batch = next(self.source, _END)

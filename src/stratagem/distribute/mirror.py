@@ -30,7 +30,12 @@ class _IdSet:
 
     def add(self, t: torch.Tensor) -> None:
         key = id(t)
-        self._refs[key] = weakref.ref(t, lambda _r, k=key: self._refs.pop(k, None))
+        refs = self._refs
+
+        def forget(_ref: object) -> None:
+            refs.pop(key, None)
+
+        refs[key] = weakref.ref(t, forget)
 
     def __contains__(self, t: object) -> bool:
         r = self._refs.get(id(t))

@@ -11,7 +11,13 @@ import torch.distributed as dist
 
 from stratagem.cluster import ProcessEnv
 from stratagem.cluster.launch import children
-from stratagem.comm import Communicator, LocalCommunicator, ProcessGroupCommunicator, init_process_group
+from stratagem.comm import (
+    Communicator,
+    LocalCommunicator,
+    ProcessGroupCommunicator,
+    init_process_group,
+)
+from stratagem.comm.failure import FailureMonitor, FailureOptions
 
 _joined: dict[str, Any] = {}
 
@@ -31,8 +37,17 @@ def _probe(exc: BaseException) -> tuple[int | None, str]:
     return None, ""
 
 
-def join_group(env: ProcessEnv, device: torch.device, *, timeout: float) -> Communicator:
-    """The communicator of this job; the process group is formed on first use and reused."""
+def join_group(
+    env: ProcessEnv,
+    device: torch.device,
+    *,
+    timeout: float,
+    failure: FailureOptions | None = None,
+) -> Communicator:
+    """The communicator of this job; the process group is formed on first use and reused.
+
+    A FailureMonitor (heartbeats in the store, a watchdog) explains failed collectives by rank.
+    """
     if env.world_size == 1:
         return LocalCommunicator(device)
     if dist.is_initialized():
@@ -44,6 +59,19 @@ def join_group(env: ProcessEnv, device: torch.device, *, timeout: float) -> Comm
     if device.type == "cuda":
         torch.cuda.set_device(device)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    options = failure or FailureOptions()
+    monitor = FailureMonitor(
+        env.rank, env.world_size, env.master_addr, env.master_port,
+        store_host_rank=None if agent_store else 0,
+        prefix=f"stratagem/failure/{env.restart_count}/",
+        options=options,
+        shutdown_wait=timeout,
+    )
+
+    def probe(exc: BaseException) -> tuple[int | None, str]:
+        rank, why = monitor.probe(exc) if options.enabled else (None, "")
+        return (rank, why) if rank is not None else _probe(exc)
+
     comm, store = init_process_group(
         env.rank,
         env.world_size,
@@ -53,12 +81,24 @@ def join_group(env: ProcessEnv, device: torch.device, *, timeout: float) -> Comm
         device=device,
         timeout=timeout,
         is_store_server=env.rank == 0 and not agent_store,
-        probe=_probe,
+        probe=probe,
     )
     _joined["comm"] = comm
     _joined["store"] = store
     atexit.register(_leave)
+    if options.enabled:
+        _joined["monitor"] = monitor.start()
     return comm
+
+
+def joined_store() -> Any:
+    """The rendezvous store of the job this process joined (None before ``join_group``)."""
+    return _joined.get("store")
+
+
+def failure_monitor() -> FailureMonitor | None:
+    """The FailureMonitor of this process (None before ``join_group`` or when disabled)."""
+    return _joined.get("monitor")
 
 
 def _leave() -> None:

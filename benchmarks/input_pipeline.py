@@ -1,0 +1,168 @@
+"""Input-pipeline benchmark (FIELD.md method): stratagem.data vs sequential, DataLoader, ideal.
+
+16 simulated files: opening one costs OPEN_MS, each read READ_MS (sleep: remote I/O, releases
+the GIL); a transform of C_MS that releases the GIL (hashlib over a buffer); a consumer of
+S_MS per element (sleep: the device step). Ideal with 2 cores and I/O concurrency k:
+1 / max(S, C/2, READ/k). Then the GIL-holding variant: a pure-Python transform, where threads
+cap at 1/C and only processes scale.
+
+Run: .venv/bin/python benchmarks/input_pipeline.py   (about a minute)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterable
+
+import torch.utils.data as tud
+
+from stratagem.data import AUTOTUNE, Dataset
+
+FILES, PER_FILE = 16, 24
+OPEN_MS, READ_MS, C_MS, S_MS = 20.0, 5.0, 6.0, 4.0
+K_IO = max(2, os.cpu_count() or 1)  # interleave cycle_length under AUTOTUNE (cores)
+BUF = os.urandom(1 << 20)
+HASH_REPS = 1
+PY_LOOPS = 1
+
+
+def calibrate() -> None:
+    global HASH_REPS, PY_LOOPS
+    t = time.perf_counter()
+    for _ in range(20):
+        hashlib.sha256(BUF).digest()
+    per = (time.perf_counter() - t) / 20
+    HASH_REPS = max(1, round(C_MS / 1000 / per))
+    t = time.perf_counter()
+    _py_work(20000)
+    per = (time.perf_counter() - t) / 20000
+    PY_LOOPS = max(1, round(C_MS / 1000 / per))
+
+
+def read_file(index: int) -> Iterable[bytes]:
+    time.sleep(OPEN_MS / 1000)
+    for _ in range(PER_FILE):
+        time.sleep(READ_MS / 1000)
+        yield BUF
+
+
+def transform(buf: bytes, reps: int | None = None) -> bytes:
+    h = b""
+    for _ in range(reps or HASH_REPS):
+        h = hashlib.sha256(buf).digest()  # releases the GIL for large buffers
+    return h
+
+
+def _py_work(loops: int) -> int:
+    acc = 0
+    for i in range(loops):
+        acc = (acc * 31 + i) % 1000003
+    return acc
+
+
+def py_transform(x: int, loops: int) -> int:
+    return _py_work(loops) + x
+
+
+class _PyTransform:
+    """Picklable GIL-holding transform with its calibrated loop count."""
+
+    def __init__(self, loops: int) -> None:
+        self.loops = loops
+
+    def __call__(self, x: int) -> int:
+        return py_transform(x, self.loops)
+
+
+class _Hash:
+    def __init__(self, reps: int) -> None:
+        self.reps = reps
+
+    def __call__(self, buf: bytes) -> bytes:
+        return transform(buf, self.reps)
+
+
+def consume(elements: Iterable[object], n: int) -> float:
+    """Elements/s over the steady state (from the first element on), with S_MS per element."""
+    it = iter(elements)
+    next(it)
+    time.sleep(S_MS / 1000)
+    start, count = time.perf_counter(), 0
+    for _ in it:
+        time.sleep(S_MS / 1000)
+        count += 1
+    elapsed = time.perf_counter() - start
+    assert count == n - 1, (count, n)
+    return count / elapsed
+
+
+def sequential() -> Iterable[bytes]:
+    for f in range(FILES):
+        for buf in read_file(f):
+            yield transform(buf)
+
+
+def stratagem_pipeline() -> Dataset:
+    return (
+        Dataset.range(FILES)
+        .interleave(lambda f: Dataset.from_generator(read_file, args=(f,)),
+                    cycle_length=AUTOTUNE, num_parallel_calls=AUTOTUNE)
+        .map(_Hash(HASH_REPS), num_parallel_calls=AUTOTUNE)
+        .prefetch(AUTOTUNE)
+    )
+
+
+class TorchFiles(tud.IterableDataset):
+    def __init__(self, reps: int) -> None:
+        self.reps = reps
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = tud.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        for f in range(wid, FILES, nw):
+            for buf in read_file(f):
+                yield transform(buf, self.reps)
+
+
+def main() -> None:
+    calibrate()
+    n = FILES * PER_FILE
+    print(f"{FILES} files x {PER_FILE} elements; open {OPEN_MS} ms, read {READ_MS} ms, "
+          f"transform {C_MS} ms, consumer {S_MS} ms; cores {os.cpu_count()}")
+    ideal = 1000 / max(S_MS, C_MS / 2, READ_MS / K_IO)
+    rows = [("sequential", consume(sequential(), n))]
+    rows.append(("stratagem AUTOTUNE", consume(stratagem_pipeline(), n)))
+    loader = tud.DataLoader(TorchFiles(HASH_REPS), batch_size=None, num_workers=2)
+    rows.append(("DataLoader 2 workers", consume(loader, n)))
+    try:
+        import tensorflow as tf  # type: ignore[import-not-found]  # noqa: F401
+
+        print("(tensorflow is installed but the tf.data figure is not implemented here)")
+    except ImportError:
+        pass
+    dl = rows[2][1]
+    print(f"\n{'GIL-releasing transform':<28}{'elem/s':>9}{'of ideal':>10}{'vs DataLoader':>15}")
+    for name, rate in [*rows, ("ideal bound", ideal)]:
+        print(f"{name:<28}{rate:>9.1f}{rate / ideal:>10.2f}{rate / dl:>14.2f}x")
+
+    # GIL-holding variant: threads vs processes
+    m = 160
+    py_ideal = 1000 / max(S_MS, C_MS / 2)
+    fn = _PyTransform(PY_LOOPS)
+    seq = consume((fn(i) for i in range(m)), m)
+    thr = consume(Dataset.range(m).map(fn, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE), m)
+    proc = consume(
+        Dataset.range(m).map(fn, num_parallel_calls=AUTOTUNE, use_processes=True).prefetch(AUTOTUNE), m
+    )
+    print(f"\n{'GIL-holding transform':<28}{'elem/s':>9}{'of ideal':>10}{'vs threads':>15}")
+    for name, rate in [("sequential", seq), ("threads AUTOTUNE", thr),
+                       ("processes AUTOTUNE (spawn)", proc), ("ideal bound", py_ideal)]:
+        print(f"{name:<28}{rate:>9.1f}{rate / py_ideal:>10.2f}{rate / thr:>14.2f}x")
+    print(f"(threads cap at 1/C = {1000 / C_MS:.0f}/s; steady state measured after the first "
+          "element, so process start-up is excluded)")
+
+
+if __name__ == "__main__":
+    main()

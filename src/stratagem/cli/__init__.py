@@ -1,0 +1,1 @@
+"""cli: the ``stratagem`` command (run, demo, bench)."""

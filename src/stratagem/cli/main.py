@@ -1,0 +1,41 @@
+"""The ``stratagem`` command: ``run`` (launch a script on N replicas), ``demo`` (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stratagem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a convnet on scikit-learn's digits on 2 CPU replicas")
+    demo.add_argument("--replicas", type=int, default=2, help="number of replicas (processes)")
+    demo.add_argument("--epochs", type=int, default=12)
+    demo.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    demo.add_argument("--plot", default="demo_history.png", help="where to write the training plot")
+
+    try:
+        run_cmd: Any = importlib.import_module("stratagem.cli.run")
+    except ImportError:  # pragma: no cover - run arrives with the multi-worker work
+        run_cmd = None
+    if run_cmd is not None:
+        run_cmd.add_parser(sub)
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from stratagem.cli.demo import run_demo
+
+        return run_demo(args.replicas, args.epochs, args.batch_size, args.plot)
+    if args.command == "run" and run_cmd is not None:
+        return int(run_cmd.main(args))
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

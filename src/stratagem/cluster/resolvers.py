@@ -1,0 +1,304 @@
+"""Cluster resolvers: read TF_CONFIG, torchrun, Slurm (or arguments) once into a frozen ClusterSpec.
+
+A *worker* is one machine (a torchrun node, a Slurm node, a TF_CONFIG task); it runs
+``local_world_size`` processes, one replica each. The environment is read only here, when a
+resolver is constructed; everything after works from the frozen :class:`ClusterSpec`.
+``detect()`` picks the resolver that matches the environment (TF_CONFIG, then torchrun, then a
+Slurm job step of more than one task, else a job of one process).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import final
+
+from stratagem.cluster.spec import LAUNCH_VARS, ProcessEnv
+
+#: the port the chief's store listens on when a Slurm job does not say (MASTER_PORT unset).
+SLURM_BASE_PORT = 15000
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Where this process stands in the cluster: workers, its task, its rank, the rendezvous."""
+
+    workers: tuple[str, ...]  # one entry per worker (machine); "" where the launcher does not say
+    task_index: int  # this process's worker
+    rank: int  # this process's rank among all processes (replicas)
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str  # the chief's rendezvous store
+    master_port: int
+    chief: int = 0  # the worker whose first process is rank 0
+    source: str = "simple"
+    restart_count: int = 0
+    agent_store: bool = False  # the store is hosted by torchrun's agent, not by rank 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if not 0 <= self.task_index < max(len(self.workers), 1):
+            raise ValueError(f"task index {self.task_index} is outside {len(self.workers)} workers")
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def master(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
+
+    def process_env(self) -> ProcessEnv:
+        """The same facts as the ProcessEnv the strategies' process-group code takes."""
+        launcher = "single" if self.world_size == 1 else self.source
+        return ProcessEnv(
+            self.rank, self.world_size, self.local_rank, self.local_world_size,
+            self.master_addr, self.master_port, launcher, self.restart_count,
+        )
+
+    def describe(self) -> str:
+        where = ", ".join(w or "?" for w in self.workers)
+        return (
+            f"rank {self.rank} of {self.world_size} (worker {self.task_index} of "
+            f"{self.num_workers}: [{where}]; rendezvous {self.master}; from {self.source})"
+        )
+
+
+def split_address(address: str, what: str) -> tuple[str, int]:
+    """``"host:port"`` (IPv6 as ``[::1]:port``) into host and port, or a ValueError saying why."""
+    m = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]]+):(\d+)", address.strip())
+    if m is None:
+        raise ValueError(f"{what}: expected 'host:port', got {address!r}")
+    host = m.group(1) or m.group(3)
+    port = int(m.group(2) or m.group(4))
+    if not 0 <= port < 65536:
+        raise ValueError(f"{what}: port {port} in {address!r} is not in 0..65535")
+    return host, port
+
+
+class ClusterResolver(abc.ABC):
+    """Where the workers of the job are; implementations read their source once, at __init__."""
+
+    @abc.abstractmethod
+    def cluster_spec(self) -> ClusterSpec:
+        """The frozen facts this resolver read."""
+
+    @property
+    def task_type(self) -> str:
+        return "chief" if self.cluster_spec().is_chief else "worker"
+
+    @property
+    def task_id(self) -> int:
+        return self.cluster_spec().task_index
+
+    @property
+    def num_workers(self) -> int:
+        return self.cluster_spec().num_workers
+
+    def master(self) -> str:
+        """The rendezvous address, ``host:port``."""
+        return self.cluster_spec().master
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.cluster_spec().describe()})"
+
+
+def _local_position(hosts: list[str], index: int) -> tuple[int, int]:
+    host = hosts[index]
+    same = [i for i, h in enumerate(hosts) if h == host]
+    return same.index(index), len(same)
+
+
+@final
+class TFConfigClusterResolver(ClusterResolver):
+    """The ``TF_CONFIG`` JSON: ``{"cluster": {"worker": [...]}, "task": {"type", "index"}}``.
+
+    One process per task. A ``"chief"`` job, if present, comes first (rank 0); otherwise worker 0
+    is the chief. The chief's ``host:port`` is the rendezvous store.
+    """
+
+    def __init__(self, environ: Mapping[str, str] | None = None, *, tf_config: str | None = None) -> None:
+        env = os.environ if environ is None else environ
+        text = tf_config if tf_config is not None else env.get("TF_CONFIG")
+        if not text:
+            raise ValueError("TF_CONFIG is not set; set it or pick another cluster resolver")
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"TF_CONFIG is not valid JSON ({e}): {text[:200]!r}") from e
+        cluster = config.get("cluster") if isinstance(config, dict) else None
+        task = config.get("task") if isinstance(config, dict) else None
+        if not isinstance(cluster, dict) or not isinstance(task, dict):
+            raise ValueError(
+                "TF_CONFIG must be {\"cluster\": {\"worker\": [\"host:port\", ...]}, "
+                f"\"task\": {{\"type\": \"worker\", \"index\": i}}}}; got {text[:200]!r}"
+            )
+        unknown = set(cluster) - {"chief", "worker"}
+        if unknown:
+            raise ValueError(
+                f"TF_CONFIG has jobs {sorted(unknown)}; MultiWorkerMirroredStrategy uses only "
+                "'chief' and 'worker' (parameter servers and evaluators are not supported)"
+            )
+        chief = list(cluster.get("chief", []))
+        workers = chief + list(cluster.get("worker", []))
+        if len(chief) > 1:
+            raise ValueError(f"TF_CONFIG lists {len(chief)} chiefs; at most one is allowed")
+        if not workers:
+            raise ValueError("TF_CONFIG lists no workers")
+        ttype, tindex = task.get("type"), task.get("index", 0)
+        if ttype not in ("chief", "worker") or not isinstance(tindex, int):
+            raise ValueError(f"TF_CONFIG task {task!r}: type must be 'chief' or 'worker', index an int")
+        index = tindex if ttype == "chief" else len(chief) + tindex
+        if ttype == "chief" and tindex != 0 or not 0 <= index < len(workers):
+            raise ValueError(f"TF_CONFIG task {task!r} is not in the cluster {cluster!r}")
+        hosts = [split_address(w, f"TF_CONFIG worker {i}")[0] for i, w in enumerate(workers)]
+        master_addr, master_port = split_address(workers[0], "TF_CONFIG chief")
+        local_rank, local_world = _local_position(hosts, index)
+        self._spec = ClusterSpec(
+            tuple(workers), index, index, len(workers), local_rank, local_world,
+            master_addr, master_port, 0, "tf_config",
+        )
+
+    def cluster_spec(self) -> ClusterSpec:
+        return self._spec
+
+
+@final
+class TorchrunClusterResolver(ClusterResolver):
+    """The environment torchrun (and ``stratagem run``) gives each worker process."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        penv = ProcessEnv.from_environ(env)
+        if penv is None:
+            raise ValueError(
+                f"not started by torchrun: {list(LAUNCH_VARS)} are not set; start the script "
+                "with `stratagem run -n N script.py` or pick another cluster resolver"
+            )
+        local_world = max(penv.local_world_size, 1)
+        nnodes = -(-penv.world_size // local_world)
+        try:
+            node = int(env.get("GROUP_RANK", penv.rank // local_world))
+        except ValueError as e:
+            raise ValueError(f"malformed GROUP_RANK: {e}") from e
+        workers = ["" for _ in range(nnodes)]
+        self._spec = ClusterSpec(
+            tuple(workers), min(node, nnodes - 1), penv.rank, penv.world_size, penv.local_rank,
+            local_world, penv.master_addr, penv.master_port, 0, "torchrun", penv.restart_count,
+            env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        )
+
+    def cluster_spec(self) -> ClusterSpec:
+        return self._spec
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list (``node[01-03,7],gpu5``) as a list of host names."""
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", text):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if m is None:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            for i in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{str(i).zfill(len(lo))}{suffix}")
+    return hosts
+
+
+@final
+class SlurmClusterResolver(ClusterResolver):
+    """A Slurm job step (``srun``): one process per task, the first node hosts the store.
+
+    The port is ``MASTER_PORT`` when set, else ``SLURM_BASE_PORT`` + the job id mod 10000, so
+    every task of one job computes the same port.
+    """
+
+    def __init__(self, environ: Mapping[str, str] | None = None, *, port: int | None = None) -> None:
+        env = os.environ if environ is None else environ
+        need = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST")
+        missing = [k for k in need if k not in env and not (k == "SLURM_JOB_NODELIST" and "SLURM_NODELIST" in env)]
+        if missing:
+            raise ValueError(f"not a Slurm job step: {missing} not set; run the script with srun")
+        try:
+            rank = int(env["SLURM_PROCID"])
+            world = int(env["SLURM_NTASKS"])
+            local_rank = int(env.get("SLURM_LOCALID", "0"))
+            node = int(env.get("SLURM_NODEID", "0"))
+            job = int(env.get("SLURM_JOB_ID", env.get("SLURM_JOBID", "0")))
+            if port is None:
+                port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else SLURM_BASE_PORT + job % 10000
+        except ValueError as e:
+            raise ValueError(f"malformed Slurm environment: {e}") from e
+        nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"])
+        if not nodes:
+            raise ValueError("SLURM_JOB_NODELIST is empty")
+        per_node = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") or ""
+        m = re.match(r"(\d+)", per_node)
+        local_world = int(m.group(1)) if m else max(1, world // len(nodes))
+        master = env.get("MASTER_ADDR", nodes[0])
+        self._spec = ClusterSpec(
+            tuple(nodes), min(node, len(nodes) - 1), rank, world, local_rank, local_world,
+            master, int(port), 0, "slurm", int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+        )
+
+    def cluster_spec(self) -> ClusterSpec:
+        return self._spec
+
+
+@final
+class SimpleClusterResolver(ClusterResolver):
+    """Given by hand: the chief's ``address`` (host:port), ``num_workers`` processes, this one's index.
+
+    Reads no environment. ``local_rank``/``local_world_size`` describe processes sharing a machine.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        num_workers: int,
+        task_index: int,
+        *,
+        local_rank: int = 0,
+        local_world_size: int = 1,
+    ) -> None:
+        host, port = split_address(address, "SimpleClusterResolver address")
+        if num_workers < 1 or not 0 <= task_index < num_workers:
+            raise ValueError(
+                f"SimpleClusterResolver: need num_workers >= 1 and 0 <= task_index < num_workers, "
+                f"got num_workers={num_workers}, task_index={task_index}"
+            )
+        workers = tuple(address if i == 0 else "" for i in range(num_workers))
+        self._spec = ClusterSpec(
+            workers, task_index, task_index, num_workers, local_rank, local_world_size, host, port,
+        )
+
+    def cluster_spec(self) -> ClusterSpec:
+        return self._spec
+
+
+def detect(environ: Mapping[str, str] | None = None) -> ClusterResolver:
+    """The resolver the environment calls for: TF_CONFIG, torchrun, Slurm, else one process."""
+    env = os.environ if environ is None else environ
+    if env.get("TF_CONFIG"):
+        return TFConfigClusterResolver(env)
+    if any(k in env for k in LAUNCH_VARS):
+        return TorchrunClusterResolver(env)
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+        return SlurmClusterResolver(env)
+    return SimpleClusterResolver("127.0.0.1:0", 1, 0)

@@ -1,0 +1,401 @@
+"""Failure detection: heartbeats and failure records in the job's store, and a watchdog.
+
+Every process of a job runs one ``FailureMonitor`` thread with its own connection to the
+rendezvous store. It bumps a heartbeat counter, and watches its peers: a failure record
+(written by a rank whose program raised, with its traceback), a local peer whose process is
+gone, a remote peer whose heartbeat stopped for ``dead_after_seconds``, or a store that stopped
+answering (rank 0, which hosts it, is gone). ``probe`` explains a failed collective with what the
+monitor knows, so ``WorkerFailedError`` names the rank. A gloo collective cannot be interrupted
+from another thread: when a failure is known and the main thread has not raised within
+``grace_seconds``, the watchdog prints the error and ends the process with exit code 1.
+
+Tracebacks are printed once: the rank that raised prints its own; the others print one line.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+
+from stratagem.comm.errors import CollectiveError, WorkerFailedError
+
+#: exit code of a process the watchdog stops because a peer failed while it was blocked.
+ABORT_EXIT_CODE = 1
+
+
+@dataclass(frozen=True)
+class FailureOptions:
+    """How failures are detected. A dead peer is reported within about
+    ``dead_after_seconds + grace_seconds`` at worst (a remote machine that vanished); a local
+    process that died, or a rank that raised, within about ``heartbeat_seconds + grace_seconds``.
+    """
+
+    heartbeat_seconds: float = 1.0
+    dead_after_seconds: float = 30.0
+    grace_seconds: float = 5.0
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_seconds <= 0 or self.dead_after_seconds <= self.heartbeat_seconds:
+            raise ValueError(
+                f"FailureOptions: need 0 < heartbeat_seconds < dead_after_seconds, got "
+                f"{self.heartbeat_seconds} and {self.dead_after_seconds}"
+            )
+        if self.grace_seconds < 0:
+            raise ValueError(f"FailureOptions: grace_seconds must be >= 0, got {self.grace_seconds}")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the monitor found: the rank (None when unknown) and why, in words."""
+
+    rank: int | None
+    why: str
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (dead, not yet reaped by its parent) counts as dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class FailureMonitor:
+    """Heartbeat, failure records and the watchdog of one process (start once per process)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        store_host_rank: int | None = 0,
+        prefix: str = "stratagem/failure/",
+        options: FailureOptions | None = None,
+        shutdown_wait: float = 60.0,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.store_host_rank = store_host_rank
+        self.prefix = prefix
+        self.options = options or FailureOptions()
+        self.shutdown_wait = shutdown_wait
+        self.failure: Failure | None = None
+        self._failure_at = 0.0
+        self._reported = False  # the main thread raised WorkerFailedError itself
+        self._closing = False
+        self._ended = False
+        self._store: Any = None
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._peers: dict[int, tuple[str, int]] = {}
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._finished: set[int] = set()
+        self._store_errors = 0
+        self._host = socket.gethostname()
+        self._prev_hook = sys.excepthook
+
+    # --- store helpers ------------------------------------------------------------------------
+    def _key(self, *parts: object) -> str:
+        return self.prefix + "/".join(str(p) for p in parts)
+
+    def _has(self, key: str) -> bool:
+        return bool(self._store.check([key]))
+
+    def _add(self, key: str, n: int) -> int:
+        return int(self._store.add(key, n))
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> FailureMonitor:
+        """Connect to the store, publish this process, start watching; install the hooks."""
+        self._store = dist.TCPStore(
+            self.master_addr, self.master_port, is_master=False,
+            timeout=datetime.timedelta(seconds=max(5.0, 2 * self.options.heartbeat_seconds)),
+            wait_for_workers=False,
+        )
+        self._store.set(self._key("pid", self.rank), json.dumps({"host": self._host, "pid": os.getpid()}))
+        self._add(self._key("hb", self.rank), 1)
+        if self.store_host_rank is not None and self.store_host_rank != self.rank:
+            self._peer_blocking(self.store_host_rank)
+        sys.excepthook = self._excepthook
+        atexit.register(self.close)
+        self._thread = threading.Thread(target=self._loop, name="stratagem-failure-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """The program ended normally: say so; the store host waits for the others to end."""
+        if self._ended or self._store is None:
+            return
+        self._closing = True
+        try:
+            with self._lock:
+                self._store.set(self._key("end", self.rank), "done")
+        except Exception:  # noqa: BLE001 - the store may be gone at exit
+            pass
+        if self.rank == self.store_host_rank:
+            self._wait_for_peers(lambda p: p in self._finished, self.shutdown_wait)
+        self._ended = True
+        self._stop.set()
+
+    def _wait_for_peers(self, satisfied: Any, limit: float) -> None:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            try:
+                with self._lock:
+                    self._scan_ends()
+                    pending = [
+                        p for p in range(self.world_size)
+                        if p != self.rank and not satisfied(p) and self._alive(p)
+                    ]
+            except Exception:  # noqa: BLE001
+                return
+            if not pending:
+                return
+            time.sleep(0.1)
+
+    # --- watching -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        interval = self.options.heartbeat_seconds
+        while not self._stop.wait(interval):
+            if self._store_errors >= 2:  # the store is gone: nothing more to read or write
+                pass
+            elif self._store_host_gone():
+                self._store_errors = 2
+                if self.failure is None and not self._closing:
+                    self._set_failure(Failure(self.store_host_rank, self._host_gone_why()))
+            else:
+                self._beat()
+            if self.failure is not None and not self._closing and not self._reported:
+                if time.monotonic() - self._failure_at >= self.options.grace_seconds:
+                    self._abort()
+
+    def _store_host_gone(self) -> bool:
+        """The store host is a local process that is gone (checked without touching the store)."""
+        host = self.store_host_rank
+        if host is None or host == self.rank or host not in self._peers:
+            return False
+        name, pid = self._peers[host]
+        return name == self._host and not _pid_alive(pid)
+
+    def _host_gone_why(self) -> str:
+        pid = self._peers[self.store_host_rank][1] if self.store_host_rank in self._peers else "?"
+        return f"its process (pid {pid}) is gone: killed or crashed"
+
+    def _beat(self) -> None:
+        try:
+            with self._lock:
+                self._add(self._key("hb", self.rank), 1)
+                if not self._closing and self.failure is None:
+                    self._detect()
+            self._store_errors = 0
+        except Exception as e:  # noqa: BLE001 - a store that stopped answering
+            self._store_errors += 1
+            if self._store_errors >= 2 and self.failure is None and not self._closing:
+                self._set_failure(self._store_gone(e))
+
+    def _store_gone(self, exc: BaseException) -> Failure:
+        where = f"{self.master_addr}:{self.master_port}"
+        if self.store_host_rank is None:
+            return Failure(None, f"the rendezvous store at {where} (torchrun's agent) stopped answering")
+        return Failure(
+            self.store_host_rank,
+            f"it hosted the rendezvous store at {where}, which stopped answering",
+        )
+
+    def _set_failure(self, failure: Failure) -> None:
+        if self.failure is None:
+            self.failure = failure
+            self._failure_at = time.monotonic()
+            if self._store_errors >= 2:
+                return
+            try:
+                with self._lock:
+                    self._add(self._key("seen", failure.rank), 1)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _scan_ends(self) -> None:
+        for p in range(self.world_size):
+            if p != self.rank and p not in self._finished and self._has(self._key("end", p)):
+                self._finished.add(p)
+
+    def _peer(self, p: int) -> tuple[str, int] | None:
+        if p not in self._peers:
+            key = self._key("pid", p)
+            if not self._has(key):
+                return None
+            info = json.loads(self._store.get(key))
+            self._peers[p] = (str(info["host"]), int(info["pid"]))
+        return self._peers[p]
+
+    def _peer_blocking(self, p: int) -> None:
+        info = json.loads(self._store.get(self._key("pid", p)))  # waits for it (store timeout)
+        self._peers[p] = (str(info["host"]), int(info["pid"]))
+
+    def _alive(self, p: int) -> bool:
+        peer = self._peer(p)
+        if peer is not None and peer[0] == self._host and not _pid_alive(peer[1]):
+            return False
+        beat = self._add(self._key("hb", p), 0)
+        last = self._beats.get(p)
+        now = time.monotonic()
+        if last is None or last[0] != beat:
+            self._beats[p] = (beat, now)
+            return True
+        return now - last[1] < self.options.dead_after_seconds
+
+    def _recorded_failure(self) -> Failure | None:
+        count = self._add(self._key("nfail"), 0)
+        for i in range(1, count + 1):
+            key = self._key("fail", i)
+            if not self._has(key):
+                continue
+            rec = json.loads(self._store.get(key))
+            if rec["rank"] != self.rank:
+                return Failure(int(rec["rank"]), f"it raised {rec['summary']} (its traceback is in its output)")
+        return None
+
+    def _detect(self) -> Failure | None:
+        """One look at the store and the peers (holding the lock); records what it finds."""
+        found = self._recorded_failure()
+        if found is None:
+            self._scan_ends()
+            for p in range(self.world_size):
+                if p == self.rank or p in self._finished:
+                    continue
+                peer = self._peer(p)
+                if peer is not None and peer[0] == self._host and not _pid_alive(peer[1]):
+                    found = Failure(p, f"its process (pid {peer[1]}) is gone: killed or crashed")
+                    break
+                if not self._alive(p):
+                    found = Failure(
+                        p, f"it sent no heartbeat for {self.options.dead_after_seconds:.0f}s"
+                    )
+                    break
+        if found is not None:
+            self._set_failure(found)
+        return found
+
+    # --- explaining a failed collective ---------------------------------------------------------
+    def probe(self, exc: BaseException) -> tuple[int | None, str]:
+        """Which rank failed, for ``classify_failure`` (called on the main thread)."""
+        self._reported = True
+        timed_out = "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
+        wait = self.options.heartbeat_seconds if timed_out else min(self.options.dead_after_seconds, 10.0)
+        deadline = time.monotonic() + wait
+        fallback_at = time.monotonic() + 3.0
+        if self.failure is None and self._store_host_gone():
+            self._store_errors = 2
+            self._set_failure(Failure(self.store_host_rank, self._host_gone_why()))
+        while self.failure is None and not self._ended and self._store_errors < 2:
+            try:
+                with self._lock:
+                    self._detect()
+            except Exception as e:  # noqa: BLE001
+                self._set_failure(self._store_gone(e))
+            if self.failure is not None:
+                break
+            now = time.monotonic()
+            if self.world_size == 2 and not timed_out and now >= fallback_at:
+                self._set_failure(Failure(1 - self.rank, "its connection closed"))
+                break
+            if now >= deadline:
+                break
+            time.sleep(0.2)
+        if self.failure is None:
+            return None, ""
+        return self.failure.rank, self.failure.why
+
+    # --- ending ---------------------------------------------------------------------------------
+    def _message(self) -> str:
+        f = self.failure
+        who = f"worker {f.rank}" if f is not None and f.rank is not None else "a peer worker"
+        why = f": {f.why}" if f is not None and f.why else ""
+        return f"{who} failed{why}"
+
+    def _mark(self, state: str) -> None:
+        try:
+            with self._lock:
+                self._store.set(self._key("end", self.rank), state)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _abort(self) -> None:
+        """The main thread is stuck (in a collective that cannot be interrupted): end the process."""
+        err = WorkerFailedError(
+            f"{self._message()}; rank {self.rank} was blocked and is stopped "
+            f"(exit code {ABORT_EXIT_CODE})",
+            rank=self.failure.rank if self.failure else None,
+        )
+        sys.stderr.write(f"stratagem: rank {self.rank}: WorkerFailedError: {err}\n")
+        sys.stderr.flush()
+        self._mark("aborted")
+        for child in multiprocessing.active_children():
+            child.terminate()
+        os._exit(ABORT_EXIT_CODE)
+
+    def record_exception(self, exc: BaseException, tb_text: str) -> None:
+        """Publish that this rank failed with ``exc`` (its traceback), once."""
+        summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+        rec = json.dumps({"rank": self.rank, "summary": summary, "traceback": tb_text[-20000:]})
+        with self._lock:
+            n = self._add(self._key("nfail"), 1)
+            self._store.set(self._key("fail", n), rec)
+
+    def _excepthook(
+        self, etype: type[BaseException], value: BaseException, tb: TracebackType | None
+    ) -> None:
+        self._closing = True
+        consequence = isinstance(value, WorkerFailedError) or (
+            isinstance(value, CollectiveError) and self.failure is not None
+        )
+        try:
+            if consequence:
+                sys.stderr.write(f"stratagem: rank {self.rank}: {etype.__name__}: {value}\n")
+                sys.stderr.flush()
+                self._mark("aborted")
+            else:
+                text = "".join(traceback.format_exception(etype, value, tb))
+                self._prev_hook(etype, value, tb)
+                self.record_exception(value, text)
+                self._mark("failed")
+                if self.rank == self.store_host_rank:
+                    # our store carries the record: keep it up until the peers have read it
+                    limit = self.options.grace_seconds + 3 * self.options.heartbeat_seconds
+                    self._wait_for_peers(self._saw_failure, limit)
+        except Exception:  # noqa: BLE001 - reporting must never hide the original error
+            if not consequence:
+                return
+        finally:
+            self._ended = True
+            self._stop.set()
+
+    def _saw_failure(self, p: int) -> bool:
+        return p in self._finished or self._add(self._key("seen", self.rank), 0) >= sum(
+            1 for q in range(self.world_size) if q != self.rank
+        )

@@ -1,0 +1,214 @@
+"""cache(): elements kept in memory or in a file (npy entries in a zip, no pickle), committed
+atomically when an epoch completes."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import zipfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from stratagem.data.dataset import Dataset
+from stratagem.data.iterator import Context, StatefulIterator
+from stratagem.data.structure import flatten, map_structure, pack_as
+
+_INDEX = "index.json"
+
+
+def _skeleton_json(element: Any) -> Any:
+    if isinstance(element, tuple):
+        return {"tuple": [_skeleton_json(e) for e in element]}
+    if isinstance(element, dict):
+        return {"dict": {str(k): _skeleton_json(element[k]) for k in sorted(element)}}
+    return None
+
+
+def _skeleton_from_json(obj: Any) -> Any:
+    if obj is None:
+        return None
+    if "tuple" in obj:
+        return tuple(_skeleton_from_json(e) for e in obj["tuple"])
+    return {k: _skeleton_from_json(v) for k, v in obj["dict"].items()}
+
+
+def _encode(leaf: Any) -> tuple[np.ndarray, str]:
+    if isinstance(leaf, torch.Tensor):
+        if leaf.dtype == torch.bfloat16:
+            raise TypeError("cache(filename) cannot store bfloat16 tensors; cast to float32")
+        return leaf.detach().cpu().numpy(), "torch"
+    if isinstance(leaf, np.ndarray):
+        if leaf.dtype == object:
+            raise TypeError("cache(filename) cannot store object arrays (it never pickles)")
+        return leaf, "numpy"
+    for kind in (bool, int, float, str, bytes):
+        if isinstance(leaf, kind):
+            return np.asarray(leaf), kind.__name__
+    if isinstance(leaf, np.generic):
+        return np.asarray(leaf), "npscalar"
+    raise TypeError(
+        f"cache(filename) cannot store a {type(leaf).__name__}; elements must be tensors, "
+        "numpy arrays or Python scalars/strings"
+    )
+
+
+def _decode(arr: np.ndarray, kind: str) -> Any:
+    if kind == "torch":
+        return torch.from_numpy(np.array(arr))
+    if kind == "numpy":
+        return arr
+    if kind == "npscalar":
+        return arr[()]
+    if kind == "bytes":
+        return bytes(arr.item())
+    return {"bool": bool, "int": int, "float": float, "str": str}[kind](arr.item())
+
+
+class CacheDataset(Dataset):
+    """Caches the first complete epoch; later epochs read the cache instead of the input.
+
+    With a filename, elements are written to ``<filename>.tmp-<random>`` and renamed to
+    ``filename`` only when the epoch completes: a partly read epoch leaves no cache file.
+    A cache file that exists is read as is (delete it to rebuild).
+    """
+
+    def __init__(self, input_ds: Dataset, filename: str) -> None:
+        self._inputs = (input_ds,)
+        self._filename = os.fspath(filename)
+        self._memory: list[Any] | None = None
+        self._lock = threading.Lock()
+
+    def _cardinality(self) -> int:
+        return self._inputs[0].cardinality()
+
+    def _make_iterator(self, ctx: Context) -> StatefulIterator:
+        if self._filename and os.path.exists(self._filename):
+            return _FileReader(self._filename)
+        if not self._filename and self._memory is not None:
+            memory = self._memory
+            return _ListReader(len(memory), memory.__getitem__)
+        return _CacheWriter(self, self._inputs[0]._make_iterator(ctx.child(0)))
+
+
+class _ListReader(StatefulIterator):
+    def __init__(self, n: int, get: Any) -> None:
+        self.n, self.get, self.i = n, get, 0
+
+    def __next__(self) -> Any:
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return self.get(self.i - 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": "read", "index": self.i}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a state saved while the cache was being written counts input elements, which are
+        # the cache's elements in the same order
+        self.i = int(state["index"] if state.get("mode") == "read" else state["count"])
+
+
+class _FileReader(_ListReader):
+    def __init__(self, path: str) -> None:
+        self.npz = np.load(path, allow_pickle=False)
+        index = json.loads(bytes(self.npz[_INDEX.removesuffix(".json")]).decode())
+        self.skeleton = _skeleton_from_json(index["skeleton"])
+        self.kinds = index["kinds"]
+        super().__init__(int(index["count"]), self._element)
+
+    def _element(self, i: int) -> Any:
+        kinds = self.kinds[i]
+        leaves = [_decode(self.npz[f"e{i}_{j}"], k) for j, k in enumerate(kinds)]
+        return pack_as(self.skeleton, leaves)
+
+    def close(self) -> None:
+        self.npz.close()
+
+
+class _CacheWriter(StatefulIterator):
+    def __init__(self, ds: CacheDataset, child: StatefulIterator) -> None:
+        self.ds, self.child, self.children = ds, child, [child]
+        self.count = 0
+        self.recording = True
+        self.elements: list[Any] = []
+        self.zip: zipfile.ZipFile | None = None
+        self.tmp = ""
+        self.kinds: list[list[str]] = []
+        self.skeleton: Any = None
+
+    def _write(self, element: Any) -> None:
+        if self.zip is None:
+            self.tmp = f"{self.ds._filename}.tmp-{secrets.token_hex(4)}"
+            self.zip = zipfile.ZipFile(self.tmp, "w", zipfile.ZIP_STORED, allowZip64=True)
+            self.skeleton = _skeleton_json(map_structure(lambda _: None, element))
+        kinds = []
+        for j, leaf in enumerate(flatten(element)):
+            arr, kind = _encode(leaf)
+            with self.zip.open(f"e{self.count}_{j}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.ascontiguousarray(arr), allow_pickle=False)
+            kinds.append(kind)
+        self.kinds.append(kinds)
+
+    def _commit(self) -> None:
+        if not self.ds._filename:
+            with self.ds._lock:
+                if self.ds._memory is None:
+                    self.ds._memory = self.elements
+            return
+        if self.zip is None:  # empty epoch
+            self.tmp = f"{self.ds._filename}.tmp-{secrets.token_hex(4)}"
+            self.zip = zipfile.ZipFile(self.tmp, "w")
+        index = {"count": self.count, "skeleton": self.skeleton, "kinds": self.kinds}
+        with self.zip.open(_INDEX.replace(".json", ".npy"), "w") as f:
+            data = np.frombuffer(json.dumps(index).encode(), dtype=np.uint8)
+            np.lib.format.write_array(f, data, allow_pickle=False)
+        self.zip.close()
+        self.zip = None
+        with open(self.tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(self.tmp, self.ds._filename)
+
+    def __next__(self) -> Any:
+        try:
+            x = next(self.child)
+        except StopIteration:
+            if self.recording:
+                self.recording = False
+                self._commit()
+            raise
+        if self.recording:
+            if self.ds._filename:
+                self._write(x)
+            else:
+                self.elements.append(x)
+        self.count += 1
+        return x
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": "write", "input": self.child.state_dict(), "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recording = False  # a resumed epoch is partial: it does not fill the cache
+        if state.get("mode") == "read":
+            # saved while reading a cache that is gone (e.g. an in-memory cache in another
+            # process): the cache held the input's epoch, so replay the input to that point
+            for _ in range(int(state["index"])):
+                next(self.child)
+            self.count = int(state["index"])
+            return
+        self.child.load_state_dict(state["input"])
+        self.count = int(state["count"])
+
+    def close(self) -> None:
+        if self.zip is not None:
+            self.zip.close()
+            self.zip = None
+            if os.path.exists(self.tmp):
+                os.remove(self.tmp)
+        self.recording = False
+        self.child.close()

@@ -1,0 +1,162 @@
+"""TFRecord files: the length-prefixed, CRC32C-checked record format, read and written."""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any, BinaryIO
+
+from stratagem.data.iterator import Context, StatefulIterator
+from stratagem.data.sources import FileSource, _as_file_array
+
+
+def _make_table() -> list[int]:
+    table = []
+    for i in range(256):
+        crc = i
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+        table.append(crc)
+    return table
+
+
+_TABLE = _make_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), table-driven; ``crc32c(b"123456789") == 0xE3069283``."""
+    crc = 0xFFFFFFFF
+    table = _TABLE
+    for b in data:
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def masked_crc32c(data: bytes) -> int:
+    """The masked CRC stored in TFRecord files."""
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+class CorruptRecordError(ValueError):
+    """A TFRecord file is truncated or fails its checksum."""
+
+
+class TFRecordWriter:
+    """Writes records: uint64 length, masked crc32c(length), data, masked crc32c(data)."""
+
+    def __init__(self, path: str | os.PathLike[str], options: Any = None) -> None:
+        if options not in (None, ""):
+            raise ValueError(f"TFRecordWriter: compression {options!r} is not supported")
+        self._fh: BinaryIO | None = open(path, "wb")  # noqa: SIM115
+
+    def write(self, record: bytes) -> None:
+        if self._fh is None:
+            raise ValueError("TFRecordWriter.write after close()")
+        if not isinstance(record, bytes | bytearray | memoryview):
+            raise TypeError(f"TFRecordWriter.write expects bytes, got {type(record).__name__}")
+        data = bytes(record)
+        header = struct.pack("<Q", len(data))
+        self._fh.write(header + struct.pack("<I", masked_crc32c(header)))
+        self._fh.write(data + struct.pack("<I", masked_crc32c(data)))
+
+    def flush(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> TFRecordWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TFRecordDataset(FileSource):
+    """Records (``bytes``) of TFRecord files, file after file.
+
+    ``verify_checksums=False`` skips the (pure-Python) CRC check for speed.
+    """
+
+    def __init__(
+        self,
+        filenames: str | Sequence[str],
+        compression_type: str | None = None,
+        buffer_size: int | None = None,
+        num_parallel_reads: int | None = None,
+        verify_checksums: bool = True,
+    ) -> None:
+        if compression_type not in (None, ""):
+            raise ValueError(
+                f"TFRecordDataset: compression_type {compression_type!r} is not supported; "
+                "write uncompressed TFRecord files"
+            )
+        del buffer_size, num_parallel_reads
+        self._files = _as_file_array(filenames, "TFRecordDataset")
+        self._verify = verify_checksums
+
+    def _make_iterator(self, ctx: Context) -> StatefulIterator:
+        return _RecordIterator(self.files, self._verify)
+
+
+class _RecordIterator(StatefulIterator):
+    def __init__(self, files: list[str], verify: bool) -> None:
+        self.files, self.verify = files, verify
+        self.file_index, self.offset = 0, 0
+        self.fh: BinaryIO | None = None
+
+    def _read(self, n: int, what: str) -> bytes:
+        assert self.fh is not None
+        data = self.fh.read(n)
+        if len(data) != n:
+            raise CorruptRecordError(
+                f"truncated TFRecord file {self.files[self.file_index]!r}: record at byte "
+                f"offset {self.offset} ends inside its {what}; the file is incomplete"
+            )
+        return data
+
+    def __next__(self) -> bytes:
+        while self.file_index < len(self.files):
+            if self.fh is None:
+                self.fh = open(self.files[self.file_index], "rb")  # noqa: SIM115
+                self.fh.seek(self.offset)
+            header = self.fh.read(12)
+            if not header:
+                self.fh.close()
+                self.fh, self.file_index, self.offset = None, self.file_index + 1, 0
+                continue
+            if len(header) != 12:
+                self._read(12 - len(header), "length header")
+            (length,) = struct.unpack("<Q", header[:8])
+            (length_crc,) = struct.unpack("<I", header[8:])
+            if self.verify and masked_crc32c(header[:8]) != length_crc:
+                raise CorruptRecordError(
+                    f"corrupt TFRecord file {self.files[self.file_index]!r}: the length of the "
+                    f"record at byte offset {self.offset} fails its CRC check"
+                )
+            data = self._read(length, "data")
+            (data_crc,) = struct.unpack("<I", self._read(4, "data checksum"))
+            if self.verify and masked_crc32c(data) != data_crc:
+                raise CorruptRecordError(
+                    f"corrupt TFRecord file {self.files[self.file_index]!r}: the record at byte "
+                    f"offset {self.offset} fails its CRC check"
+                )
+            self.offset += 16 + length
+            return data
+        raise StopIteration
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"file": self.file_index, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.file_index, self.offset = int(state["file"]), int(state["offset"])
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None

@@ -1,0 +1,63 @@
+"""Re-materialization: which micro-batches are recomputed (torchgpipe's modes) and the RNG and
+buffer bookkeeping that makes a recomputed forward identical to the first one."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MODES = ("always", "except_last", "never")
+
+
+def checkpoint_stop(mode: str, num_microbatches: int) -> int:
+    """Micro-batches ``i < stop`` are recomputed in backward (torchgpipe's ``checkpoint_stop``)."""
+    if mode == "always":
+        return num_microbatches
+    if mode == "except_last":
+        return num_microbatches - 1
+    if mode == "never":
+        return 0
+    raise ValueError(f"checkpoint must be one of {MODES}, got {mode!r}")
+
+
+@dataclass(frozen=True)
+class RNGState:
+    """The CPU generator state, and the CUDA one of ``device`` when it is a GPU."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+    device: torch.device
+
+    @classmethod
+    def capture(cls, device: torch.device) -> RNGState:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), cuda, device)
+
+
+@contextlib.contextmanager
+def replay_rng(state: RNGState) -> Iterator[None]:
+    """Run the body with the RNG as it was at ``state``; restore the current state afterwards
+    (like torch.utils.checkpoint's ``preserve_rng_state``)."""
+    devices = [state.device] if state.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state.cpu)
+        if state.cuda is not None:
+            torch.cuda.set_rng_state(state.cuda, state.device)
+        yield
+
+
+@contextlib.contextmanager
+def frozen_buffers(module: nn.Module) -> Iterator[None]:
+    """Undo buffer updates made in the body (BatchNorm running statistics are updated once per
+    micro-batch, in its first forward, not again when it is recomputed)."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)

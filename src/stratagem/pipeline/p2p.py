@@ -1,0 +1,154 @@
+"""Point-to-point messages between the stages of one pipeline: a fixed-size header (kind, dtype,
+shape) then the payload, so the receiver can allocate; an error marker instead of a tensor tells
+a neighbour that a stage failed, so no process stays blocked in a receive.
+
+Sends are non-blocking (gloo's send only completes once the peer posts the matching receive, so
+blocking sends could deadlock a 1F1B schedule); receives block. Message sizes always match
+exactly: a mismatched size aborts a gloo process.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stratagem.comm import Communicator, ProcessGroupCommunicator
+from stratagem.comm.communicator import classify_failure
+
+TENSOR, NONE, ERROR = 1, 2, 3
+MAX_DIMS = 8
+HEADER = 4 + MAX_DIMS
+DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)  # fmt: skip
+
+
+class RemoteStageError(Exception):
+    """A neighbour reported that stage ``origin`` failed with ``message``."""
+
+    def __init__(self, origin: int, message: str) -> None:
+        super().__init__(message)
+        self.origin = origin
+        self.message = message
+
+
+class Channel:
+    """The messages this stage exchanges with its neighbours (ranks of the pipeline group)."""
+
+    def __init__(self, comm: Communicator, *, error_wait: float = 10.0) -> None:
+        if comm.world_size > 1 and not isinstance(comm, ProcessGroupCommunicator):
+            raise TypeError(f"pipeline stages need a torch.distributed group, got {type(comm).__name__}")
+        self.comm = comm
+        self.device = comm.device
+        self.error_wait = error_wait
+        self._pending: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+
+    def _peer(self, rank: int) -> int:
+        assert isinstance(self.comm, ProcessGroupCommunicator)
+        return self.comm.global_ranks[rank]
+
+    def _fail(self, e: BaseException, what: str) -> BaseException:
+        probe = getattr(self.comm, "probe", None)
+        return classify_failure(e, probe, what)
+
+    def _isend(self, tensors: tuple[torch.Tensor, ...], dst: int) -> list[Any]:
+        assert isinstance(self.comm, ProcessGroupCommunicator)
+        works = []
+        try:
+            for t in tensors:
+                works.append(dist.isend(t, dst=self._peer(dst), group=self.comm.group))
+        except (RuntimeError, dist.DistError) as e:
+            raise self._fail(e, f"send to stage {dst}") from e
+        for w in works:
+            self._pending.append((w, tensors))
+        return works
+
+    def _recv(self, tensor: torch.Tensor, src: int) -> None:
+        assert isinstance(self.comm, ProcessGroupCommunicator)
+        try:
+            dist.recv(tensor, src=self._peer(src), group=self.comm.group)
+        except (RuntimeError, dist.DistError) as e:
+            raise self._fail(e, f"receive from stage {src}") from e
+
+    # --- messages ---------------------------------------------------------------------------
+    def send(self, value: torch.Tensor | None, dst: int) -> None:
+        """Queue ``value`` (a tensor, or None) for stage ``dst``; returns at once."""
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        if value is None:
+            header[0] = NONE
+            self._isend((header.to(self.device),), dst)
+            return
+        if value.dim() > MAX_DIMS or value.dtype not in DTYPES:
+            raise TypeError(
+                f"cannot send a tensor of shape {tuple(value.shape)} and dtype {value.dtype} "
+                f"between stages (at most {MAX_DIMS} dimensions, dtypes {DTYPES})"
+            )
+        header[0] = TENSOR
+        header[1] = DTYPES.index(value.dtype)
+        header[3] = value.dim()
+        header[4 : 4 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
+        payload = value.detach().to(self.device).contiguous()
+        if payload.numel() == 0:
+            self._isend((header.to(self.device),), dst)
+        else:
+            self._isend((header.to(self.device), payload), dst)
+
+    def recv(self, src: int) -> torch.Tensor | None:
+        """The next message from stage ``src``; RemoteStageError if it reports a failure."""
+        header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+        self._recv(header, src)
+        h = header.tolist()
+        if h[0] == NONE:
+            return None
+        if h[0] == ERROR:
+            buf = torch.empty(int(h[2]), dtype=torch.uint8, device=self.device)
+            if buf.numel():
+                self._recv(buf, src)
+            raise RemoteStageError(int(h[1]), bytes(buf.cpu().tolist()).decode("utf-8", "replace"))
+        if h[0] != TENSOR:
+            raise RuntimeError(f"malformed pipeline message from stage {src}: header {h}")
+        shape = tuple(int(d) for d in h[4 : 4 + int(h[3])])
+        out = torch.empty(shape, dtype=DTYPES[int(h[1])], device=self.device)
+        if out.numel():
+            self._recv(out, src)
+        return out
+
+    def send_error(self, dst: int, origin: int, message: str) -> bool:
+        """Tell stage ``dst`` that stage ``origin`` failed; wait (at most ``error_wait`` s) until
+        it has received the message. Returns whether it did."""
+        data = message.encode("utf-8")[:65536]
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        header[0], header[1], header[2] = ERROR, origin, len(data)
+        parts: tuple[torch.Tensor, ...] = (header.to(self.device),)
+        if data:
+            parts += (torch.tensor(list(data), dtype=torch.uint8, device=self.device),)
+        try:
+            works = self._isend(parts, dst)
+        except Exception:  # noqa: BLE001 - the peer may be gone already
+            return False
+        deadline = time.monotonic() + self.error_wait
+        while time.monotonic() < deadline:
+            try:
+                if all(w.is_completed() for w in works):
+                    return True
+            except Exception:  # noqa: BLE001
+                return False
+            time.sleep(0.005)
+        return False
+
+    def flush(self) -> None:
+        """Wait until every queued send has been received."""
+        pending, self._pending = self._pending, []
+        try:
+            for w, _ in pending:
+                w.wait()
+        except (RuntimeError, dist.DistError) as e:
+            raise self._fail(e, "send") from e
+
+    def abandon(self) -> None:
+        """Forget queued sends (after a failure their peers will not receive them)."""
+        self._pending = []

@@ -1,0 +1,270 @@
+"""fit, evaluate and predict: Keras's training loop, written once for every stratagem strategy.
+
+``data`` yields *global* batches ``(x, y)`` or ``(x, y, sample_weight)`` (a stratagem Dataset, a
+torch DataLoader, a list); the strategy splits each across its replicas. The model and optimizer
+must have been created in ``strategy.scope()``. ``fit`` minimizes the mean per-example loss over
+each global batch (see ``stratagem.train.losses`` for how loss functions are read), so training
+on N replicas gives the parameters one device gives on the same global batches.
+
+Logs (the loss and metrics handed to callbacks, shown by the progress bar, kept in the History)
+are global: every replica's totals are summed after each step in one small collective, so they
+are identical on all replicas and callbacks decide alike everywhere. ``stop_training`` is agreed
+across replicas at the end of each epoch: all replicas stop at the same epoch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.comm import nest
+from stratagem.distribute import context
+from stratagem.distribute.strategy import Strategy
+from stratagem.train.callback import Callback, CallbackList, FitState, Logs
+from stratagem.train.history import History
+from stratagem.train.inputs import GlobalBatches, check_iterable, is_distributed
+from stratagem.train.losses import LossFn, check_loss_fn
+from stratagem.train.metrics import Mean, Metric, get_all
+from stratagem.train.progress import Progress, resolve_mode
+from stratagem.train.resume import FitProgress
+from stratagem.train.steps import DataParallelSteps
+
+__all__ = ["evaluate", "fit", "predict"]
+
+
+def _strategy(strategy: Strategy | None) -> Strategy:
+    return strategy if strategy is not None else context.get_strategy()
+
+
+def _make_steps(
+    strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn | None
+) -> Any:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    from stratagem.train.pipeline_steps import is_pipeline, pipeline_steps
+
+    if is_pipeline(strategy):
+        return pipeline_steps(strategy, model, optimizer, loss_fn)
+    return DataParallelSteps(strategy, model, optimizer, loss_fn)
+
+
+def _distribute(strategy: Strategy, batches: Iterable[Any]) -> Iterable[Any]:
+    return batches if is_distributed(batches) else strategy.experimental_distribute_dataset(batches)
+
+
+def _sync(strategy: Strategy, metrics: Sequence[Metric], extra: Sequence[float] = ()) -> list[float]:
+    """Sum metric totals (and ``extra`` numbers) across replicas in one collective."""
+    flat = torch.cat([*(m.local_totals() for m in metrics), torch.tensor(list(extra), dtype=torch.float64)])
+    if strategy.num_replicas_in_sync > 1:
+        flat = strategy.reduce("sum", flat).to("cpu", torch.float64)
+    offset = 0
+    for m in metrics:
+        m.set_global_totals(flat[offset : offset + m.num_totals])
+        offset += m.num_totals
+    return flat[offset:].tolist()
+
+
+def _logs(metrics: Sequence[Metric], prefix: str = "") -> Logs:
+    return {prefix + m.name: float(m.result()) for m in metrics}
+
+
+def _reset(metrics: Sequence[Metric]) -> None:
+    for m in metrics:
+        m.reset_state()
+
+
+def _run_test(
+    strategy: Strategy,
+    steps: Any,
+    data: Iterable[Any],
+    tracked: Sequence[Metric],
+    cblist: CallbackList | None,
+) -> Logs:
+    _reset(tracked)
+    if cblist is not None:
+        cblist.call("on_test_begin", None)
+    logs: Logs = {}
+    for i, batch in enumerate(_distribute(strategy, data)):
+        if cblist is not None:
+            cblist.call("on_test_batch_begin", i, None)
+        steps.test(batch, tracked[0], tracked[1:])
+        if cblist is not None:
+            _sync(strategy, tracked)
+            cblist.call("on_test_batch_end", i, _logs(tracked))
+    _sync(strategy, tracked)
+    logs = _logs(tracked)
+    if cblist is not None:
+        cblist.call("on_test_end", logs)
+    return logs
+
+
+def fit(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    data: Iterable[Any],
+    *,
+    epochs: int = 1,
+    validation_data: Iterable[Any] | None = None,
+    metrics: Sequence[Metric | str] = (),
+    callbacks: Sequence[Callback] = (),
+    steps_per_epoch: int | None = None,
+    strategy: Strategy | None = None,
+    verbose: int | str = "auto",
+) -> History:
+    """Train ``model`` for ``epochs`` epochs over ``data``; returns the History of global logs.
+
+    ``strategy=None`` uses the current strategy (``stratagem.get_strategy()``). Call it on every
+    replica (every process of the job), with the same arguments.
+    """
+    strategy = _strategy(strategy)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    if epochs < 0:
+        raise ValueError(f"epochs must be >= 0, got {epochs}")
+    check_loss_fn(loss_fn)
+    train_metrics = get_all(metrics)
+    val_metrics = [copy.deepcopy(m) for m in train_metrics]
+    tracked = [Mean("loss"), *train_metrics]
+    val_tracked = [Mean("loss"), *val_metrics]
+    if validation_data is not None:
+        check_iterable(validation_data, "validation_data")
+    steps = _make_steps(strategy, model, optimizer, loss_fn)
+    batches = GlobalBatches(data, steps_per_epoch)
+    names = [m.name for m in tracked]
+    params: dict[str, Any] = {
+        "epochs": epochs,
+        "steps": batches.steps(),
+        "verbose": verbose,
+        "metrics": names + ([f"val_{n}" for n in names] if validation_data is not None else []),
+        "do_validation": validation_data is not None,
+        "num_replicas": strategy.num_replicas_in_sync,
+    }
+    history = History(params)
+    state = FitState(model, optimizer, strategy, history, params)
+    cbs = list(callbacks)
+    mode = resolve_mode(verbose)
+    if mode is not None and not any(isinstance(cb, Progress) for cb in cbs):
+        cbs.insert(0, Progress(mode))
+    cblist = CallbackList(cbs, state)
+
+    def capture(progress: FitProgress, *, epoch_end: bool) -> None:
+        progress.capture(
+            strategy,
+            epoch=state.epoch + 1 if epoch_end else state.epoch,
+            step=0 if epoch_end else state.step,
+            iterations=state.iterations,
+            data=batches.state_dict(),
+            metrics=tracked,
+            history=history.state_dict(),
+        )
+
+    def restore(progress: FitProgress) -> None:
+        saved = progress.state
+        batches.load_state_dict(saved["data"])
+        history.load_state_dict(saved["history"])
+        if saved["step"] > 0:
+            progress.restore_metrics(strategy, tracked)
+        progress.restore_rng(strategy)
+        state.initial_epoch, state.initial_step = int(saved["epoch"]), int(saved["step"])
+        state.iterations = int(saved["iterations"])
+
+    state.capture = capture
+    state.restore = restore
+
+    logs: Logs = {}
+    with context.strategy_scope(strategy):
+        cblist.call("on_train_begin", None)
+        for epoch in range(state.initial_epoch, epochs):
+            state.epoch = epoch
+            if epoch == state.initial_epoch and state.initial_step > 0:
+                state.step = state.initial_step  # resumed mid-epoch: data, metrics already restored
+            else:
+                state.step = 0
+                _reset(tracked)
+                batches.begin_epoch()
+            _sync(strategy, tracked)
+            state.samples = int(tracked[0].global_totals()[1])
+            model.train()
+            cblist.call("on_epoch_begin", epoch, None)
+            for batch in _distribute(strategy, batches.epoch()):
+                cblist.call("on_train_batch_begin", state.step, None)
+                steps.train(batch, tracked[0], tracked[1:])
+                state.step += 1
+                state.iterations += 1
+                _sync(strategy, tracked)
+                state.samples = int(tracked[0].global_totals()[1])
+                cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
+            logs = _logs(tracked)
+            if validation_data is not None:
+                model.eval()
+                val = _run_test(strategy, steps, validation_data, val_tracked, cblist)
+                logs.update({f"val_{k}": v for k, v in val.items()})
+                model.train()
+            history.record(epoch, logs)
+            cblist.call("on_epoch_end", epoch, logs)  # callbacks may add logs (learning_rate)
+            history.update_last(logs)
+            (stop,) = _sync(strategy, [], [float(state.stop_training)])
+            if stop > 0:
+                state.stop_training = True
+                break
+        cblist.call("on_train_end", dict(logs))
+    return history
+
+
+def evaluate(
+    model: nn.Module,
+    loss_fn: LossFn,
+    data: Iterable[Any],
+    *,
+    metrics: Sequence[Metric | str] = (),
+    strategy: Strategy | None = None,
+) -> dict[str, float]:
+    """The mean loss and the metrics of ``model`` over ``data`` (global values, on every replica)."""
+    strategy = _strategy(strategy)
+    check_loss_fn(loss_fn)
+    check_iterable(data, "data")
+    tracked = [Mean("loss"), *get_all(metrics)]
+    steps = _make_steps(strategy, model, None, loss_fn)
+    was_training = model.training
+    model.eval()
+    try:
+        with context.strategy_scope(strategy):
+            return _run_test(strategy, steps, data, tracked, None)
+    finally:
+        model.train(was_training)
+
+
+def _concat(parts: list[Any]) -> Any:
+    if not parts:
+        return None
+    leaves0, treedef = nest.flatten(parts[0])
+    columns = [nest.flatten(p)[0] for p in parts]
+    return nest.unflatten(treedef, [torch.cat([c[i] for c in columns]) for i in range(len(leaves0))])
+
+
+def predict(model: nn.Module, data: Iterable[Any], *, strategy: Strategy | None = None) -> Any:
+    """The model's outputs for every example of ``data``, in input order, on every replica.
+
+    ``data`` yields global batches ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``;
+    outputs are concatenated along the batch dimension (nested outputs leaf by leaf). Returns
+    None when ``data`` is empty.
+    """
+    strategy = _strategy(strategy)
+    check_iterable(data, "data")
+    steps = _make_steps(strategy, model, None, None)
+    was_training = model.training
+    model.eval()
+    parts: list[Any] = []
+    try:
+        with context.strategy_scope(strategy):
+            for batch in _distribute(strategy, data):
+                parts.append(steps.predict(batch))
+    finally:
+        model.train(was_training)
+    return _concat(parts)
+

@@ -1,0 +1,140 @@
+"""GlobalBatches: the global batches fit reads epoch by epoch, and a position it can save/restore.
+
+``data`` is a stratagem Dataset, a torch DataLoader or any re-iterable of global batches. With
+``steps_per_epoch=None`` every epoch is one fresh pass over ``data``. With ``steps_per_epoch=k``
+an epoch is the next ``k`` batches of the current pass (so an infinite ``Dataset.repeat()`` works);
+a pass that ends starts the next one, and an epoch that reaches the end of a pass ends early.
+
+The position (pass, batches consumed in the pass and in the epoch) can be saved after any step.
+For a stratagem Dataset it includes the iterator's own state, so a restore resumes the pipeline
+exactly (shuffles included; pass ``p`` is ``data.iterator(epoch=p)``). For other iterables a
+restore replays pass ``p`` from its start and skips the consumed batches: exact only when
+iterating ``data`` again gives the same batches (no unseeded shuffling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from stratagem.data import Dataset
+from stratagem.distribute.input import DistributedDataset, PerReplicaDatasets
+
+
+def is_distributed(data: Any) -> bool:
+    """Whether ``data`` already yields per-replica batches (a strategy's distributed dataset)."""
+    return isinstance(data, (DistributedDataset, PerReplicaDatasets))
+
+
+def known_length(data: Any) -> int | None:
+    """The number of batches in one pass over ``data`` when it is known without iterating."""
+    if isinstance(data, Dataset):
+        n = data.cardinality()
+        return n if n >= 0 else None
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def check_iterable(data: Any, what: str) -> None:
+    if isinstance(data, Iterator) and not isinstance(data, Dataset):
+        raise TypeError(
+            f"{what} is an iterator ({type(data).__name__}), which can be read only once; pass "
+            "something fit can iterate again each epoch: a stratagem Dataset, a DataLoader, a list"
+        )
+    if not isinstance(data, Iterable):
+        raise TypeError(
+            f"{what} must yield batches: a stratagem Dataset, a torch DataLoader or an iterable "
+            f"of (x, y) global batches; got {type(data).__name__}"
+        )
+
+
+class GlobalBatches:
+    """Epochs of global batches from ``data`` with a saveable position."""
+
+    def __init__(self, data: Any, steps_per_epoch: int | None) -> None:
+        check_iterable(data, "data")
+        if steps_per_epoch is not None and steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be a positive number of steps or None, got {steps_per_epoch}")
+        self.data = data
+        self.steps_per_epoch = steps_per_epoch
+        self.resumable = isinstance(data, Dataset)
+        self._it: Iterator[Any] | None = None
+        self._pass = -1
+        self._consumed = 0  # batches taken from the current pass
+        self._epoch_step = 0  # batches taken in the current epoch
+
+    def steps(self) -> int | None:
+        """Steps per epoch when known (for progress bars)."""
+        n = known_length(self.data)
+        if self.steps_per_epoch is None:
+            return n
+        return self.steps_per_epoch if n is None else min(n, self.steps_per_epoch)
+
+    def _new_pass(self) -> None:
+        self._pass += 1
+        self._consumed = 0
+        if isinstance(self.data, Dataset):
+            self._it = self.data.iterator(epoch=self._pass)
+        else:
+            self._it = iter(self.data)
+
+    def begin_epoch(self) -> None:
+        """Start an epoch: a fresh pass, or (with steps_per_epoch) go on with the current one."""
+        self._epoch_step = 0
+        if self.steps_per_epoch is None or self._it is None:
+            self._new_pass()
+
+    def epoch(self) -> Iterator[Any]:
+        """The rest of the current epoch's batches (after begin_epoch or load_state_dict)."""
+        restarted = False
+        while self.steps_per_epoch is None or self._epoch_step < self.steps_per_epoch:
+            if self._it is None:
+                return
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._it = None
+                if self.steps_per_epoch is not None and self._epoch_step == 0 and not restarted:
+                    restarted = True  # the pass ended exactly at the last epoch's end
+                    self._new_pass()
+                    continue
+                return
+            self._consumed += 1
+            self._epoch_step += 1
+            yield batch
+
+    # --- position ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "pass": self._pass,
+            "consumed": self._consumed,
+            "epoch_step": self._epoch_step,
+            "exhausted": self._it is None,
+        }
+        if self.resumable and self._it is not None:
+            state["iterator"] = self._it.state_dict()  # type: ignore[attr-defined]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pass = int(state["pass"])
+        self._consumed = int(state["consumed"])
+        self._epoch_step = int(state["epoch_step"])
+        if state.get("exhausted") or self._pass < 0:
+            self._it = None
+            return
+        if isinstance(self.data, Dataset) and "iterator" in state:
+            self._it = self.data.iterator_from_state(state["iterator"])
+            return
+        self._it = self.data.iterator(epoch=self._pass) if isinstance(self.data, Dataset) else iter(self.data)
+        for _ in range(self._consumed):
+            if next(self._it, _END) is _END:
+                raise RuntimeError(
+                    f"cannot resume: pass {self._pass} over the data ended after fewer than the "
+                    f"{self._consumed} batches already consumed; the data must give the same "
+                    "batches when iterated again"
+                )
+
+
+_END: Any = object()

@@ -1,0 +1,65 @@
+"""Module-level (picklable) functions and pipelines for the stratagem.data tests."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from stratagem.data import AUTOTUNE, Dataset
+
+FILES_DIR = os.environ.get("STRATAGEM_TEST_FILES", "")
+
+
+def square_array(x: int) -> np.ndarray:
+    return np.full((3,), x * x, dtype=np.int64)
+
+
+def noisy(x: int, rng: np.random.Generator) -> torch.Tensor:
+    return torch.tensor([float(x), float(rng.random())])
+
+
+def fail_on_5(x: int) -> int:
+    if x == 5:
+        raise KeyError("boom")
+    return x
+
+
+def read_lines(path: str) -> Dataset:
+    from stratagem.data import TextLineDataset
+
+    return TextLineDataset(path)
+
+
+def parse(line: str, rng: np.random.Generator) -> torch.Tensor:
+    return torch.tensor([float(line.split()[-1]), float(rng.integers(100))])
+
+
+def representative(files_dir: str, parallel: int | None = 2, processes: bool = False) -> Dataset:
+    """list of files -> interleave -> parallel map -> shuffle -> batch -> prefetch."""
+    return (
+        Dataset.list_files(os.path.join(files_dir, "*.txt"), seed=7)
+        .interleave(read_lines, cycle_length=2, block_length=3,
+                    num_parallel_calls=None if parallel is None else AUTOTUNE)
+        .map(parse, num_parallel_calls=parallel, with_rng=True, seed=3,
+             use_processes=processes)
+        .shuffle(8)
+        .batch(4)
+        .prefetch(2)
+    )
+
+
+def make_representative() -> Dataset:
+    return representative(FILES_DIR)
+
+
+def write_text_files(directory: str, n_files: int = 4, lines: int = 7) -> list[str]:
+    paths = []
+    for f in range(n_files):
+        path = os.path.join(directory, f"part-{f:02d}.txt")
+        with open(path, "w") as fh:
+            for i in range(lines):
+                fh.write(f"file {f} line {f * 100 + i}\n")
+        paths.append(path)
+    return paths

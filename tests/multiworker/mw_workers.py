@@ -1,0 +1,62 @@
+"""Functions the multi-worker tests run as separate processes (module level, importable)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+from stratagem.cluster.resolvers import TorchrunClusterResolver
+from stratagem.comm.failure import FailureOptions
+from stratagem.distribute.bootstrap import CommunicationOptions, connect_to_cluster, initialize_system
+from stratagem.distribute.multi_worker import MultiWorkerMirroredStrategy
+
+FAST = CommunicationOptions(
+    timeout_seconds=60, failure=FailureOptions(heartbeat_seconds=0.5, dead_after_seconds=10, grace_seconds=3)
+)
+
+
+def _train_until(strategy, fail_rank: int, how: str, fail_at: int = 3) -> None:
+    with strategy.scope():
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = strategy.extended.replica_id
+    for step in range(1000):
+        if rank == fail_rank and step == fail_at:
+            if how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif how == "raise":
+                raise ZeroDivisionError("boom on purpose")
+            elif how == "hang":
+                time.sleep(3600)
+        x = torch.randn(8, 4)
+
+        def step_fn(x):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+
+        strategy.run(step_fn, args=(x,))
+        time.sleep(0.05)
+
+
+def fail_worker(fail_rank: int, how: str) -> str:
+    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST)
+    _train_until(strategy, fail_rank, how)
+    return "unreachable"
+
+
+def bootstrap_worker(config_rank1: dict, fake_torch_rank1: str | None) -> str:
+    resolver = TorchrunClusterResolver()
+    connect_to_cluster(resolver, FAST)
+    rank = resolver.cluster_spec().rank
+    config = {"global_batch": 64}
+    if rank == 1:
+        config.update(config_rank1)
+        if fake_torch_rank1:
+            torch.__version__ = fake_torch_rank1  # type: ignore[assignment]
+    initialize_system(resolver, FAST, config=config)
+    return "initialized"

@@ -1,0 +1,50 @@
+"""Process launch: a plain `python train.py`, torchrun joining, output once, failures never hang."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from stratagem.testing import run_script
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "mirrored_train.py")
+
+
+@pytest.mark.timeout(120)
+def test_plain_python_script_starts_its_own_replicas():
+    r = run_script([SCRIPT], timeout=100)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("DONE")]
+    assert len(lines) == 1, r.stdout  # printed once, by the chief
+    assert "world=2" in lines[0] and "launcher=self" in lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_launched_script_joins_the_group():
+    r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT], timeout=100)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("DONE")]
+    assert len(lines) == 1 and "world=2" in lines[0] and "launcher=torchrun" in lines[0]
+    # same training, same result as the self-launched job
+    r2 = run_script([SCRIPT], timeout=100)
+    assert lines[0].split()[2] == [ln for ln in r2.stdout.splitlines() if ln.startswith("DONE")][0].split()[2]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("flag", ["--fail-rank", "--kill-rank"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failing_replica_stops_the_command_with_an_error(flag, rank):
+    r = run_script([SCRIPT, flag, str(rank)], timeout=130)
+    assert r.returncode != 0
+    assert "DONE" not in r.stdout
+    if flag == "--fail-rank":
+        assert f"boom on replica {rank}" in r.stderr
+
+
+def test_interactive_session_cannot_self_launch():
+    r = run_script(["-c", "import stratagem as sg; sg.MirroredStrategy(num_replicas=2)"], timeout=60)
+    assert r.returncode != 0
+    assert "stratagem run -n N script.py" in r.stderr
+    assert sys.executable
