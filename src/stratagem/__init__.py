@@ -1,5 +1,7 @@
 """stratagem: tf.distribute strategies, tf.data pipelines and GPipe pipelines for PyTorch."""
 
+from stratagem._version import __version__
+
 from stratagem.comm import CollectiveError, ReplicaMismatchError, WorkerFailedError
 from stratagem.distribute import (
     InputContext,
@@ -17,7 +19,6 @@ from stratagem.distribute import (
     in_cross_replica_context,
 )
 
-__version__ = "0.1.0"
 
 __all__ = [
     "CollectiveError",

@@ -230,6 +230,8 @@ class PerReplicaIterator:
         return {"source": self.source.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not hasattr(self.source, "load_state_dict"):
+            raise TypeError(f"{type(self.source).__name__} cannot restore a position")
         self.source.load_state_dict(state["source"])
 
     def __next__(self) -> Any:

@@ -38,9 +38,13 @@ def scatter(batch: Any, sizes: list[int]) -> list[Any]:
     out = []
     start = 0
     for n in sizes:
-        out.append(nest.map_structure(lambda t, a=start, b=start + n: t[a:b], batch))
+        out.append(_slice(batch, start, start + n))
         start += n
     return out
+
+
+def _slice(batch: Any, start: int, stop: int) -> Any:
+    return nest.map_structure(lambda t: t[start:stop], batch)
 
 
 def gather(outputs: list[torch.Tensor]) -> torch.Tensor:

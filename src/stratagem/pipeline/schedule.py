@@ -172,9 +172,9 @@ def simulate(plan: Schedule) -> list[tuple[Action | None, ...]]:
                 f"stage {s} at {plan.stages[s][pos[s]]}" for s in range(k) if pos[s] < len(plan.stages[s])
             )
             raise ValueError(f"schedule {plan.name} deadlocks: {waiting}")
-        for s, a in enumerate(row):
-            if a is not None:
-                done.add((s, a))
+        for s, act in enumerate(row):
+            if act is not None:
+                done.add((s, act))
                 pos[s] += 1
         ticks.append(tuple(row))
     return ticks

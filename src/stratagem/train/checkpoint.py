@@ -442,15 +442,17 @@ class CheckpointManager:
     def restore(self, path: str | os.PathLike[str]) -> None:
         """Load the checkpoint at ``path`` into the objects (every replica; verified first)."""
         p = Path(path)
-        err = ""
+        problem: tuple[str, str] = ("", "")
         if self._ext.should_checkpoint:
             try:
                 verify(p)
-            except (CheckpointCorruptError, OSError) as e:
-                err = str(e)
-        err = self._comm.broadcast_object(err, 0)
-        if err:
-            raise CheckpointCorruptError(p, err.split("is unusable: ", 1)[-1]) if "unusable" in err else RuntimeError(err)
+            except CheckpointCorruptError as e:
+                problem = (e.path, e.problem)
+            except OSError as e:
+                problem = (str(p), str(e))
+        problem = self._comm.broadcast_object(problem, 0)
+        if problem[0]:
+            raise CheckpointCorruptError(problem[0], problem[1])
         self._load(p)
         self._ext.barrier()
 

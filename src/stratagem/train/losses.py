@@ -108,4 +108,4 @@ def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
             f"loss_fn returned a loss of shape {tuple(loss.shape)} for a batch of {n} examples; "
             "return one loss per example (reduction='none') or their mean (a scalar)"
         )
-    return loss.reshape(n, -1).mean(dim=1) if loss.dim() > 1 else loss
+    return loss.flatten(1).mean(dim=1) if loss.dim() > 1 else loss

@@ -55,7 +55,7 @@ def _weights(sample_weight: Any, batch: int, like: torch.Tensor) -> torch.Tensor
             f"sample_weight has shape {tuple(w.shape)} but the batch has {batch} examples; pass "
             "one weight (or mask value) per example"
         )
-    return w.reshape(batch, -1).mean(dim=1) if w.dim() > 1 else w
+    return w.flatten(1).mean(dim=1) if w.dim() > 1 else w
 
 
 class Metric(abc.ABC):
@@ -159,7 +159,7 @@ class Mean(Metric):
         v = _tensor(values).to(torch.float64)
         if v.dim() == 0:
             v = v.reshape(1)
-        v = v.reshape(v.shape[0], -1).mean(dim=1) if v.dim() > 1 else v
+        v = v.flatten(1).mean(dim=1) if v.dim() > 1 else v
         w = _weights(sample_weight, v.shape[0], v)
         return torch.stack([(v * w).sum(), w.sum()])
 
@@ -175,7 +175,7 @@ class Sum(Metric):
         if sample_weight is None:
             return v.sum().reshape(1)
         v = v.reshape(1) if v.dim() == 0 else v
-        v = v.reshape(v.shape[0], -1).sum(dim=1) if v.dim() > 1 else v
+        v = v.flatten(1).sum(dim=1) if v.dim() > 1 else v
         return (v * _weights(sample_weight, v.shape[0], v)).sum().reshape(1)
 
     def compute(self, totals: torch.Tensor) -> torch.Tensor:
@@ -222,7 +222,7 @@ def _squeeze_like(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Ten
 
 def _per_example_mean(x: torch.Tensor) -> torch.Tensor:
     x = x.to(torch.float64)
-    return x.reshape(x.shape[0], -1).mean(dim=1) if x.dim() > 1 else x
+    return x.flatten(1).mean(dim=1) if x.dim() > 1 else x
 
 
 class Accuracy(_PerExample):

@@ -1,0 +1,3 @@
+"""The version of stratagem (importable from every layer)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,309 @@
+"""PipelineStrategy: a model split into stages, one process each (times data-parallel copies),
+trained with GPipe or 1F1B over point-to-point messages.
+
+Launch works as for MirroredStrategy: a plain ``python train.py`` re-runs itself to start the
+other ``num_stages x data_parallel - 1`` processes; under torchrun or ``stratagem run`` it joins
+the job. Rank ``r`` runs stage ``r % num_stages`` of copy ``r // num_stages``. A "replica" in the
+tf.distribute sense is one copy of the whole pipeline: ``num_replicas_in_sync == data_parallel``,
+and ``reduce``/``gather``/``experimental_distribute_dataset`` work across copies (every stage of a
+copy sees the same slice of the global batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.cluster import ProcessEnv, ensure_replicas
+from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.distribute import context
+from stratagem.distribute.data_parallel import DataParallelExtended
+from stratagem.distribute.reduce_op import ReduceOp
+from stratagem.distribute.replicas import join_group
+from stratagem.distribute.strategy import Strategy, StrategyExtended
+from stratagem.pipeline.config import PipelineConfig
+from stratagem.pipeline.errors import PipelineConfigError
+from stratagem.pipeline.materialize import flatten, materialize
+from stratagem.pipeline.microbatch import loss_reduction_of
+from stratagem.pipeline.p2p import Channel
+from stratagem.pipeline.partition import Partition, block_partition, check_balance
+from stratagem.pipeline.pipe import Pipe
+from stratagem.pipeline.profile import param_costs, time_costs
+from stratagem.pipeline.schedule import Schedule
+from stratagem.pipeline.stage import Stage, describe
+
+
+class PipelineExtended(StrategyExtended):
+    """Stages over a pipeline communicator; copies of the pipeline over a replica communicator."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        world: Communicator,
+        pipeline: Communicator,
+        replicas: Communicator,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.world = world
+        self.pipeline_comm = pipeline
+        self.replicas = replicas
+        self._device = device
+        self.stage = config.stage_of(world.rank)
+        self.copy = config.copy_of(world.rank)
+        self.schedule: Schedule = config.make_schedule()
+        self.partition: Partition | None = None
+        self._dp = DataParallelExtended(replicas, device, mirror=False, name="PipelineStrategy")
+        self._rng_state: torch.Tensor | None = None
+        self._capture = 0
+
+    # --- facts ------------------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.config.data_parallel
+
+    @property
+    def replica_id(self) -> int:
+        return self.copy
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Copy 0 of every stage writes (each stage holds different parameters)."""
+        return self.copy == 0
+
+    def barrier(self) -> None:
+        self.world.barrier()
+
+    # --- scope: modules built here keep their parameters on the meta device -------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        if self._capture:
+            yield
+            return
+        from torch.nn.modules import module as module_mod
+
+        def on_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> Any:
+            if not self._capture or param is None or param.device.type == "meta":
+                return None
+            if isinstance(param, nn.parameter.UninitializedParameter):
+                return None
+            if self._rng_state is None:
+                self._rng_state = torch.get_rng_state()
+            return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+
+        handle = module_mod.register_module_parameter_registration_hook(on_parameter)
+        self._capture = 1
+        try:
+            yield
+        finally:
+            self._capture = 0
+            handle.remove()
+
+    @contextlib.contextmanager
+    def _no_capture(self) -> Iterator[None]:
+        saved, self._capture = self._capture, 0
+        try:
+            yield
+        finally:
+            self._capture = saved
+
+    # --- run and reductions (across data-parallel copies) ------------------------------------------
+    def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        ctx = context.ReplicaContext(self.owner(), self.copy)
+        with context.replica_scope(ctx):
+            return fn(*args, **kwargs)
+
+    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        return self._dp.all_reduce(op, value)
+
+    def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+        return self._dp.reduce(op, value, axis)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        return self._dp.gather(value, axis)
+
+    def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]:
+        return self._dp.distribute_dataset(dataset, options)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any
+    ) -> Iterable[Any]:
+        return self._dp.distribute_datasets_from_function(dataset_fn, options)
+
+    # --- building the local stage --------------------------------------------------------------------
+    def _partition(self, layers: list[tuple[str, nn.Module]], sample_input: Any) -> Partition:
+        cfg = self.config
+        names = tuple(n for n, _ in layers)
+        if len(layers) < cfg.num_stages:
+            raise PipelineConfigError(
+                f"the model has {len(layers)} layers (after flattening nested nn.Sequential) but "
+                f"there are {cfg.num_stages} stages; every stage needs at least one layer"
+            )
+        if isinstance(cfg.balance, tuple):
+            counts = check_balance(cfg.balance, len(layers), cfg.num_stages)
+            return Partition(tuple(counts), "balance", names)
+        if cfg.balance == "params":
+            costs = param_costs(layers)
+        else:
+            if sample_input is None:
+                raise PipelineConfigError(
+                    "balance='time' profiles every layer on a sample input; pass "
+                    "strategy.pipeline(model, loss_fn, sample_input=x[:micro_batch_size])"
+                )
+            mine = time_costs(layers, sample_input) if self.world.rank == 0 else None
+            costs = self.world.broadcast_object(mine, src=0)
+        balance = block_partition(costs, cfg.num_stages)
+        return Partition(tuple(balance), cfg.balance, names, tuple(costs))
+
+    def build_pipe(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor],
+        loss_reduction: str | None,
+        sample_input: Any,
+        verbose: bool,
+    ) -> Pipe:
+        cfg = self.config
+        reduction = loss_reduction_of(loss_fn, loss_reduction)
+        if isinstance(loss_fn, nn.Module) and any(
+            t.device.type == "meta" for t in (*loss_fn.parameters(), *loss_fn.buffers())
+        ):
+            raise PipelineConfigError(
+                "the loss function has parameters on the meta device (it was built in "
+                "strategy.scope()); build the loss function outside the scope"
+            )
+        layers = flatten(model)
+        rng_state, self._rng_state = self._rng_state, None
+        with self._no_capture(), torch.device(self._device):
+            partition = self._partition(layers, sample_input)
+            owned = partition.layers(self.stage)
+            descriptions = [describe(m) for _, m in layers]
+            materialize(layers, owned, self._device, rng_state)
+            if isinstance(loss_fn, nn.Module):
+                loss_fn.to(self._device)
+            stage = Stage(
+                self.stage, cfg.num_stages, [layers[j][1] for j in owned], owned.start,
+                [n for n, _ in layers], descriptions, self._device, loss_fn,
+            )  # fmt: skip
+            if self.replicas.world_size > 1:
+                tensors = [*stage.module.parameters(), *stage.module.buffers()]
+                self.replicas.broadcast_tensors_([t.data for t in tensors], src=0)
+            channel = Channel(self.pipeline_comm) if cfg.num_stages > 1 else None
+            pipe = Pipe(
+                model, stage, channel, self.schedule, partition,
+                checkpoint=cfg.checkpoint, loss_reduction=reduction, replicas=self.replicas,
+            )  # fmt: skip
+        self.partition = partition
+        if verbose and self.world.rank == 0:
+            print(f"stratagem PipelineStrategy: {partition}", flush=True)
+        return pipe
+
+
+class PipelineStrategy(Strategy):
+    """GPipe pipeline parallelism: ``num_stages`` processes, each holding consecutive layers of an
+    ``nn.Sequential``, times ``data_parallel`` copies of the pipeline.
+
+    ``schedule``: ``"gpipe"`` or ``"1f1b"``; ``checkpoint``: ``"always"``, ``"except_last"``
+    (default) or ``"never"`` (torchgpipe's re-materialization modes); ``balance``: a list of
+    layer counts per stage, ``"params"`` (default) or ``"time"``. ``timeout`` bounds every
+    communication (seconds). See docs/PIPELINE.md.
+    """
+
+    def __init__(
+        self,
+        num_stages: int,
+        num_microbatches: int,
+        *,
+        schedule: str = "gpipe",
+        checkpoint: str = "except_last",
+        balance: Sequence[int] | str | None = None,
+        data_parallel: int = 1,
+        timeout: float = 120.0,
+    ) -> None:
+        config = PipelineConfig.build(
+            num_stages, num_microbatches, schedule=schedule, checkpoint=checkpoint,
+            balance=balance, data_parallel=data_parallel,
+        )  # fmt: skip
+        launched = ProcessEnv.from_environ()
+        if launched is not None:
+            config.check_world(launched.world_size)
+        env = ensure_replicas(config.world_size)
+        if torch.cuda.is_available():
+            device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        else:
+            device = torch.device("cpu")
+        if device.type == "cpu" and env.local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+        world = join_group(env, device, timeout=timeout)
+        config.check_world(world.world_size)
+        pipeline_comm: Communicator
+        replicas: Communicator
+        if config.data_parallel == 1:
+            pipeline_comm, replicas = world, LocalCommunicator(device)
+        else:
+            pipeline_comm = world.split(config.pipeline_groups())
+            replicas = world.split(config.replica_groups())
+        self.env = env
+        self.config = config
+        self.device = device
+        self._pipeline_ext = PipelineExtended(config, world, pipeline_comm, replicas, device)
+        super().__init__(self._pipeline_ext)
+
+    # --- pipeline facts -----------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self.config.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.config.num_microbatches
+
+    @property
+    def stage(self) -> int:
+        """The stage this process runs."""
+        return self._pipeline_ext.stage
+
+    @property
+    def schedule(self) -> Schedule:
+        """The plan every stage carries out (``print(strategy.schedule)``)."""
+        return self._pipeline_ext.schedule
+
+    @property
+    def partition(self) -> Partition | None:
+        """The layers of each stage, once ``pipeline()`` has chosen them."""
+        return self._pipeline_ext.partition
+
+    def pipeline(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        loss_reduction: str | None = None,
+        sample_input: Any = None,
+        verbose: bool = True,
+    ) -> Pipe:
+        """This process's stage of ``model`` (an ``nn.Sequential``; nested ones are flattened).
+
+        Call it on every process. Layers built in ``strategy.scope()`` have their parameters on
+        the meta device; each stage materializes only its own, initialised exactly as the unsplit
+        model built from the same RNG state. ``loss_reduction`` (``"mean"``/``"sum"``) defaults to
+        ``loss_fn.reduction``; ``sample_input`` (a micro-batch) is needed for ``balance="time"``.
+        The partition is printed once (rank 0) unless ``verbose=False``.
+        """
+        return self._pipeline_ext.build_pipe(model, loss_fn, loss_reduction, sample_input, verbose)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"PipelineStrategy(num_stages={c.num_stages}, num_microbatches={c.num_microbatches}, "
+            f"schedule={c.schedule!r}, checkpoint={c.checkpoint!r}, data_parallel={c.data_parallel})"
+        )

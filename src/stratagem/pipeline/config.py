@@ -1,0 +1,110 @@
+"""PipelineConfig: the settings of a pipeline (stages, micro-batches, schedule, re-materialization,
+balance, data parallelism), validated when the strategy is built, with errors that say what was
+received; and the rank layout of stages and data-parallel copies."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stratagem.pipeline.checkpointing import MODES
+from stratagem.pipeline.errors import PipelineConfigError
+from stratagem.pipeline.schedule import SCHEDULES, Schedule, make_schedule
+
+BALANCE_METHODS = ("params", "time")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """``num_stages`` x ``data_parallel`` processes; rank ``r`` runs stage ``r % num_stages`` of
+    data-parallel copy ``r // num_stages``."""
+
+    num_stages: int
+    num_microbatches: int
+    schedule: str = "gpipe"
+    checkpoint: str = "except_last"
+    balance: tuple[int, ...] | str = "params"
+    data_parallel: int = 1
+
+    @classmethod
+    def build(
+        cls,
+        num_stages: object,
+        num_microbatches: object,
+        *,
+        schedule: object = "gpipe",
+        checkpoint: object = "except_last",
+        balance: object = None,
+        data_parallel: object = 1,
+    ) -> PipelineConfig:
+        for name, value in (
+            ("num_stages", num_stages),
+            ("num_microbatches", num_microbatches),
+            ("data_parallel", data_parallel),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PipelineConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        assert isinstance(num_stages, int) and isinstance(num_microbatches, int)
+        assert isinstance(data_parallel, int)
+        if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
+            raise PipelineConfigError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        if checkpoint not in MODES:
+            raise PipelineConfigError(f"checkpoint must be one of {list(MODES)}, got {checkpoint!r}")
+        bal: tuple[int, ...] | str
+        if balance is None:
+            bal = "params"
+        elif isinstance(balance, str):
+            if balance not in BALANCE_METHODS:
+                raise PipelineConfigError(
+                    f"balance must be a list of layer counts or one of {list(BALANCE_METHODS)}, "
+                    f"got {balance!r}"
+                )
+            bal = balance
+        elif isinstance(balance, Sequence):
+            counts = list(balance)
+            if len(counts) != num_stages or any(
+                isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts
+            ):
+                raise PipelineConfigError(
+                    f"balance={counts} must hold {num_stages} positive layer counts (one per "
+                    f"stage, num_stages={num_stages})"
+                )
+            bal = tuple(counts)
+        else:
+            raise PipelineConfigError(
+                f"balance must be a list of layer counts, 'params' or 'time', got {balance!r}"
+            )
+        return cls(num_stages, num_microbatches, schedule.lower(), str(checkpoint), bal, data_parallel)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.data_parallel
+
+    def check_world(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise PipelineConfigError(
+                f"this job has {world_size} processes but PipelineStrategy(num_stages="
+                f"{self.num_stages}, data_parallel={self.data_parallel}) needs "
+                f"{self.num_stages} x {self.data_parallel} = {self.world_size}; start "
+                f"{self.world_size} processes (`stratagem run -n {self.world_size} ...`) or "
+                "change num_stages/data_parallel"
+            )
+
+    def stage_of(self, rank: int) -> int:
+        return rank % self.num_stages
+
+    def copy_of(self, rank: int) -> int:
+        return rank // self.num_stages
+
+    def pipeline_groups(self) -> list[list[int]]:
+        """Ranks of each data-parallel copy's pipeline, stage order."""
+        k = self.num_stages
+        return [[d * k + s for s in range(k)] for d in range(self.data_parallel)]
+
+    def replica_groups(self) -> list[list[int]]:
+        """Ranks holding the same stage in every copy (their gradients are summed)."""
+        k = self.num_stages
+        return [[d * k + s for d in range(self.data_parallel)] for s in range(k)]
+
+    def make_schedule(self) -> Schedule:
+        return make_schedule(self.schedule, self.num_stages, self.num_microbatches)

@@ -1,0 +1,160 @@
+"""Pipe: what ``strategy.pipeline(model, loss_fn)`` returns on each process: this stage's
+parameters under their original names, ``train_step`` (one synchronous mini-batch) and
+``predict``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.comm import Communicator, nest
+from stratagem.comm.reducer import GradientReducer
+from stratagem.pipeline.checkpointing import checkpoint_stop
+from stratagem.pipeline.microbatch import batch_size, loss_scales, scatter, split_sizes
+from stratagem.pipeline.p2p import Channel
+from stratagem.pipeline.partition import Partition
+from stratagem.pipeline.runtime import run_inference, run_plan
+from stratagem.pipeline.schedule import Schedule
+from stratagem.pipeline.stage import Stage
+
+
+class Pipe:
+    """This process's stage of a pipelined ``nn.Sequential``.
+
+    ``named_parameters()`` yields only this stage's parameters, named as in the original model
+    (``"2.weight"``); give them to the optimizer. ``train_step(x, y)`` runs the schedule on one
+    mini-batch; the gradients it leaves equal those of ``loss_fn(model(x), y)`` on the whole
+    mini-batch (summed over data-parallel copies), and it returns this copy's share of the loss
+    on every stage (``strategy.reduce("sum", loss)`` is the global loss).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stage: Stage,
+        channel: Channel | None,
+        schedule: Schedule,
+        partition: Partition,
+        *,
+        checkpoint: str,
+        loss_reduction: str,
+        replicas: Communicator,
+    ) -> None:
+        self.model = model
+        self.stage = stage
+        self.channel = channel
+        self.schedule = schedule
+        self.partition = partition
+        self.checkpoint = checkpoint
+        self.loss_reduction = loss_reduction
+        self.replicas = replicas
+        self.num_microbatches = schedule.num_microbatches
+        owned = {id(p) for p in stage.module.parameters()}
+        self._named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
+        self.reducer: GradientReducer | None = None
+        trainable = [(n, p) for n, p in self._named if p.requires_grad]
+        if replicas.world_size > 1 and trainable:
+            self.reducer = GradientReducer(
+                replicas, [p for _, p in trainable], [n for n, _ in trainable], op="sum"
+            )
+            self.reducer.enabled = False
+
+    # --- the local stage as a module ----------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self._named)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self._named)
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        owned = {id(b) for b in self.stage.module.buffers()}
+        return ((n, b) for n, b in self.model.named_buffers() if id(b) in owned)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters and buffers under their original names."""
+        out = {n: p.detach() for n, p in self._named}
+        out.update({n: b.detach() for n, b in self.named_buffers()})
+        return out
+
+    def train(self, mode: bool = True) -> Pipe:
+        self.stage.module.train(mode)
+        return self
+
+    def eval(self) -> Pipe:
+        return self.train(False)
+
+    @property
+    def stage_index(self) -> int:
+        return self.stage.index
+
+    @property
+    def num_stages(self) -> int:
+        return self.stage.num_stages
+
+    # --- steps ------------------------------------------------------------------------------------
+    def _prepare(self, x: Any) -> tuple[list[int], int]:
+        leaves, _ = nest.flatten(x)
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                raise ValueError(
+                    "the input is on the meta device; create data outside strategy.scope()"
+                )
+        n = batch_size(x)
+        return split_sizes(n, self.num_microbatches), n
+
+    def _place(self, value: Any) -> Any:
+        dev = self.stage.device
+        return nest.map_structure(
+            lambda t: t.to(dev, non_blocking=True) if isinstance(t, torch.Tensor) else t, value
+        )
+
+    def train_step(self, x: Any, y: Any) -> torch.Tensor:
+        """Forward and backward of the mini-batch ``(x, y)`` through every stage (call it with the
+        same batch on every process of this pipeline); returns the mini-batch loss."""
+        sizes, n = self._prepare(x)
+        if batch_size(y) != n:
+            raise ValueError(f"x has {n} examples but y has {batch_size(y)}; they must match")
+        total = n
+        if self.loss_reduction == "mean" and self.replicas.world_size > 1:
+            count = torch.tensor([n], dtype=torch.int64, device=self.replicas.device)
+            self.replicas.all_reduce_(count, "sum")
+            total = int(count.item())
+        scales = loss_scales(sizes, self.loss_reduction, total)
+        xs = scatter(self._place(x), sizes) if self.stage.is_first else [None] * len(sizes)
+        ys = scatter(self._place(y), sizes) if self.stage.is_last else [None] * len(sizes)
+        reducer = self.reducer
+
+        def arm(last: bool) -> None:
+            if reducer is not None:
+                reducer.enabled = last
+
+        try:
+            loss = run_plan(
+                self.schedule[self.stage.index], self.stage, self.channel, xs, ys, scales, sizes,
+                checkpoint_stop(self.checkpoint, self.num_microbatches),
+                on_last_backward=arm if reducer is not None else None,
+            )  # fmt: skip
+        finally:
+            if reducer is not None:
+                reducer.enabled = False
+        return loss.float()
+
+    def predict(self, x: Any) -> torch.Tensor:
+        """The model's output on ``x``, run through the stages in micro-batches without autograd;
+        returned on every process of the pipeline. Uses the layers' current train/eval mode."""
+        sizes, _ = self._prepare(x)
+        xs = scatter(self._place(x), sizes) if self.stage.is_first else [None] * len(sizes)
+        return run_inference(self.stage, self.channel, xs, sizes)
+
+    def __call__(self, x: Any) -> torch.Tensor:
+        return self.predict(x)
+
+    def __repr__(self) -> str:
+        r = self.partition.layers(self.stage.index)
+        return (
+            f"Pipe(stage {self.stage.index} of {self.stage.num_stages}, layers {r.start}..{r.stop - 1}, "
+            f"{self.schedule.name}, {self.num_microbatches} micro-batches, checkpoint={self.checkpoint!r})"
+        )

@@ -1,0 +1,45 @@
+"""A worker that dies (SIGKILL) or raises makes every other worker raise WorkerFailedError naming
+it, within a bounded time, with a non-zero exit; only the failing rank prints a traceback."""
+
+from __future__ import annotations
+
+import pytest
+from mw_workers import fail_worker
+
+from stratagem.testing import run_workers
+
+# FAST options: heartbeat 0.5 s, grace 3 s. Process start-up (import torch twice on 2 cores)
+# takes most of the time; the failure itself must be seen within BOUND of the failing rank's end.
+BOUND = 15.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "fail_rank,how",
+    [(1, "sigkill"), (1, "raise"), (0, "sigkill")],
+    ids=["rank1-sigkill", "rank1-exception", "rank0-store-host-sigkill"],
+)
+def test_survivor_raises_worker_failed_naming_rank(fail_rank, how):
+    results = run_workers(fail_worker, 2, args=(fail_rank, how), timeout=90, check=False)
+    failed, survivor = results[fail_rank], results[1 - fail_rank]
+    assert failed.returncode == (-9 if how == "sigkill" else 1), failed.stderr[-2000:]
+    assert survivor.returncode not in (0, None), survivor.stderr[-2000:]
+    err = survivor.stderr
+    assert f"WorkerFailedError: all_reduce failed because worker {fail_rank} failed" in err, err[-3000:]
+    assert survivor.seconds - failed.seconds < BOUND, (survivor.seconds, failed.seconds)
+    # reported once: the survivor prints one line, not a traceback
+    assert "Traceback" not in err, err[-3000:]
+    if how == "raise":
+        assert "ZeroDivisionError: boom on purpose" in err  # the cause, named on the survivor
+        assert failed.stderr.count("Traceback (most recent call last)") == 1
+
+
+@pytest.mark.timeout(120)
+def test_peer_blocked_in_collective_is_stopped_by_watchdog():
+    """Rank 1 hangs outside any collective while rank 0 waits in one: gloo does not error, the
+    collective timeout (60 s) is far away; rank 0 is still stopped within the bound because
+    rank 1 is SIGKILLed by the harness? No: here rank 1 raises while rank 0 is *computing*,
+    so rank 0 learns of it from the failure record, not from a broken connection."""
+    results = run_workers(fail_worker, 2, args=(1, "raise"), timeout=90, check=False)
+    assert results[0].returncode != 0
+    assert "worker 1 failed" in results[0].stderr
