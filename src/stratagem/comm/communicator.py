@@ -105,9 +105,11 @@ class Communicator(abc.ABC):
         process's. Every member must call with the same ``groups``."""
 
     # --- structured collectives ------------------------------------------------------------
+    @torch.compiler.disable
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return self.all_gather_object(obj if self.rank == src else None)[src]
 
+    @torch.compiler.disable
     def check_same(self, what: str, value: Any) -> None:
         """Raise ReplicaMismatchError on every member unless all passed alike values."""
         if self.world_size == 1:
@@ -124,6 +126,7 @@ class Communicator(abc.ABC):
             f"replicas ({listing}); every replica must pass the same structure and shapes"
         )
 
+    @torch.compiler.disable
     def all_reduce(self, value: Any, op: str = "sum", *, check: bool = True) -> Any:
         """``value`` (tensors or numbers, nested) reduced across the group; new tensors."""
         if op not in OPS:
@@ -160,6 +163,7 @@ class Communicator(abc.ABC):
                 offset += n
         return [t for t in out if t is not None]
 
+    @torch.compiler.disable
     def gather_varlen(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every member's ``tensor`` along ``dim``; sizes along ``dim`` may differ."""
         if self.world_size == 1:
@@ -173,6 +177,7 @@ class Communicator(abc.ABC):
         cat = torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])
         return cat.to(tensor.device).movedim(0, dim) if tensor.dim() else cat.to(tensor.device)
 
+    @torch.compiler.disable
     def broadcast_tensors_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` with ``src``'s, one flat message per dtype."""
         if self.world_size == 1:

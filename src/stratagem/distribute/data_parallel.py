@@ -59,7 +59,6 @@ class DataParallelExtended(StrategyExtended):
             if mirror
             else None
         )
-        self._in_run = False
 
     # --- facts ------------------------------------------------------------------------------
     @property
@@ -100,33 +99,9 @@ class DataParallelExtended(StrategyExtended):
         with context.replica_scope(ctx), self._run_checks():
             return fn(*args, **kwargs)
 
-    @contextlib.contextmanager
-    def _run_checks(self) -> Iterator[None]:
-        """While ``run`` executes eagerly: refuse modules and optimizers made outside the scope."""
-        reg = self.registry
-        if reg is None or self._in_run:
-            yield
-            return
-        from torch.nn.modules import module as module_mod
-        from torch.optim import optimizer as optim_mod
-
-        def check_module(module: nn.Module, args: Any) -> None:
-            if torch.compiler.is_compiling():
-                return
-            reg.check_module(module)
-
-        def check_optimizer(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            reg.check_optimizer(opt)
-
-        h1 = module_mod.register_module_forward_pre_hook(check_module)
-        h2 = optim_mod.register_optimizer_step_pre_hook(check_optimizer)
-        self._in_run = True
-        try:
-            yield
-        finally:
-            self._in_run = False
-            h1.remove()
-            h2.remove()
+    def _run_checks(self) -> contextlib.AbstractContextManager[None]:
+        """While ``run`` executes: refuse modules and optimizers made outside the scope."""
+        return self.registry.checking() if self.registry is not None else contextlib.nullcontext()
 
     # --- reductions -------------------------------------------------------------------------
     def all_reduce(self, op: ReduceOp, value: Any) -> Any:

@@ -33,11 +33,16 @@ def compute_average_loss(
         )
     local = loss.shape[0]
     if global_batch_size is None:
-        ctx = context.get_replica_context()
-        if ctx is not None and ctx.num_replicas_in_sync > 1:
-            global_batch_size = int(ctx.all_reduce("sum", torch.tensor(local, dtype=torch.int64)))
-        else:
-            global_batch_size = local
+        global_batch_size = _global_count(local)
     if global_batch_size <= 0 and local > 0:
         raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
     return loss.sum() / max(int(global_batch_size), 1)
+
+
+@torch.compiler.disable
+def _global_count(local: int) -> int:
+    """The number of examples in this step over all replicas (runs eagerly, also when compiled)."""
+    ctx = context.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return local
+    return int(ctx.all_reduce("sum", torch.tensor(local, dtype=torch.int64)))

@@ -11,6 +11,7 @@ parameters were not created in a scope are refused with a clear error.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -44,6 +45,39 @@ class _IdSet:
 
 class OutsideScopeError(ValueError):
     """A module or optimizer used under a strategy was not created in its scope."""
+
+
+# The registry whose ``strategy.run`` is executing. The hooks that consult it are installed
+# once per process and never change, so compiled steps are not recompiled because of them.
+_checking: contextvars.ContextVar[MirrorRegistry | None] = contextvars.ContextVar(
+    "stratagem_checking", default=None
+)
+_hooks_installed: list[bool] = []
+
+
+def _check_module_hook(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    reg = _checking.get()
+    if reg is not None:
+        reg.check_module(module)
+
+
+def _check_optimizer_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    reg = _checking.get()
+    if reg is not None:
+        reg.check_optimizer(opt)
+
+
+def _install_hooks() -> None:
+    if _hooks_installed:
+        return
+    from torch.nn.modules import module as module_mod
+    from torch.optim import optimizer as optim_mod
+
+    module_mod.register_module_forward_pre_hook(_check_module_hook)
+    optim_mod.register_optimizer_step_pre_hook(_check_optimizer_hook)
+    _hooks_installed.append(True)
 
 
 class MirrorRegistry:
@@ -182,6 +216,16 @@ class MirrorRegistry:
             self.comm.broadcast_tensors_(bufs, src=0)
 
     # --- checks -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """Inside ``strategy.run``: modules called and optimizers stepped must be mirrored."""
+        _install_hooks()
+        token = _checking.set(self)
+        try:
+            yield
+        finally:
+            _checking.reset(token)
+
     def is_mirrored(self, t: torch.Tensor) -> bool:
         return t in self._mirrored
 

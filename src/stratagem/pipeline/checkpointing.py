@@ -52,12 +52,17 @@ def replay_rng(state: RNGState) -> Iterator[None]:
 
 @contextlib.contextmanager
 def frozen_buffers(module: nn.Module) -> Iterator[None]:
-    """Undo buffer updates made in the body (BatchNorm running statistics are updated once per
-    micro-batch, in its first forward, not again when it is recomputed)."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    """Let the body update copies of the buffers, then put the originals back (BatchNorm running
+    statistics are updated once per micro-batch, in its first forward, not again when it is
+    recomputed; the originals are never written, so autograd's saved tensors stay valid)."""
+    swapped = []
+    for m in module.modules():
+        for k, b in list(m._buffers.items()):
+            if b is not None:
+                swapped.append((m, k, b))
+                m._buffers[k] = b.clone()
     try:
         yield
     finally:
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
+        for m, k, b in swapped:
+            m._buffers[k] = b

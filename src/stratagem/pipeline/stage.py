@@ -77,7 +77,7 @@ class Stage:
         return f"layer {self.layer_names[g]!r} ({self.layer_descriptions[g]})"
 
     # --- compute ----------------------------------------------------------------------------
-    def _run(self, x: Any, target: Any, scale: float) -> torch.Tensor:
+    def _run(self, x: Any, target: Any, scale: float, *, with_loss: bool = True) -> torch.Tensor:
         h = x
         for j, layer in enumerate(self.layers):
             try:
@@ -106,7 +106,7 @@ class Stage:
                     stage=self.index,
                 )
             return h
-        if self.loss_fn is None:
+        if self.loss_fn is None or not with_loss:
             return h
         loss = self.loss_fn(h, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -138,7 +138,7 @@ class Stage:
     def infer(self, x: Any) -> torch.Tensor:
         """Forward without autograd (prediction); nothing is kept."""
         with torch.no_grad():
-            return self._run(x, None, 1.0)
+            return self._run(x, None, 1.0, with_loss=False)
 
     def recompute(self, i: int) -> None:
         """Re-run the forward of micro-batch ``i`` if it was not kept, replaying its RNG state."""

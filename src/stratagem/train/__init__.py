@@ -3,8 +3,6 @@
 # --- fit, evaluate, predict (issue 6) ---
 from stratagem.train import callbacks, metrics
 from stratagem.train.callback import Callback, FitState
-from stratagem.train.fit import evaluate, fit, predict
-from stratagem.train.history import History
 
 # --- checkpoints (issue 5) ---
 from stratagem.train.checkpoint import (  # noqa: E402
@@ -13,3 +11,22 @@ from stratagem.train.checkpoint import (  # noqa: E402
     CheckpointManager,
     RNGState,
 )
+
+# --- fit, evaluate, predict (issue 6), continued ---
+from stratagem.train.fit import evaluate, fit, predict  # noqa: E402
+from stratagem.train.history import History  # noqa: E402
+
+__all__ = [
+    "Callback",
+    "Checkpoint",
+    "CheckpointCorruptError",
+    "CheckpointManager",
+    "FitState",
+    "History",
+    "RNGState",
+    "callbacks",
+    "evaluate",
+    "fit",
+    "metrics",
+    "predict",
+]

@@ -47,15 +47,14 @@ class FitState:
     #: Epoch and step to start from; set by a callback in ``on_train_begin`` to resume.
     initial_epoch: int = 0
     initial_step: int = 0
+    #: Whether this process prints and writes shared files (logs, plots): replica 0 (under a
+    #: pipeline, stage 0 of copy 0). Checkpoints are written by the CheckpointManager's rules.
+    is_chief: bool = False
     #: Installed by fit for an exact resume (see BackupAndRestore): ``capture(progress,
     #: epoch_end=...)`` fills a FitProgress with the data position, metric totals, history and
     #: RNG states (collective: every replica calls it); ``restore(progress)`` puts them back.
     capture: Callable[..., None] | None = None
     restore: Callable[..., None] | None = None
-
-    @property
-    def is_chief(self) -> bool:
-        return bool(self.strategy.extended.should_checkpoint)
 
 
 class Callback:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 
 from stratagem.train.callback import Callback, FitState, Logs
 from stratagem.train.progress import Progress
+from stratagem.train.resume import FitProgress
 
 __all__ = [
     "BackupAndRestore",
@@ -120,6 +122,142 @@ class EarlyStopping(Callback):
             if self.restore_best_weights and self.best_weights is not None:
                 with torch.no_grad():
                     self.model.load_state_dict(self.best_weights)
+
+
+def _check_save_freq(save_freq: str | int) -> None:
+    if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
+        raise ValueError(f"save_freq must be 'epoch' or a positive number of steps; got {save_freq!r}")
+
+
+class ModelCheckpoint(Callback):
+    """Save the model (and optimizer) with a CheckpointManager in ``directory/ckpt-<step>``.
+
+    ``save_freq="epoch"`` saves at each epoch end (step = epochs done); an integer ``n`` every
+    ``n`` optimizer steps (step = steps done). With ``save_best_only`` it saves only when
+    ``monitor`` improves (``mode`` min/max/auto, as EarlyStopping). Every replica takes part (the
+    save is collective; the chief writes). ``max_to_keep`` bounds the checkpoints kept.
+    Restore with ``CheckpointManager(Checkpoint(model=..., optimizer=...), directory).restore(path)``.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        monitor: str = "val_loss",
+        save_best_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        save_optimizer: bool = True,
+        max_to_keep: int | None = None,
+    ) -> None:
+        super().__init__()
+        _check_save_freq(save_freq)
+        self.directory = Path(directory)
+        self.monitor = monitor
+        self.save_best_only = save_best_only
+        self.mode = _resolve_mode(mode, monitor)
+        self.save_freq = save_freq
+        self.save_optimizer = save_optimizer
+        self.max_to_keep = max_to_keep
+        self.best = math.inf if self.mode == "min" else -math.inf
+        self.last_path: str | None = None
+        self._manager: Any = None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        from stratagem.train.checkpoint import Checkpoint, CheckpointManager
+
+        objects: dict[str, Any] = {"model": self.model}
+        if self.save_optimizer and self.optimizer is not None:
+            objects["optimizer"] = self.optimizer
+        self._manager = CheckpointManager(
+            Checkpoint(**objects), self.directory, self.max_to_keep, strategy=self.state.strategy
+        )
+
+    def _save(self, step: int, logs: Logs | None) -> None:
+        if self.save_best_only:
+            current = _monitored(logs, self.monitor, "ModelCheckpoint")
+            if current is None or not _improved(self.mode, current, self.best, 0.0):
+                return
+            self.best = current
+        self.last_path = self._manager.save(step)
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if isinstance(self.save_freq, int) and self.state.iterations % self.save_freq == 0:
+            self._save(self.state.iterations, logs)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(epoch + 1, logs)
+
+
+class BackupAndRestore(Callback):
+    """Back up the run to ``backup_dir`` so an interrupted fit resumes where it stopped.
+
+    Saved (with a CheckpointManager, atomically): model, optimizer, every replica's RNG states
+    and fit's progress (epoch, step, data position, the epoch's metric totals, the History). A
+    fit started with the same arguments and the same ``backup_dir`` restores the newest backup
+    that verifies (skipping a corrupt one) and goes on from that epoch and step, giving the result
+    of an uninterrupted run. ``save_freq="epoch"`` backs up at each epoch end, an integer ``n``
+    every ``n`` steps too. With a stratagem Dataset the input resumes from its iterator state;
+    other data are replayed from the start of the pass (exact only when re-iterating them gives
+    the same batches). When training ends normally the backups are deleted
+    (``delete_checkpoint=False`` keeps them). Put it before callbacks that should see the
+    restored state; resume with the same number of replicas. The state of other callbacks
+    (e.g. EarlyStopping's patience counter) is not backed up.
+    """
+
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike[str],
+        *,
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+        max_to_keep: int = 2,
+    ) -> None:
+        super().__init__()
+        _check_save_freq(save_freq)
+        self.backup_dir = Path(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.max_to_keep = max_to_keep
+        self.restored_from: str | None = None
+        self._progress = FitProgress()
+        self._manager: Any = None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        from stratagem.train.checkpoint import Checkpoint, CheckpointManager, RNGState
+
+        state = self.state
+        if state.capture is None or state.restore is None or self.optimizer is None:
+            raise RuntimeError("BackupAndRestore works only as a callback of stratagem.fit")
+        checkpoint = Checkpoint(model=self.model, optimizer=self.optimizer, rng=RNGState(), fit=self._progress)
+        self._manager = CheckpointManager(checkpoint, self.backup_dir, self.max_to_keep, strategy=state.strategy)
+        self.restored_from = self._manager.restore_or_initialize()
+        if self.restored_from is not None:
+            state.restore(self._progress)
+
+    def _backup(self, *, epoch_end: bool) -> None:
+        assert self.state.capture is not None
+        self.state.capture(self._progress, epoch_end=epoch_end)
+        self._manager.save(self.state.iterations)
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if isinstance(self.save_freq, int) and self.state.iterations % self.save_freq == 0:
+            self._backup(epoch_end=False)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if logs is not None:
+            self.state.history.update_last(logs)
+        self._backup(epoch_end=True)
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if not self.delete_checkpoint or self._manager is None:
+            return
+        self.state.strategy.barrier()
+        if self.is_chief:
+            for path in self._manager.checkpoints:
+                shutil.rmtree(path, ignore_errors=True)
+        self.state.strategy.barrier()
 
 
 class LearningRateScheduler(Callback):

@@ -43,12 +43,12 @@ def _strategy(strategy: Strategy | None) -> Strategy:
 def _make_steps(
     strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn | None
 ) -> Any:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    from stratagem.train.pipeline_steps import is_pipeline, pipeline_steps
+    from stratagem.train.pipeline_steps import PipelineSteps, is_pipeline
 
     if is_pipeline(strategy):
-        return pipeline_steps(strategy, model, optimizer, loss_fn)
+        return PipelineSteps(strategy, model, optimizer, loss_fn)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     return DataParallelSteps(strategy, model, optimizer, loss_fn)
 
 
@@ -145,7 +145,7 @@ def fit(
         "num_replicas": strategy.num_replicas_in_sync,
     }
     history = History(params)
-    state = FitState(model, optimizer, strategy, history, params)
+    state = FitState(steps.module, optimizer, strategy, history, params, is_chief=steps.is_chief)
     cbs = list(callbacks)
     mode = resolve_mode(verbose)
     if mode is not None and not any(isinstance(cb, Progress) for cb in cbs):
@@ -154,7 +154,6 @@ def fit(
 
     def capture(progress: FitProgress, *, epoch_end: bool) -> None:
         progress.capture(
-            strategy,
             epoch=state.epoch + 1 if epoch_end else state.epoch,
             step=0 if epoch_end else state.step,
             iterations=state.iterations,
@@ -168,8 +167,7 @@ def fit(
         batches.load_state_dict(saved["data"])
         history.load_state_dict(saved["history"])
         if saved["step"] > 0:
-            progress.restore_metrics(strategy, tracked)
-        progress.restore_rng(strategy)
+            progress.restore_metrics(tracked)
         state.initial_epoch, state.initial_step = int(saved["epoch"]), int(saved["step"])
         state.iterations = int(saved["iterations"])
 
@@ -189,7 +187,7 @@ def fit(
                 batches.begin_epoch()
             _sync(strategy, tracked)
             state.samples = int(tracked[0].global_totals()[1])
-            model.train()
+            steps.set_training(True)
             cblist.call("on_epoch_begin", epoch, None)
             for batch in _distribute(strategy, batches.epoch()):
                 cblist.call("on_train_batch_begin", state.step, None)
@@ -201,15 +199,14 @@ def fit(
                 cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
             logs = _logs(tracked)
             if validation_data is not None:
-                model.eval()
+                steps.set_training(False)
                 val = _run_test(strategy, steps, validation_data, val_tracked, cblist)
                 logs.update({f"val_{k}": v for k, v in val.items()})
-                model.train()
+                steps.set_training(True)
             history.record(epoch, logs)
             cblist.call("on_epoch_end", epoch, logs)  # callbacks may add logs (learning_rate)
             history.update_last(logs)
-            (stop,) = _sync(strategy, [], [float(state.stop_training)])
-            if stop > 0:
+            if steps.agree(state.stop_training):
                 state.stop_training = True
                 break
         cblist.call("on_train_end", dict(logs))
@@ -230,13 +227,13 @@ def evaluate(
     check_iterable(data, "data")
     tracked = [Mean("loss"), *get_all(metrics)]
     steps = _make_steps(strategy, model, None, loss_fn)
-    was_training = model.training
-    model.eval()
+    was_training = steps.module.training
+    steps.set_training(False)
     try:
         with context.strategy_scope(strategy):
             return _run_test(strategy, steps, data, tracked, None)
     finally:
-        model.train(was_training)
+        steps.set_training(was_training)
 
 
 def _concat(parts: list[Any]) -> Any:
@@ -257,14 +254,14 @@ def predict(model: nn.Module, data: Iterable[Any], *, strategy: Strategy | None 
     strategy = _strategy(strategy)
     check_iterable(data, "data")
     steps = _make_steps(strategy, model, None, None)
-    was_training = model.training
-    model.eval()
+    was_training = steps.module.training
+    steps.set_training(False)
     parts: list[Any] = []
     try:
         with context.strategy_scope(strategy):
             for batch in _distribute(strategy, data):
                 parts.append(steps.predict(batch))
     finally:
-        model.train(was_training)
+        steps.set_training(was_training)
     return _concat(parts)
 

@@ -77,7 +77,7 @@ class Progress(Callback):
 
     # --- output ----------------------------------------------------------------------------
     def _speaks(self) -> bool:
-        return self.all_replicas or self.state.strategy.extended.replica_id == 0
+        return self.all_replicas or self.state.is_chief
 
     def _write(self, text: str) -> None:
         out = self.stream if self.stream is not None else sys.stdout

@@ -48,8 +48,19 @@ class DataParallelSteps:
     def __init__(self, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn | None) -> None:
         self.strategy = strategy
         self.model = model
+        self.module = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        self.is_chief = bool(strategy.extended.should_checkpoint)
+
+    def set_training(self, mode: bool) -> None:
+        self.model.train(mode)
+
+    def agree(self, flag: bool) -> bool:
+        """Whether any replica raised ``flag`` (the same answer everywhere)."""
+        if self.strategy.num_replicas_in_sync == 1:
+            return flag
+        return bool(self.strategy.reduce("sum", torch.tensor(int(flag), dtype=torch.int64)) > 0)
 
     def train(self, batch: Any, loss_metric: Metric, metrics: Sequence[Metric]) -> None:
         model, optimizer, loss_fn = self.model, self.optimizer, self.loss_fn

@@ -1,0 +1,91 @@
+"""Functions the checkpoint tests run as separate processes (module level, importable)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from torch import nn
+
+from stratagem.cluster.resolvers import TorchrunClusterResolver
+from stratagem.comm.failure import FailureOptions
+from stratagem.data import Dataset
+from stratagem.distribute.bootstrap import CommunicationOptions
+from stratagem.distribute.multi_worker import MultiWorkerMirroredStrategy
+from stratagem.train.checkpoint import Checkpoint, CheckpointManager, RNGState
+
+FAST = CommunicationOptions(
+    timeout_seconds=60, failure=FailureOptions(heartbeat_seconds=0.5, dead_after_seconds=10, grace_seconds=3)
+)
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Dropout(0.25), nn.Linear(16, 1))
+
+
+def kill_during_write(directory: str) -> str:
+    """Save at step 1; at step 2 die (SIGKILL) after the first file of the checkpoint is written."""
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    manager = CheckpointManager(Checkpoint(model=model, optimizer=opt), directory, max_to_keep=3)
+    manager.save(1)
+
+    def die(name: str) -> None:
+        if name == "shared.safetensors":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    manager._on_file_written = die
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    manager.save(2)
+    return "unreachable"
+
+
+def _xy(i):
+    g = torch.Generator().manual_seed(int(i))
+    x = torch.randn(4, generator=g)
+    return x, x.sum(0, keepdim=True).sin()
+
+
+def resume_worker(directory: str, total: int, stop_after: int | None) -> dict:
+    """Train ``total`` steps (2 replicas, shuffled parallel pipeline, dropout, Adam); with
+    ``stop_after`` save there and SIGKILL every process. Resumes from ``directory`` if it holds
+    a checkpoint."""
+    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST)
+    rank = strategy.extended.replica_id
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.manual_seed(100 + rank)  # replicas' dropout streams differ: RNG state is per rank
+    ds = Dataset.range(400).shuffle(64, seed=7).map(_xy, num_parallel_calls=2).batch(8)
+    it = iter(strategy.experimental_distribute_dataset(ds))
+    step = torch.tensor(0)
+    ckpt = Checkpoint(model=model, optimizer=opt, data=it, rng=RNGState(), step=step)
+    manager = CheckpointManager(ckpt, directory, max_to_keep=2, strategy=strategy)
+    restored = manager.restore_or_initialize()
+    seen = []
+
+    def train_step(x, y):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).sum().div(8).backward()
+        opt.step()
+
+    while int(step) < total:
+        x, y = next(it)
+        seen.append(x.sum().item())
+        strategy.run(train_step, args=(x, y))
+        step += 1
+        if stop_after is not None and int(step) == stop_after:
+            manager.save(step)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return {
+        "restored": restored,
+        "start": total - len(seen),
+        "seen": seen,
+        "params": {k: v.clone() for k, v in model.state_dict().items()},
+        "opt": opt.state_dict(),
+    }

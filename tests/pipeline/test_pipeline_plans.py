@@ -1,0 +1,203 @@
+"""Pipeline plans as data: schedules, partitions, micro-batch scaling, configuration errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from stratagem.pipeline import (
+    Action,
+    PipelineConfig,
+    PipelineConfigError,
+    block_partition,
+    checkpoint_stop,
+    gpipe,
+    loss_scales,
+    make_schedule,
+    one_f_one_b,
+    simulate,
+    split_sizes,
+)
+from stratagem.pipeline.materialize import flatten, materialize
+from stratagem.pipeline.partition import Partition, check_balance
+from stratagem.pipeline.schedule import Schedule, check
+
+
+def test_gpipe_table():
+    assert str(gpipe(2, 4)) == (
+        "stage 0: F0 F1 F2 F3 B3 B2 B1 B0\n"
+        "stage 1: F0 F1 F2 F3 B3 B2 B1 B0"
+    )
+    assert gpipe(1, 2)[0] == (Action("F", 0), Action("F", 1), Action("B", 1), Action("B", 0))
+
+
+def test_1f1b_table():
+    assert str(one_f_one_b(3, 4)) == (
+        "stage 0: F0 F1 F2 B0 F3 B1 B2 B3\n"
+        "stage 1: F0 F1 B0 F2 B1 F3 B2 B3\n"
+        "stage 2: F0 B0 F1 B1 F2 B2 F3 B3"
+    )
+    # fewer micro-batches than stages still runs every micro-batch once
+    assert str(one_f_one_b(3, 1)) == "stage 0: F0 B0\nstage 1: F0 B0\nstage 2: F0 B0"
+
+
+def test_simulated_clock_and_bubble():
+    ticks = simulate(gpipe(2, 2))
+    assert [" ".join(str(a) if a else "--" for a in t) for t in ticks] == [
+        "F0 --", "F1 F0", "-- F1", "-- B1", "B1 B0", "B0 --",
+    ]  # fmt: skip
+    print(gpipe(2, 2).timeline())
+    for k, m in itertools.product([1, 2, 3, 4], [1, 2, 3, 5, 8]):
+        for plan in (gpipe(k, m), one_f_one_b(k, m)):
+            check(plan)
+            # forward and backward each take M + K - 1 ticks: the bubble of the GPipe paper
+            assert len(simulate(plan)) == 2 * (m + k - 1), (plan.name, k, m)
+
+
+def test_in_flight_micro_batches():
+    def peak(acts):
+        live = best = 0
+        for a in acts:
+            live += 1 if a.kind == "F" else -1
+            best = max(best, live)
+        return best
+
+    assert [peak(a) for a in gpipe(4, 8).stages] == [8, 8, 8, 8]
+    assert [peak(a) for a in one_f_one_b(4, 8).stages] == [4, 3, 2, 1]
+
+
+def test_bad_plans_are_refused():
+    bad = Schedule("x", 2, 1, ((Action("F", 0), Action("B", 0)), (Action("B", 0), Action("F", 0))))
+    with pytest.raises(ValueError, match="B0 before F0"):
+        check(bad)
+    swapped = Schedule("x", 2, 2, (gpipe(1, 2)[0], one_f_one_b(1, 2)[0]))
+    with pytest.raises(ValueError, match="different orders"):
+        check(swapped)
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+        make_schedule("zigzag", 2, 2)
+    assert make_schedule("1F1B", 2, 2) == one_f_one_b(2, 2)
+
+
+def _brute(costs, k):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+def test_block_partition():
+    assert block_partition([1, 1, 1, 1], 2) == [2, 2]
+    assert block_partition([4, 1, 1, 1, 1], 2) == [1, 4]
+    assert block_partition([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [5, 2, 2]
+    assert block_partition([0, 0, 0], 3) == [1, 1, 1]
+    assert block_partition([5], 1) == [1]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n = int(torch.randint(2, 9, (1,), generator=g))
+        k = int(torch.randint(1, n + 1, (1,), generator=g))
+        costs = torch.randint(0, 10, (n,), generator=g).tolist()
+        counts = block_partition(costs, k)
+        assert len(counts) == k and sum(counts) == n and min(counts) >= 1
+        bounds = [0, *itertools.accumulate(counts)]
+        assert max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])) == _brute(costs, k)
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        block_partition([1, 1], 3)
+
+
+def test_partition_report():
+    p = Partition((2, 1), "params", ("0", "1", "2"), (3.0, 0.0, 5.0))
+    assert list(p.layers(1)) == [2]
+    assert p.stage_costs() == (3.0, 5.0)
+    assert str(p) == (
+        "partition by params: balance=[2, 1]\n"
+        "  stage 0: layers 0..1 [0, 1]  cost 3\n"
+        "  stage 1: layers 2..2 [2]  cost 5"
+    )
+
+
+def test_balance_must_cover_every_layer():
+    assert check_balance([2, 3], 5, 2) == [2, 3]
+    with pytest.raises(PipelineConfigError, match=r"covers 4 layers but the model has 5"):
+        check_balance([2, 2], 5, 2)
+    with pytest.raises(PipelineConfigError, match=r"has 3 entries but there are 2 stages"):
+        check_balance([1, 1, 3], 5, 2)
+
+
+def test_micro_batches_and_loss_scales():
+    assert split_sizes(11, 4) == [3, 3, 3, 2]
+    assert split_sizes(8, 8) == [1] * 8
+    with pytest.raises(ValueError, match="a mini-batch of 3 examples cannot be split into 4"):
+        split_sizes(3, 4)
+    assert loss_scales([3, 2], "mean", 5) == [0.6, 0.4]
+    assert loss_scales([3, 2], "mean", 10) == [0.3, 0.2]  # another copy holds the other 5
+    assert loss_scales([3, 2], "sum", 10) == [1.0, 1.0]
+    assert [checkpoint_stop(m, 4) for m in ("always", "except_last", "never")] == [4, 3, 0]
+
+
+def test_config_validation_says_what_was_received():
+    cases = [
+        (dict(num_stages=0, num_microbatches=2), "num_stages must be an integer >= 1, got 0"),
+        (dict(num_stages=2, num_microbatches=0), "num_microbatches must be an integer >= 1, got 0"),
+        (dict(num_stages=2, num_microbatches=2, data_parallel=0), "data_parallel must be .* got 0"),
+        (dict(num_stages=2, num_microbatches=2, schedule="zigzag"), "schedule must be one of .* 'zigzag'"),
+        (dict(num_stages=2, num_microbatches=2, checkpoint="sometimes"), "checkpoint must be .*'sometimes'"),
+        (dict(num_stages=2, num_microbatches=2, balance=[3]), r"balance=\[3\] must hold 2 positive"),
+        (dict(num_stages=2, num_microbatches=2, balance=[2, 0]), r"balance=\[2, 0\]"),
+        (dict(num_stages=2, num_microbatches=2, balance="flops"), "'flops'"),
+    ]
+    for kw, msg in cases:
+        k, m = kw.pop("num_stages"), kw.pop("num_microbatches")
+        with pytest.raises(PipelineConfigError, match=msg):
+            PipelineConfig.build(k, m, **kw)
+    cfg = PipelineConfig.build(2, 4, data_parallel=2)
+    assert cfg.pipeline_groups() == [[0, 1], [2, 3]]
+    assert cfg.replica_groups() == [[0, 2], [1, 3]]
+    with pytest.raises(PipelineConfigError, match=r"has 3 processes .* needs 2 x 2 = 4"):
+        cfg.check_world(3)
+
+
+def test_strategy_validates_before_launching():
+    from stratagem.distribute.pipeline_strategy import PipelineStrategy
+
+    with pytest.raises(PipelineConfigError, match="num_microbatches must be an integer >= 1, got 0"):
+        PipelineStrategy(2, 0)
+
+
+def _model():
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.Sequential(nn.ReLU(), nn.Sequential(nn.Linear(6, 6))),
+        nn.BatchNorm1d(6), nn.Linear(6, 2),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("owned", [range(0, 2), range(2, 5)])
+def test_meta_model_materializes_like_the_unsplit_model(owned):
+    torch.manual_seed(3)
+    ref = _model()
+    after_ref = torch.rand(3)
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    with torch.device("meta"):
+        model = _model()
+    layers = flatten(model)
+    assert [n for n, _ in layers] == ["0", "1.0", "1.1.0", "2", "3"]
+    materialize(layers, owned, torch.device("cpu"), state)
+    assert torch.equal(torch.rand(3), after_ref)  # the RNG is where the unsplit build left it
+    refs = dict(ref.state_dict())
+    for j, (name, layer) in enumerate(layers):
+        for k, t in layer.state_dict().items():
+            if j in owned:
+                assert torch.equal(t, refs[f"{name}.{k}"]), (name, k)
+            else:
+                assert t.device.type == "meta"
+
+
+def test_flatten_needs_sequential():
+    with pytest.raises(PipelineConfigError, match="needs an nn.Sequential .* got Linear"):
+        flatten(nn.Linear(2, 2))

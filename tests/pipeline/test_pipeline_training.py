@@ -1,0 +1,294 @@
+"""PipelineStrategy on 2 and 4 gloo processes: parity with the unsplit model for every schedule x
+re-materialization mode x micro-batch count, dropout replay, BatchNorm, the hybrid with data
+parallelism, and failures that reach every process fast."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from stratagem.distribute.pipeline_strategy import PipelineStrategy
+from stratagem.pipeline import PipelineConfigError, PipelineError, StageShapeError
+from stratagem.testing import run_workers
+
+RTOL, ATOL = 1e-5, 4e-5
+
+
+def build(dropout: float = 0.0) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Linear(5, 16), nn.Tanh()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers += [nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, 3)]
+    return nn.Sequential(*layers)
+
+
+def build_bn() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8),
+                         nn.BatchNorm1d(8), nn.Linear(8, 3))  # fmt: skip
+
+
+def batches(sizes, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def make_pipe(strategy, model_fn, loss_fn, seed=0, **kw):
+    with strategy.scope():
+        torch.manual_seed(seed)
+        model = model_fn()
+        pipe = strategy.pipeline(model, loss_fn, verbose=False, **kw)
+        opt = sgd(pipe.parameters())
+    return pipe, opt
+
+
+def reference(model_fn, seed=0):
+    torch.manual_seed(seed)
+    model = model_fn()
+    return model, sgd(model.parameters())
+
+
+def compare(pipe, ref, what, errors, *, grads=True):
+    refs = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        r = refs[name]
+        a, b = (p.grad, r.grad) if grads else (p.detach(), r.detach())
+        if a is None or b is None or not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
+            diff = None if a is None or b is None else float((a - b).abs().max())
+            errors.append(f"{what}: {'grad' if grads else 'value'} of {name} differs (max {diff})")
+
+
+# --- launch 1: two stages, the whole matrix -----------------------------------------------------------
+def matrix_worker() -> dict:
+    errors: list[str] = []
+    out: dict = {}
+    data = batches([11, 11])
+    for schedule in ("gpipe", "1f1b"):
+        for checkpoint in ("always", "except_last", "never"):
+            for m in (1, 2, 8):
+                for reduction in ("mean", "sum"):
+                    what = f"{schedule}/{checkpoint}/M={m}/{reduction}"
+                    s = PipelineStrategy(2, m, schedule=schedule, checkpoint=checkpoint)
+                    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+                    pipe, opt = make_pipe(s, build, loss_fn)
+                    ref, ref_opt = reference(build)
+                    compare(pipe, ref, what + " init", errors, grads=False)
+                    for step, (x, y) in enumerate(data):
+                        loss = s.run(pipe.train_step, args=(x, y))
+                        ref_loss = loss_fn(ref(x), y)
+                        ref_loss.backward()
+                        if not torch.allclose(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL):
+                            errors.append(f"{what} step {step}: loss {float(loss)} != {float(ref_loss)}")
+                        compare(pipe, ref, f"{what} step {step}", errors)
+                        opt.step()
+                        opt.zero_grad()
+                        ref_opt.step()
+                        ref_opt.zero_grad()
+                    compare(pipe, ref, what + " after 2 steps", errors, grads=False)
+    out["names"] = [n for n, _ in pipe.named_parameters()]
+    out["partition"] = str(s.partition)
+    x = data[0][0]
+    pred = pipe.predict(x)
+    out["predict_ok"] = torch.allclose(pred, ref(x).detach(), rtol=RTOL, atol=ATOL)
+    out["reduced"] = float(s.reduce("sum", s.run(pipe.train_step, args=data[0])))
+    out["dropout"] = dropout_checks()
+    out["bn"] = batchnorm_checks(errors)
+    out["balance"] = balance_checks()
+    out["errors"] = errors
+    return out
+
+
+def dropout_checks() -> dict:
+    """Every mode and schedule gives the same dropout masks: recomputation replays the RNG."""
+    x, y = batches([12])[0]
+    results = {}
+    for schedule in ("gpipe", "1f1b"):
+        for checkpoint in ("always", "except_last", "never"):
+            s = PipelineStrategy(2, 4, schedule=schedule, checkpoint=checkpoint, balance=[3, 3])
+            pipe, _ = make_pipe(s, lambda: build(0.5), nn.CrossEntropyLoss())
+            torch.manual_seed(7)
+            loss = s.run(pipe.train_step, args=(x, y))
+            grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+            results[(schedule, checkpoint)] = (float(loss), grads)
+    base_loss, base = results[("gpipe", "never")]
+    # bit-identical across re-materialization modes; across schedules only the order in which
+    # micro-batch gradients are summed differs
+    same = all(
+        abs(loss - base_loss) < 1e-6 and all(torch.allclose(g[n], base[n], rtol=RTOL, atol=ATOL) for n in base)
+        for loss, g in results.values()
+    ) and all(
+        results[(sch, ck)][0] == results[(sch, "never")][0]
+        and all(torch.equal(results[(sch, ck)][1][n], results[(sch, "never")][1][n]) for n in base)
+        for sch in ("gpipe", "1f1b") for ck in ("always", "except_last")
+    )
+    s = PipelineStrategy(2, 4, balance=[3, 3])
+    pipe, _ = make_pipe(s, lambda: build(0.5), nn.CrossEntropyLoss())
+    pipe.eval()
+    eval_loss = float(s.run(pipe.train_step, args=(x, y)))
+    return {"same": same, "active": eval_loss != base_loss}
+
+
+def batchnorm_checks(errors) -> bool:
+    """BatchNorm uses per-micro-batch statistics (torchgpipe without deferred_batch_norm); its
+    running statistics are updated once per micro-batch, also when it is recomputed."""
+    x, y = batches([12])[0]
+    loss_fn = nn.CrossEntropyLoss()
+    for m in (1, 3):
+        for checkpoint in ("always", "never"):
+            s = PipelineStrategy(2, m, checkpoint=checkpoint, balance=[3, 3])
+            pipe, _ = make_pipe(s, build_bn, loss_fn)
+            s.run(pipe.train_step, args=(x, y))
+            ref, _ = reference(build_bn)
+            for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
+                (loss_fn(ref(xs), ys) * (len(xs) / len(x))).backward()
+            what = f"batchnorm M={m} {checkpoint}"
+            compare(pipe, ref, what, errors)
+            refs = dict(ref.named_buffers())
+            for name, b in pipe.named_buffers():
+                if not torch.allclose(b.float(), refs[name].float(), rtol=RTOL, atol=ATOL):
+                    errors.append(f"{what}: buffer {name} differs")
+    return True
+
+
+def balance_checks() -> dict:
+    s = PipelineStrategy(2, 2, balance="time")
+    heavy = lambda: nn.Sequential(nn.Linear(5, 512), nn.Linear(512, 512), nn.Linear(512, 512),  # noqa: E731
+                                  nn.Linear(512, 3))  # fmt: skip
+    x = torch.randn(64, 5)
+    make_pipe(s, heavy, nn.CrossEntropyLoss(), sample_input=x)
+    timed = list(s.partition.balance)
+    s = PipelineStrategy(2, 2, balance=[2, 2])
+    try:
+        make_pipe(s, build, nn.CrossEntropyLoss())
+        bad = "no error"
+    except PipelineConfigError as e:
+        bad = str(e)
+    try:
+        PipelineStrategy(3, 2)
+        world = "no error"
+    except PipelineConfigError as e:
+        world = str(e)
+    try:
+        s = PipelineStrategy(2, 2)
+        make_pipe(s, build, nn.functional.cross_entropy)
+        reduction = "no error"
+    except ValueError as e:
+        reduction = str(e)
+    return {"time": timed, "bad": bad, "world": world, "reduction": reduction}
+
+
+@pytest.mark.timeout(240)
+def test_two_stage_matrix():
+    results = run_workers(matrix_worker, 2, timeout=200)
+    r0, r1 = results[0].value, results[1].value
+    assert r0["errors"] == [] and r1["errors"] == []
+    assert r0["names"] == ["0.weight", "0.bias"]
+    assert r1["names"] == ["2.0.weight", "2.0.bias", "3.weight", "3.bias"]
+    assert "balance=[1, 4]" in r0["partition"]  # ties go to the earliest cut
+    assert r0["predict_ok"] and r1["predict_ok"]
+    assert r0["reduced"] == r1["reduced"]
+    for r in (r0, r1):
+        assert r["dropout"] == {"same": True, "active": True}
+        assert r["balance"]["time"] == r0["balance"]["time"]
+        assert r["balance"]["time"] in ([2, 2], [3, 1], [1, 3])
+        assert "covers 4 layers but the model has 5" in r["balance"]["bad"]
+        assert "has 2 processes but PipelineStrategy(num_stages=3" in r["balance"]["world"]
+        assert "loss_reduction='mean' or 'sum'" in r["balance"]["reduction"]
+
+
+# --- launch 2: a shape the next stage does not accept ----------------------------------------------
+def shape_worker() -> tuple[str, str, float]:
+    s = PipelineStrategy(2, 2, balance=[1, 1])
+    pipe, _ = make_pipe(s, lambda: nn.Sequential(nn.Linear(5, 7), nn.Linear(8, 3)), nn.CrossEntropyLoss())
+    x, y = batches([8])[0]
+    t0 = time.monotonic()
+    try:
+        s.run(pipe.train_step, args=(x, y))
+    except PipelineError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "none", "", 0.0
+
+
+@pytest.mark.timeout(60)
+def test_shape_mismatch_names_both_stages():
+    results = run_workers(shape_worker, 2, timeout=50)
+    for r in results:
+        kind, msg, secs = r.value
+        assert kind in ("StageShapeError", "PipelineError"), msg
+        assert "stage 1 cannot take the activation stage 0 sent" in msg
+        assert "[4, 7]" in msg and "Linear(in_features=8" in msg and "Linear(in_features=5" in msg
+        assert secs < 30
+    assert results[1].value[0] == StageShapeError.__name__
+
+
+# --- launch 3: an exception in one stage reaches every process ----------------------------------------
+class Boom(nn.Module):
+    def forward(self, x):
+        if getattr(self, "armed", False):
+            raise ValueError("boom in stage 1")
+        return x
+
+
+def failure_worker(schedule: str) -> tuple[str, float]:
+    s = PipelineStrategy(2, 4, schedule=schedule)
+    boom = Boom()
+    pipe, _ = make_pipe(s, lambda: nn.Sequential(nn.Linear(5, 8), nn.Linear(8, 8), boom,
+                                                  nn.Linear(8, 3)), nn.CrossEntropyLoss())  # fmt: skip
+    x, y = batches([8])[0]
+    s.run(pipe.train_step, args=(x, y))  # a good step first
+    boom.armed = True
+    t0 = time.monotonic()
+    try:
+        s.run(pipe.train_step, args=(x, y))
+    except PipelineError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", 0.0
+
+
+@pytest.mark.timeout(60)
+def test_exception_in_one_stage_reaches_every_process():
+    results = run_workers(failure_worker, 2, args=("1f1b",), timeout=50)
+    for r in results:
+        msg, secs = r.value
+        assert "boom in stage 1" in msg and "stage 1" in msg
+        assert secs < 30
+
+
+# --- launch 4: two stages x two data-parallel copies ----------------------------------------------------
+def hybrid_worker() -> list[str]:
+    errors: list[str] = []
+    for schedule, reduction in (("gpipe", "mean"), ("1f1b", "sum")):
+        s = PipelineStrategy(2, 2, schedule=schedule, data_parallel=2)
+        assert s.num_replicas_in_sync == 2
+        loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+        pipe, opt = make_pipe(s, build, loss_fn)
+        ref, ref_opt = reference(build)
+        global_batches = batches([12, 11])  # the second splits 6/5 across the copies
+        for step, (x, y) in enumerate(s.experimental_distribute_dataset(global_batches)):
+            loss = s.run(pipe.train_step, args=(x, y))
+            total = s.reduce("sum", loss)
+            gx, gy = global_batches[step]
+            ref_loss = loss_fn(ref(gx), gy)
+            ref_loss.backward()
+            what = f"hybrid {schedule}/{reduction} step {step}"
+            if not torch.allclose(total, ref_loss.detach(), rtol=RTOL, atol=ATOL):
+                errors.append(f"{what}: loss {float(total)} != {float(ref_loss)}")
+            compare(pipe, ref, what, errors)
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        compare(pipe, ref, f"hybrid {schedule} after 2 steps", errors, grads=False)
+    return errors
+
+
+@pytest.mark.timeout(180)
+def test_hybrid_two_stages_two_copies():
+    results = run_workers(hybrid_worker, 4, timeout=150)
+    assert [r.value for r in results] == [[]] * 4
