@@ -35,8 +35,10 @@ def imports(path: Path) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((node.lineno, node.module))
-            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if node.module == "stratagem"]
+            if node.module == "stratagem":  # from stratagem import data -> stratagem.data
+                out += [(node.lineno, f"stratagem.{a.name}") for a in node.names]
+            else:
+                out.append((node.lineno, node.module))
     return out
 
 

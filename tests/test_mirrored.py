@@ -213,3 +213,48 @@ def test_bad_input_errors_on_every_replica():
         assert "replica 0: float32[3]; replica 1: float32[4]" in res["shape"]
         assert "replica 0: (float32[2], float32[2]); replica 1: [float32[2]]" in res["structure"]
         assert res["after"] == 2.0
+
+
+# --- stratagem.data pipelines: rebatched and auto-sharded per replica ---------------------------
+
+
+def data_pipeline_worker(tmp: str) -> dict:
+    from pathlib import Path
+
+    from stratagem import data
+
+    strategy = sg.MirroredStrategy(num_replicas=2)
+    out = {}
+    shuffled = data.Dataset.range(10).shuffle(10, seed=1).batch(4)
+    out["global"] = [b.tolist() for b in shuffled]
+    out["shuffled"] = [b.tolist() for b in strategy.experimental_distribute_dataset(shuffled)]
+    dropped = data.Dataset.range(11).batch(4, drop_remainder=True)
+    out["dropped"] = [b.tolist() for b in strategy.experimental_distribute_dataset(dropped)]
+    # FILE policy: 3 files on 2 replicas; replica 1 runs dry first and gets zero-size batches
+    if strategy.extended.replica_id == 0:
+        for i, n in enumerate([4, 2, 4]):
+            Path(tmp, f"part{i}.txt").write_text("".join(f"{i}{j}\n" for j in range(n)))
+    strategy.barrier()
+    opts = data.Options()
+    opts.distribute.auto_shard_policy = data.AutoShardPolicy.FILE
+    lines = (
+        data.TextLineDataset(sorted(str(p) for p in Path(tmp).glob("part*.txt")))
+        .map(lambda s: int(s))
+        .batch(4)
+        .with_options(opts)
+    )
+    out["files"] = [b.tolist() for b in strategy.experimental_distribute_dataset(lines)]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_stratagem_datasets_are_rebatched_and_sharded(tmp_path):
+    r0, r1 = (r.value for r in run_workers(data_pipeline_worker, 2, args=(str(tmp_path),)))
+    # the union of the replicas' k-th batches is exactly the k-th global batch
+    assert [sorted(a + b) for a, b in zip(r0["shuffled"], r1["shuffled"])] == [sorted(g) for g in r0["global"]]
+    assert [len(b) for b in r0["shuffled"]] == [2, 2, 1] and [len(b) for b in r1["shuffled"]] == [2, 2, 1]
+    # drop_remainder: the partial third global batch is dropped on both replicas
+    assert r0["dropped"] == [[0, 2], [4, 6]] and r1["dropped"] == [[1, 3], [5, 7]]
+    # files 0 and 2 go to replica 0, file 1 to replica 1, which then gets zero-size batches
+    assert r0["files"] == [[0, 1], [2, 3], [20, 21], [22, 23]]
+    assert r1["files"] == [[10, 11], [], [], []]

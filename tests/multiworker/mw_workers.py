@@ -11,7 +11,11 @@ from torch import nn
 
 from stratagem.cluster.resolvers import TorchrunClusterResolver
 from stratagem.comm.failure import FailureOptions
-from stratagem.distribute.bootstrap import CommunicationOptions, connect_to_cluster, initialize_system
+from stratagem.distribute.bootstrap import (
+    CommunicationOptions,
+    connect_to_cluster,
+    initialize_system,
+)
 from stratagem.distribute.multi_worker import MultiWorkerMirroredStrategy
 
 FAST = CommunicationOptions(

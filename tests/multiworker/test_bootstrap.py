@@ -32,11 +32,6 @@ def test_initialize_system_names_a_different_torch_version():
         assert "rank 1: torch=0.0.1-other (worker 0 has" in r.stderr, r.stderr[-2000:]
 
 
-def test_initialize_system_passes_when_workers_agree():
-    results = run_workers(bootstrap_worker, 2, args=({}, None), timeout=90)
-    assert [r.value for r in results] == ["initialized"] * 2
-
-
 def test_connect_names_the_unreachable_address():
     port = find_free_port()
     resolver = SimpleClusterResolver(f"127.0.0.1:{port}", 2, 1)  # nobody hosts the store

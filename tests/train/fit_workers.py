@@ -141,3 +141,51 @@ def parity_worker(ref_backup_dir: str) -> dict[str, Any]:
     # the uninterrupted reference for the kill test
     out["backup_ref"] = backup_run(mirrored, ref_backup_dir, None)
     return out
+
+
+def pipeline_worker() -> dict[str, Any]:
+    """fit/evaluate/predict under PipelineStrategy(2 stages) vs OneDevice, in both usages."""
+    from stratagem.distribute.pipeline_strategy import PipelineStrategy
+
+    pipe_strategy = PipelineStrategy(2, 2)
+    one = sg.OneDeviceStrategy()
+    data, val = global_batches([8, 8, 5]), global_batches([6, 4], seed=2)
+    kw: dict[str, Any] = {"epochs": 2, "validation_data": val, "metrics": ["sparse_categorical_accuracy"]}
+    out: dict[str, Any] = {"stage": pipe_strategy.stage}
+    print(f"stage {pipe_strategy.stage} starts", flush=True)
+    # 1. as under any strategy: model and optimizer built in the scope
+    model, opt = build(pipe_strategy)
+    hist = fit(model, opt, nn.CrossEntropyLoss(), data, strategy=pipe_strategy, verbose=2, **kw)
+    local = {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
+    out["scope"] = {"params": local, "history": _history(hist)}
+    out["predict"] = predict(model, data, strategy=pipe_strategy)
+    out["evaluate"] = evaluate(model, nn.CrossEntropyLoss(), data, strategy=pipe_strategy)
+    # 2. the pipeline module's own recipe: the Pipe and an optimizer over its parameters
+    torch.manual_seed(0)
+    with pipe_strategy.scope():
+        pipe = pipe_strategy.pipeline(make_model(), nn.CrossEntropyLoss(), verbose=False)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    hist = fit(pipe, opt, nn.CrossEntropyLoss(), data, strategy=pipe_strategy, verbose=0, **kw)
+    out["pipe"] = {"params": {n: p.detach().clone() for n, p in pipe.named_parameters()}, "history": _history(hist)}
+    ref_model, ref_hist = train(one, data, **kw)
+    out["ref"] = {"params": params_of(ref_model), "history": _history(ref_hist)}
+    return out
+
+
+def multi_worker_worker() -> dict[str, Any]:
+    """fit under MultiWorkerMirroredStrategy (list and stratagem Dataset input) vs OneDevice."""
+    from stratagem.distribute.multi_worker import MultiWorkerMirroredStrategy
+
+    mw = MultiWorkerMirroredStrategy()
+    one = sg.OneDeviceStrategy()
+    data = global_batches([8, 8, 5, 1])
+    x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
+    kw: dict[str, Any] = {"epochs": 2, "metrics": ["sparse_categorical_accuracy"]}
+    m_model, m_hist = train(mw, data, **kw)
+    d_model, d_hist = train(mw, Dataset.from_tensor_slices((x, y)).batch(8), **kw)
+    o_model, o_hist = train(one, [(x[i : i + 8], y[i : i + 8]) for i in (0, 8, 16)], **kw)
+    r_model, r_hist = train(one, data, **kw)
+    return {
+        "list": (params_of(m_model), _history(m_hist)), "ref_list": (params_of(r_model), _history(r_hist)),
+        "dataset": (params_of(d_model), _history(d_hist)), "ref_dataset": (params_of(o_model), _history(o_hist)),
+    }

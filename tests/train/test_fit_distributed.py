@@ -88,3 +88,45 @@ def test_backup_and_restore_resumes_exactly_after_sigkill(two_replicas, tmp_path
         assert got["history"] == ref["history"]
         assert got["left"] == []  # backups are deleted when training ends normally
     assert ref["restored_from"] is None
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_fit_matches_one_device():
+    from fit_workers import global_batches, pipeline_worker
+
+    results = run_workers(pipeline_worker, 2, timeout=150)
+    stages = {r.value["stage"]: r for r in results}
+    assert sorted(stages) == [0, 1]
+    names = set()
+    for r in results:
+        v = r.value
+        ref = v["ref"]
+        for usage in ("scope", "pipe"):
+            got = v[usage]
+            assert got["params"], usage
+            for name, p in got["params"].items():
+                torch.testing.assert_close(p, ref["params"][name], rtol=1e-5, atol=4e-5, msg=f"{usage} {name}")
+                names.add(name)
+            assert got["history"].keys() == ref["history"].keys()
+            for k in ref["history"]:
+                assert got["history"][k] == pytest.approx(ref["history"][k], rel=1e-5), (usage, k)
+        assert v["predict"].shape == (21, 3)
+        y = torch.cat([b[1] for b in global_batches([8, 8, 5])])
+        assert v["evaluate"]["loss"] == pytest.approx(F.cross_entropy(v["predict"], y).item(), rel=1e-6)
+    assert names == {n for n in results[0].value["ref"]["params"]}  # the stages cover the model
+    torch.testing.assert_close(stages[0].value["predict"], stages[1].value["predict"], rtol=0, atol=0)
+    # only stage 0 prints
+    assert "stage 1 starts" in stages[1].stdout and "Epoch" not in stages[1].stdout
+    assert [ln.split(" - ")[0] for ln in stages[0].stdout.splitlines() if ln.startswith("Epoch")] == ["Epoch 1/2", "Epoch 2/2"]
+
+
+@pytest.mark.timeout(180)
+def test_multi_worker_fit_matches_one_device():
+    from fit_workers import multi_worker_worker
+
+    for r in run_workers(multi_worker_worker, 2, timeout=150):
+        v = r.value
+        for got, ref in (("list", "ref_list"), ("dataset", "ref_dataset")):
+            _same(v[got][0], v[ref][0])
+            for k in v[ref][1]:
+                assert v[got][1][k] == pytest.approx(v[ref][1][k], rel=1e-5), (got, k)

@@ -215,3 +215,53 @@ def test_progress_modes(capsys):
 
 def test_metrics_module_is_importable_as_documented():
     assert metrics.SparseCategoricalAccuracy().name == "sparse_categorical_accuracy"
+
+
+class Crash(C.Callback):
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.state.iterations == self.at:
+            raise KeyboardInterrupt("simulated interruption")
+
+
+@pytest.mark.parametrize("kind", ["list", "dataset"])
+def test_backup_and_restore_resumes_in_process(tmp_path, kind):
+    """Interrupted at every kind of point (mid-epoch, right after an epoch) then resumed: same run."""
+    data = global_batches([6, 6, 6, 4])
+    if kind == "dataset":
+        x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
+        data = Dataset.from_tensor_slices((x, y)).shuffle(22, seed=3).batch(6).repeat()
+    kw = {"epochs": 3, "steps_per_epoch": 3, "metrics": ["sparse_categorical_accuracy"], "verbose": 0}
+    ref_model, ref_hist = train(sg.OneDeviceStrategy(), data, **kw)
+    for crash_at in (4, 6):
+        backup = tmp_path / f"{kind}-{crash_at}"
+        model, opt = build(sg.OneDeviceStrategy())
+        with pytest.raises(KeyboardInterrupt):
+            fit(model, opt, nn.CrossEntropyLoss(), data, callbacks=[C.BackupAndRestore(backup, save_freq=2), Crash(crash_at)], **kw)
+        model, opt = build(sg.OneDeviceStrategy())
+        b = C.BackupAndRestore(backup, save_freq=2)
+        hist = fit(model, opt, nn.CrossEntropyLoss(), data, callbacks=[b], **kw)
+        assert b.restored_from is not None and b.restored_from.endswith(f"ckpt-{crash_at}")
+        _assert_same(params_of(model), params_of(ref_model), rtol=0, atol=0)
+        assert hist.history == ref_hist.history and hist.epoch == [0, 1, 2]
+        assert not list(backup.glob("ckpt-*"))
+
+
+def test_model_checkpoint_saves_and_restores(tmp_path):
+    from stratagem.train import Checkpoint, CheckpointManager
+
+    data, val = global_batches([8, 8]), global_batches([8], seed=5)
+    every = C.ModelCheckpoint(tmp_path / "every")
+    best = C.ModelCheckpoint(tmp_path / "best", monitor="val_loss", save_best_only=True)
+    model, opt = build(sg.OneDeviceStrategy(), lr=5.0)  # a large step: val_loss will not always improve
+    hist = fit(model, opt, nn.CrossEntropyLoss(), data, epochs=4, validation_data=val, callbacks=[every, best], verbose=0)
+    assert sorted(p.name for p in (tmp_path / "every").iterdir()) == ["ckpt-1", "ckpt-2", "ckpt-3", "ckpt-4"]
+    vals = hist.history["val_loss"]
+    improved = [i + 1 for i, v in enumerate(vals) if v < min(vals[:i], default=float("inf"))]
+    assert sorted(int(p.name[5:]) for p in (tmp_path / "best").iterdir()) == improved
+    fresh, _ = build(sg.OneDeviceStrategy())
+    CheckpointManager(Checkpoint(model=fresh), tmp_path / "every", strategy=sg.OneDeviceStrategy()).restore(every.last_path)
+    _assert_same(params_of(fresh), params_of(model), rtol=0, atol=0)

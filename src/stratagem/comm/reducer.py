@@ -8,7 +8,9 @@ backward pass (an autograd engine callback) the buckets not yet started are star
 reduction is waited for and the results are written back to ``.grad``, so the gradients are
 final before ``backward()`` returns. Each parameter carries one extra flag element in its bucket
 (1 if this replica produced a gradient for it in this backward pass): a parameter no replica
-touched keeps its ``.grad``; one touched anywhere gets the reduced gradient on every replica.
+touched keeps its ``.grad``; one touched anywhere gets the reduced gradient on every replica. The reduced gradients are views
+of the bucket buffers (as DDP's ``gradient_as_bucket_view``): the next backward pass overwrites
+them, so clone a gradient you want to keep across steps.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ class GradientReducer:
             p = self.params[i]
             view = buf[off : off + p.numel()]
             if i in self._touched and p.grad is not None:
-                view.copy_(p.grad.reshape(-1))
+                if p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad.reshape(-1))
                 buf[b.numel + k] = 1
             else:
                 view.zero_()
@@ -128,11 +131,9 @@ class GradientReducer:
                     if flags[k] == 0:
                         continue
                     p = self.params[i]
-                    g = buf[off : off + p.numel()].view(p.shape)
-                    if p.grad is None:
-                        p.grad = g.clone().to(p.device)
-                    else:
-                        p.grad.copy_(g)
+                    # the reduced gradient stays in the bucket (DDP's gradient_as_bucket_view):
+                    # no copy out, and a zero_grad(set_to_none=False) step accumulates in place
+                    p.grad = buf[off : off + p.numel()].view(p.shape)
         finally:
             self._reset()
 

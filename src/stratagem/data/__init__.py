@@ -15,7 +15,14 @@ from stratagem.data.options import (
     Options,
 )
 from stratagem.data.prefetch import PipelineClosed
-from stratagem.data.sharding import auto_shard, file_sources, shard_data, shard_files
+from stratagem.data.sharding import (
+    auto_shard,
+    file_sources,
+    last_batch,
+    rebatch_and_shard,
+    shard_data,
+    shard_files,
+)
 from stratagem.data.sources import TextLineDataset
 from stratagem.data.testing import assert_resumes_exactly
 from stratagem.data.tfrecord import (
@@ -53,7 +60,9 @@ __all__ = [
     "element_rng",
     "file_sources",
     "from_torch",
+    "last_batch",
     "masked_crc32c",
+    "rebatch_and_shard",
     "shard_data",
     "shard_files",
 ]

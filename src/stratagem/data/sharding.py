@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 from stratagem.data.batching import BatchDataset
@@ -115,3 +116,33 @@ def auto_shard(dataset: Dataset, num_shards: int, index: int) -> Dataset:
     if policy == AutoShardPolicy.AUTO and file_sources(dataset):
         return shard_files(dataset, num_shards, index)
     return shard_data(dataset, num_shards, index)
+
+
+def last_batch(dataset: Dataset) -> BatchDataset | None:
+    """The last ``batch``/``padded_batch`` on the pipeline's main chain, if it has one."""
+    node: Dataset | None = dataset
+    while node is not None:
+        if isinstance(node, BatchDataset):
+            return node
+        node = node._inputs[0] if len(node._inputs) == 1 else None
+    return None
+
+
+def rebatch_and_shard(dataset: Dataset, num_shards: int, index: int) -> Dataset | None:
+    """Worker ``index``'s pipeline when global batches of B are split over ``num_shards``.
+
+    The last ``batch(B)`` becomes ``batch(B / num_shards)`` and the pipeline is auto-sharded by
+    its policy, so each worker reads only its share. With the DATA policy worker ``i`` keeps
+    elements ``i, i + n, ...`` of each global batch, so the union of the workers' k-th batches
+    is exactly the k-th global batch. None when that does not apply (one shard, policy OFF, no
+    batch, or B not divisible by ``num_shards``): the caller then splits whole global batches.
+    """
+    if num_shards == 1 or dataset.options().resolved_auto_shard_policy == AutoShardPolicy.OFF:
+        return None
+    batch = last_batch(dataset)
+    if batch is None or batch.batch_size % num_shards:
+        return None
+    smaller = copy.copy(batch)
+    smaller.batch_size = batch.batch_size // num_shards
+    rebatched = _rewrite(dataset, lambda d: smaller if d is batch else None)
+    return auto_shard(rebatched, num_shards, index)

@@ -14,9 +14,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem import data
 from stratagem.comm import Communicator, nest
 from stratagem.distribute import context
-from stratagem.distribute.input import DistributedDataset, PerReplicaDatasets, place, to_tensors
+from stratagem.distribute.input import (
+    DistributedDataset,
+    PerReplicaDatasets,
+    ShardedDataset,
+    place,
+    to_tensors,
+)
 from stratagem.distribute.mirror import MirrorRegistry
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.strategy import StrategyExtended
@@ -144,6 +151,19 @@ class DataParallelExtended(StrategyExtended):
 
     # --- input ------------------------------------------------------------------------------
     def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]:
+        """Global batches split across replicas.
+
+        A stratagem Dataset ending in ``batch(B)`` (B divisible by the replicas, auto-shard
+        policy not OFF) is rebatched to ``B / N`` and auto-sharded, so each replica's pipeline
+        reads only its share; anything else is read whole by every replica and split.
+        """
+        n = self.num_replicas_in_sync
+        if n > 1 and isinstance(dataset, data.Dataset):
+            mine = data.rebatch_and_shard(dataset, n, self.replica_id)
+            if mine is not None:
+                batch = data.last_batch(dataset)
+                drop = bool(batch is not None and batch.drop_remainder)
+                return ShardedDataset(mine, self.comm, self._device, drop_remainder=drop)
         return DistributedDataset(dataset, self.comm, self._device)
 
     def distribute_datasets_from_function(

@@ -210,14 +210,35 @@ class PerReplicaDatasets:
         return PerReplicaIterator(iter(self.dataset), self.comm, self.device)
 
 
+class ShardedDataset:
+    """This replica's share of a rebatched, auto-sharded stratagem Dataset.
+
+    With ``drop_remainder`` the loop ends as soon as one replica's share ends (the global batch
+    it belongs to would be partial, and the global pipeline drops it); otherwise replicas that
+    run out take zero-size batches until every share has ended.
+    """
+
+    def __init__(self, dataset: Iterable[Any], comm: Communicator, device: torch.device | None, *, drop_remainder: bool) -> None:
+        self.dataset = dataset
+        self.comm = comm
+        self.device = device
+        self.drop_remainder = drop_remainder
+
+    def __iter__(self) -> Iterator[Any]:
+        return PerReplicaIterator(iter(self.dataset), self.comm, self.device, stop_when_uneven=self.drop_remainder)
+
+
 class PerReplicaIterator:
     """Yields this replica's batches; once its pipeline ends while others go on, zero-size ones."""
 
-    def __init__(self, source: Iterator[Any], comm: Communicator, device: torch.device | None) -> None:
+    def __init__(
+        self, source: Iterator[Any], comm: Communicator, device: torch.device | None, *, stop_when_uneven: bool = False
+    ) -> None:
         self.source = source
         self.comm = comm
         self.device = device
         self.vote = _Agreement(comm)
+        self.stop_when_uneven = stop_when_uneven
         self._empty: Any = None
 
     def __iter__(self) -> PerReplicaIterator:
@@ -237,7 +258,7 @@ class PerReplicaIterator:
     def __next__(self) -> Any:
         batch = next(self.source, _END)
         anyone, everyone = self.vote.vote(batch is not _END)
-        if not anyone:
+        if not anyone or (self.stop_when_uneven and not everyone):
             raise StopIteration
         if batch is not _END:
             batch = to_tensors(batch)

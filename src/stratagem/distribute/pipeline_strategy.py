@@ -38,6 +38,10 @@ from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.stage import Stage, describe
 
 
+#: the job this process joined (a second strategy in the same script reuses it)
+_launched: dict[str, ProcessEnv] = {}
+
+
 class PipelineExtended(StrategyExtended):
     """Stages over a pipeline communicator; copies of the pipeline over a replica communicator."""
 
@@ -236,7 +240,10 @@ class PipelineStrategy(Strategy):
         launched = ProcessEnv.from_environ()
         if launched is not None:
             config.check_world(launched.world_size)
-        env = ensure_replicas(config.world_size)
+        env = _launched.get("env")
+        if env is None or env.world_size != config.world_size:
+            env = ensure_replicas(config.world_size)
+            _launched["env"] = env
         if torch.cuda.is_available():
             device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         else:

@@ -9,6 +9,7 @@ exactly: a mismatched size aborts a gloo process.
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any
 
@@ -131,14 +132,14 @@ class Channel:
         except Exception:  # noqa: BLE001 - the peer may be gone already
             return False
         deadline = time.monotonic() + self.error_wait
-        while time.monotonic() < deadline:
-            try:
-                if all(w.is_completed() for w in works):
-                    return True
-            except Exception:  # noqa: BLE001
-                return False
-            time.sleep(0.005)
-        return False
+        try:
+            for w in works:
+                left = max(0.001, deadline - time.monotonic())
+                if not w.wait(timeout=datetime.timedelta(seconds=left)):
+                    return False
+        except Exception:  # noqa: BLE001 - timed out, or the peer is gone
+            return False
+        return True
 
     def flush(self) -> None:
         """Wait until every queued send has been received."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import nn
@@ -33,7 +33,13 @@ from stratagem.train.progress import Progress, resolve_mode
 from stratagem.train.resume import FitProgress
 from stratagem.train.steps import DataParallelSteps
 
+if TYPE_CHECKING:
+    from stratagem.pipeline.pipe import Pipe
+
 __all__ = ["evaluate", "fit", "predict"]
+
+#: A model: an nn.Module, or under PipelineStrategy also the Pipe from ``strategy.pipeline``.
+Model = Union[nn.Module, "Pipe"]
 
 
 def _strategy(strategy: Strategy | None) -> Strategy:
@@ -41,7 +47,7 @@ def _strategy(strategy: Strategy | None) -> Strategy:
 
 
 def _make_steps(
-    strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn | None
+    strategy: Strategy, model: Model, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn | None
 ) -> Any:
     from stratagem.train.pipeline_steps import PipelineSteps, is_pipeline
 
@@ -103,7 +109,7 @@ def _run_test(
 
 
 def fit(
-    model: nn.Module,
+    model: Model,
     optimizer: torch.optim.Optimizer,
     loss_fn: LossFn,
     data: Iterable[Any],
@@ -214,7 +220,7 @@ def fit(
 
 
 def evaluate(
-    model: nn.Module,
+    model: Model,
     loss_fn: LossFn,
     data: Iterable[Any],
     *,
@@ -244,7 +250,7 @@ def _concat(parts: list[Any]) -> Any:
     return nest.unflatten(treedef, [torch.cat([c[i] for c in columns]) for i in range(len(leaves0))])
 
 
-def predict(model: nn.Module, data: Iterable[Any], *, strategy: Strategy | None = None) -> Any:
+def predict(model: Model, data: Iterable[Any], *, strategy: Strategy | None = None) -> Any:
     """The model's outputs for every example of ``data``, in input order, on every replica.
 
     ``data`` yields global batches ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``;
