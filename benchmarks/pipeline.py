@@ -195,6 +195,8 @@ def torch_pipelining(
     part = nn.Sequential(*layers[start : start + balance[rank]])
     del full, layers
     stage = PipelineStage(part, rank, K, torch.device("cpu"))  # shapes inferred in the first step
+    if name == "1F1B" and m < K:
+        return float("nan"), [0] * K  # torch's Schedule1F1B needs M >= K
     cls = ScheduleGPipe if name == "GPipe" else Schedule1F1B
     sched = cls(stage, m, loss_fn=loss_fn)
 

@@ -265,3 +265,21 @@ def test_model_checkpoint_saves_and_restores(tmp_path):
     fresh, _ = build(sg.OneDeviceStrategy())
     CheckpointManager(Checkpoint(model=fresh), tmp_path / "every", strategy=sg.OneDeviceStrategy()).restore(every.last_path)
     _assert_same(params_of(fresh), params_of(model), rtol=0, atol=0)
+
+
+def test_backup_and_restore_skips_a_corrupt_newest_backup(tmp_path):
+    data = global_batches([6, 6, 6, 4])
+    ref_model, ref_hist = train(sg.OneDeviceStrategy(), data, epochs=2)
+    model, opt = build(sg.OneDeviceStrategy())
+    with pytest.raises(KeyboardInterrupt):
+        fit(model, opt, nn.CrossEntropyLoss(), data, epochs=2, verbose=0, callbacks=[C.BackupAndRestore(tmp_path, save_freq=2), Crash(7)])
+    newest = tmp_path / "ckpt-6"
+    blob = newest / "shared.safetensors"
+    blob.write_bytes(blob.read_bytes()[:-8])  # truncated: its sha256 no longer matches
+    model, opt = build(sg.OneDeviceStrategy())
+    b = C.BackupAndRestore(tmp_path, save_freq=2)
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        hist = fit(model, opt, nn.CrossEntropyLoss(), data, epochs=2, verbose=0, callbacks=[b])
+    assert b.restored_from is not None and b.restored_from.endswith("ckpt-4")
+    _assert_same(params_of(model), params_of(ref_model), rtol=0, atol=0)
+    assert hist.history == ref_hist.history

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from stratagem._version import __version__
 from stratagem.cluster.resolvers import ClusterResolver, ClusterSpec, detect
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.failure import FailureOptions
@@ -74,10 +75,8 @@ def connect_to_cluster(
 
 def local_facts(spec: ClusterSpec, config: Mapping[str, Any] | None) -> dict[str, Any]:
     """What every worker must agree on, as plain values."""
-    import stratagem
-
     return {
-        "stratagem": getattr(stratagem, "__version__", "?"),
+        "stratagem": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "world_size": spec.world_size,

@@ -37,7 +37,6 @@ from stratagem.pipeline.profile import param_costs, time_costs
 from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.stage import Stage, describe
 
-
 #: the job this process joined (a second strategy in the same script reuses it)
 _launched: dict[str, ProcessEnv] = {}
 
