@@ -152,16 +152,17 @@ def main() -> None:
                 row[f"{sched}/{ck}"] = timed(ours, args.steps, 1, barrier)
                 meter = ActivationMeter(list(pipe.parameters()))
                 stage = pipe.stage
+                # inputs kept for recomputation (stage 0's are views of the batch: free)
                 meter.extra = lambda st=stage: sum(  # type: ignore[misc]
-                    v.input.untyped_storage().nbytes()
+                    v.input.numel() * v.input.element_size()
                     for v in st._saved.values()
-                    if v.output is None and isinstance(v.input, torch.Tensor)
+                    if v.output is None and isinstance(v.input, torch.Tensor) and st.index > 0
                 )
                 fwd, rec = stage.forward, stage.recompute
 
-                def fwd_hook(*a: Any, _f: Any = fwd, **kw: Any) -> Any:
+                def fwd_hook(*a: Any, _f: Any = fwd, _m: Any = meter, **kw: Any) -> Any:
                     out = _f(*a, **kw)
-                    meter.sample()
+                    _m.sample()
                     return out
 
                 stage.forward = fwd_hook  # type: ignore[method-assign]
@@ -231,7 +232,8 @@ def report(rows: list[dict[str, Any]], t1: float, args: Any) -> None:
         print(
             f"{r['M']:>3} {r['ideal'] * 1e3:>7.1f} | {g * 1e3:>7.1f} {r['ideal'] / g:>5.2f} | "
             f"{g_rm * 1e3:>8.1f} | {f * 1e3:>7.1f} {r['ideal'] / f:>5.2f} | "
-            f"{tg * 1e3:>7.1f} {tg / g:>6.2f} | {tf * 1e3:>9.1f} {tf / f:>6.2f}"
+            f"{tg * 1e3:>7.1f} {tg / g:>6.2f} | "
+            + (f"{tf * 1e3:>9.1f} {tf / f:>6.2f}" if tf == tf else f"{'-':>9} {'-':>6}")
         )
     print("  ours/t = torch's time / ours at the same schedule and memory (no re-materialization); "
           "> 1 means we are faster")
@@ -240,6 +242,8 @@ def report(rows: list[dict[str, Any]], t1: float, args: Any) -> None:
           f"{'torch GPipe':>13} {'torch 1F1B':>13}")  # fmt: skip
 
     def fmt(v: list[int]) -> str:
+        if not any(v):
+            return "-"
         return "[" + ", ".join(f"{b / mib:.1f}" for b in v) + "]"
 
     for r in rows:
@@ -248,7 +252,8 @@ def report(rows: list[dict[str, Any]], t1: float, args: Any) -> None:
             f"{fmt(r['mem 1f1b/never']):>13} {fmt(r['mem 1f1b/except_last']):>13} | "
             f"{fmt(r['mem torch GPipe']):>13} {fmt(r['mem torch 1F1B']):>13}"
         )
-    print("  +rm: checkpoint='except_last' (re-materialization); others: checkpoint='never'")
+    print("  +rm: checkpoint='except_last' (re-materialization); others: checkpoint='never'; "
+          "torch's Schedule1F1B needs M >= 2")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import sys
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -230,11 +231,11 @@ class Crash(C.Callback):
 @pytest.mark.parametrize("kind", ["list", "dataset"])
 def test_backup_and_restore_resumes_in_process(tmp_path, kind):
     """Interrupted at every kind of point (mid-epoch, right after an epoch) then resumed: same run."""
-    data = global_batches([6, 6, 6, 4])
+    data: Any = global_batches([6, 6, 6, 4])
     if kind == "dataset":
         x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])
         data = Dataset.from_tensor_slices((x, y)).shuffle(22, seed=3).batch(6).repeat()
-    kw = {"epochs": 3, "steps_per_epoch": 3, "metrics": ["sparse_categorical_accuracy"], "verbose": 0}
+    kw: dict[str, Any] = {"epochs": 3, "steps_per_epoch": 3, "metrics": ["sparse_categorical_accuracy"], "verbose": 0}
     ref_model, ref_hist = train(sg.OneDeviceStrategy(), data, **kw)
     for crash_at in (4, 6):
         backup = tmp_path / f"{kind}-{crash_at}"
@@ -263,6 +264,7 @@ def test_model_checkpoint_saves_and_restores(tmp_path):
     improved = [i + 1 for i, v in enumerate(vals) if v < min(vals[:i], default=float("inf"))]
     assert sorted(int(p.name[5:]) for p in (tmp_path / "best").iterdir()) == improved
     fresh, _ = build(sg.OneDeviceStrategy())
+    assert every.last_path is not None
     CheckpointManager(Checkpoint(model=fresh), tmp_path / "every", strategy=sg.OneDeviceStrategy()).restore(every.last_path)
     _assert_same(params_of(fresh), params_of(model), rtol=0, atol=0)
 

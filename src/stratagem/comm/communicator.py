@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.comm import nest
+from stratagem.comm.eager import eager_only
 from stratagem.comm.errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -105,11 +106,9 @@ class Communicator(abc.ABC):
         process's. Every member must call with the same ``groups``."""
 
     # --- structured collectives ------------------------------------------------------------
-    @torch.compiler.disable
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return self.all_gather_object(obj if self.rank == src else None)[src]
 
-    @torch.compiler.disable
     def check_same(self, what: str, value: Any) -> None:
         """Raise ReplicaMismatchError on every member unless all passed alike values."""
         if self.world_size == 1:
@@ -126,7 +125,6 @@ class Communicator(abc.ABC):
             f"replicas ({listing}); every replica must pass the same structure and shapes"
         )
 
-    @torch.compiler.disable
     def all_reduce(self, value: Any, op: str = "sum", *, check: bool = True) -> Any:
         """``value`` (tensors or numbers, nested) reduced across the group; new tensors."""
         if op not in OPS:
@@ -163,7 +161,6 @@ class Communicator(abc.ABC):
                 offset += n
         return [t for t in out if t is not None]
 
-    @torch.compiler.disable
     def gather_varlen(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every member's ``tensor`` along ``dim``; sizes along ``dim`` may differ."""
         if self.world_size == 1:
@@ -177,7 +174,6 @@ class Communicator(abc.ABC):
         cat = torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])
         return cat.to(tensor.device).movedim(0, dim) if tensor.dim() else cat.to(tensor.device)
 
-    @torch.compiler.disable
     def broadcast_tensors_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` with ``src``'s, one flat message per dtype."""
         if self.world_size == 1:
@@ -194,6 +190,9 @@ class Communicator(abc.ABC):
                     n = t.numel()
                     t.copy_(flat[offset : offset + n].view(t.shape))
                     offset += n
+
+
+eager_only(Communicator, ["broadcast_object", "check_same", "all_reduce", "gather_varlen", "broadcast_tensors_"])
 
 
 class LocalCommunicator(Communicator):

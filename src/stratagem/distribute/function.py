@@ -20,6 +20,9 @@ class Function:
         if self._compiled is None:
             import torch
 
+            from stratagem.comm.eager import disable_for_compiler
+
+            disable_for_compiler()  # collectives run eagerly between compiled regions
             self._compiled = torch.compile(self.python_function, **self.compile_kwargs)
         return self._compiled(*args, **kwargs)
 

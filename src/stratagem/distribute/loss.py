@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
+from stratagem.comm.eager import eager_only
 from stratagem.distribute import context
 
 
@@ -39,10 +41,12 @@ def compute_average_loss(
     return loss.sum() / max(int(global_batch_size), 1)
 
 
-@torch.compiler.disable
 def _global_count(local: int) -> int:
     """The number of examples in this step over all replicas (runs eagerly, also when compiled)."""
     ctx = context.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return local
     return int(ctx.all_reduce("sum", torch.tensor(local, dtype=torch.int64)))
+
+
+eager_only(sys.modules[__name__], ["_global_count"])
