@@ -18,6 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--epochs", type=int, default=12)
     demo.add_argument("--batch-size", type=int, default=64, help="global batch size")
     demo.add_argument("--plot", default="demo_history.png", help="where to write the training plot")
+    demo.add_argument("--custom-loop", action="store_true", help="the hand-written loop instead of fit")
 
     try:
         run_cmd: Any = importlib.import_module("stratagem.cli.run")
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from stratagem.cli.demo import run_demo
 
-        return run_demo(args.replicas, args.epochs, args.batch_size, args.plot)
+        return run_demo(args.replicas, args.epochs, args.batch_size, args.plot, args.custom_loop)
     if args.command == "run" and run_cmd is not None:
         return int(run_cmd.main(args))
     parser.error(f"unknown command {args.command}")
