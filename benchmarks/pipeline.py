@@ -6,12 +6,14 @@ would). For M in {1, 2, 4, 8, 16} it prints the time per mini-batch of stratagem
 (with and without re-materialization) and of torch's schedules, the ideal time from the bubble
 formula, ``T1 * (M + K - 1) / (M * K)`` with T1 the unsplit model's forward+backward on one
 single-threaded process, and the activation memory each stage holds for backward at its peak
-(autograd-saved tensors plus the inputs kept for recomputation), with ratios.
+(autograd-saved tensors plus the inputs kept for recomputation), with ratios. All variants run
+interleaved, round by round, so they see the same load; the best round is reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import weakref
@@ -85,58 +87,39 @@ class _Held:
             m.release(self.key)
 
 
-def timed(step: Any, steps: int, warmup: int, barrier: Any) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8, help="Linear+ReLU blocks (split evenly)")
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=16, help="[Linear, ReLU] blocks (split evenly)")
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds (after one warm-up)")
     ap.add_argument("--micro", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     args = ap.parse_args()
 
     first = PipelineStrategy(K, 1, checkpoint="never")  # starts the second process, joins the job
     torch.set_num_threads(1)
     rank = first.stage
-    ext = first._pipeline_ext
-    world = ext.world
-    barrier = world.barrier
+    world = first._pipeline_ext.world
     n_mods = 2 * args.layers + 1
     balance = [2 * (args.layers // 2), n_mods - 2 * (args.layers // 2)]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
     loss_fn = nn.CrossEntropyLoss()
+    torch.manual_seed(0)
+    full = build(args.width, args.layers) if rank == 0 else None
 
-    # T1: the unsplit model on one single-threaded process (the other waits at a barrier)
-    t1 = 0.0
-    if rank == 0:
-        torch.manual_seed(0)
-        full = build(args.width, args.layers)
-
-        def unsplit() -> None:
-            loss_fn(full(x), y).backward()
+    def unsplit(m: int) -> None:
+        """The unsplit model on rank 0 (rank 1 waits), micro-batch by micro-batch if m > 1."""
+        if full is not None:
+            for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
+                loss_fn(full(xs), ys).backward()
             full.zero_grad(set_to_none=True)
-
-        t1 = timed(unsplit, args.steps, 1, lambda: None)
-        del full
-    barrier()
-    t1 = float(world.broadcast_object(t1, src=0))
 
     rows = []
     for m in args.micro:
-        row: dict[str, Any] = {"M": m, "ideal": t1 * (m + K - 1) / (m * K)}
+        runners: dict[str, Any] = {"T1": lambda: unsplit(1), "T1'": lambda m=m: unsplit(m)}
+        mems: dict[str, list[int]] = {}
         for sched in ("gpipe", "1f1b"):
             for ck in ("never", "except_last"):
                 s = PipelineStrategy(K, m, schedule=sched, checkpoint=ck, balance=balance)
@@ -149,55 +132,84 @@ def main() -> None:
                     for p in pipe.parameters():
                         p.grad = None
 
-                row[f"{sched}/{ck}"] = timed(ours, args.steps, 1, barrier)
-                meter = ActivationMeter(list(pipe.parameters()))
-                stage = pipe.stage
-                # inputs kept for recomputation (stage 0's are views of the batch: free)
-                meter.extra = lambda st=stage: sum(  # type: ignore[misc]
-                    v.input.numel() * v.input.element_size()
-                    for v in st._saved.values()
-                    if v.output is None and isinstance(v.input, torch.Tensor) and st.index > 0
-                )
-                fwd, rec = stage.forward, stage.recompute
-
-                def fwd_hook(*a: Any, _f: Any = fwd, _m: Any = meter, **kw: Any) -> Any:
-                    out = _f(*a, **kw)
-                    _m.sample()
-                    return out
-
-                stage.forward = fwd_hook  # type: ignore[method-assign]
-                with meter.hooks():
-                    ours()
-                stage.forward, stage.recompute = fwd, rec  # type: ignore[method-assign]
-                peaks = world.all_gather_object(meter.peak)
-                row[f"mem {sched}/{ck}"] = peaks
+                runners[f"{sched}/{ck}"] = ours
+                mems[f"{sched}/{ck}"] = world.all_gather_object(our_memory(pipe, ours))
         for name in ("GPipe", "1F1B"):
-            row[f"torch {name}"], row[f"mem torch {name}"] = torch_pipelining(
-                name, m, args, balance, x, y, loss_fn, rank, world, barrier
-            )
+            if name == "1F1B" and m < K:
+                continue  # torch's Schedule1F1B needs M >= K
+            step, part = torch_pipelining(name, m, args, balance, x, y, loss_fn, rank)
+            runners[f"torch {name}"] = step
+            step()  # torch infers the shapes in the first step
+            meter = ActivationMeter(list(part.parameters()))
+            with meter.hooks():
+                step()
+            mems[f"torch {name}"] = world.all_gather_object(meter.peak)
+        # interleaved rounds: every runner sees the same machine load; best and median kept
+        walls: dict[str, list[float]] = {k: [] for k in runners}
+        cpus: dict[str, list[float]] = {k: [] for k in runners}
+        for r in range(args.rounds + 1):
+            for key, fn in runners.items():
+                world.barrier()
+                c0, t0 = time.process_time(), time.perf_counter()
+                fn()
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if r:
+                    walls[key].append(wall)
+                    cpus[key].append(cpu)
+        all_cpu = world.all_gather_object({k: statistics.median(v) for k, v in cpus.items()})
+        row: dict[str, Any] = {"M": m, "mem": mems}
+        for key in runners:
+            row[key] = (min(walls[key]), statistics.median(walls[key]))
+            row["cpu " + key] = sum(c[key] for c in all_cpu)
+        row["T1"] = world.broadcast_object(row["T1"], src=0)
+        row["T1'"] = world.broadcast_object(row["T1'"], src=0)
         rows.append(row)
         if rank == 0:
             print(f"done M={m}", flush=True)
-
     if rank == 0:
-        report(rows, t1, args)
+        report(rows, args)
+
+
+def our_memory(pipe: Any, step: Any) -> int:
+    """Peak activation bytes of one step of ``pipe``'s stage (saved tensors + kept inputs)."""
+    meter = ActivationMeter(list(pipe.parameters()))
+    stage = pipe.stage
+
+    def kept() -> int:  # inputs kept for recomputation (stage 0's are views of the batch: free)
+        return sum(
+            v.input.numel() * v.input.element_size()
+            for v in stage._saved.values()
+            if v.output is None and isinstance(v.input, torch.Tensor) and stage.index > 0
+        )
+
+    meter.extra = kept
+    fwd = stage.forward
+
+    def fwd_hook(*a: Any, **kw: Any) -> Any:
+        out = fwd(*a, **kw)
+        meter.sample()
+        return out
+
+    stage.forward = fwd_hook
+    try:
+        with meter.hooks():
+            step()
+    finally:
+        stage.forward = fwd
+    return meter.peak
 
 
 def torch_pipelining(
-    name: str, m: int, args: Any, balance: list[int], x: Any, y: Any, loss_fn: Any,
-    rank: int, world: Any, barrier: Any,
-) -> tuple[float, list[int]]:  # fmt: skip
+    name: str, m: int, args: Any, balance: list[int], x: Any, y: Any, loss_fn: Any, rank: int
+) -> tuple[Any, nn.Module]:
+    """One step of torch.distributed.pipelining's schedule on the same split, and the stage."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     torch.manual_seed(0)
-    full = build(args.width, args.layers)
-    layers = list(full)
+    layers = list(build(args.width, args.layers))
     start = sum(balance[:rank])
     part = nn.Sequential(*layers[start : start + balance[rank]])
-    del full, layers
     stage = PipelineStage(part, rank, K, torch.device("cpu"))  # shapes inferred in the first step
-    if name == "1F1B" and m < K:
-        return float("nan"), [0] * K  # torch's Schedule1F1B needs M >= K
     cls = ScheduleGPipe if name == "GPipe" else Schedule1F1B
     sched = cls(stage, m, loss_fn=loss_fn)
 
@@ -209,51 +221,70 @@ def torch_pipelining(
         for p in part.parameters():
             p.grad = None
 
-    t = timed(step, args.steps, 1, barrier)
-    meter = ActivationMeter(list(part.parameters()))
-    with meter.hooks():
-        step()
-    return t, world.all_gather_object(meter.peak)
+    return step, part
 
 
-def report(rows: list[dict[str, Any]], t1: float, args: Any) -> None:
+def report(rows: list[dict[str, Any]], args: Any) -> None:
     mib = 1024 * 1024
+    t1 = rows[0]["T1"][0]
     print(
-        f"\n2-stage MLP: {args.layers} x Linear({args.width}, {args.width})+ReLU, batch {args.batch}, "
-        f"2 processes x 1 thread; unsplit model fwd+bwd on 1 thread T1 = {t1 * 1e3:.1f} ms"
+        f"\n2-stage MLP: {args.layers} x [Linear({args.width}, {args.width}), ReLU] + Linear, batch "
+        f"{args.batch}, 2 processes x 1 thread; {args.rounds} interleaved rounds per M"
     )
-    print("times: ms per mini-batch (median of steps); ratio = ideal / measured (1.00 = ideal)")
-    hdr = (f"{'M':>3} {'ideal':>7} | {'gpipe':>7} {'eff':>5} | {'gpipe+rm':>8} | {'1f1b':>7} {'eff':>5} | "
-           f"{'torchGP':>7} {'ours/t':>6} | {'torch1F1B':>9} {'ours/t':>6}")  # fmt: skip
-    print(hdr)
-    for r in rows:
-        g, g_rm, f = r["gpipe/never"], r["gpipe/except_last"], r["1f1b/never"]
-        tg, tf = r["torch GPipe"], r["torch 1F1B"]
-        print(
-            f"{r['M']:>3} {r['ideal'] * 1e3:>7.1f} | {g * 1e3:>7.1f} {r['ideal'] / g:>5.2f} | "
-            f"{g_rm * 1e3:>8.1f} | {f * 1e3:>7.1f} {r['ideal'] / f:>5.2f} | "
-            f"{tg * 1e3:>7.1f} {tg / g:>6.2f} | "
-            + (f"{tf * 1e3:>9.1f} {tf / f:>6.2f}" if tf == tf else f"{'-':>9} {'-':>6}")
-        )
-    print("  ours/t = torch's time / ours at the same schedule and memory (no re-materialization); "
-          "> 1 means we are faster")
-    print("\npeak activation memory held for backward, MiB per stage [stage 0, stage 1]")
-    print(f"{'M':>3} | {'gpipe':>13} {'gpipe+rm':>13} | {'1f1b':>13} {'1f1b+rm':>13} | "
-          f"{'torch GPipe':>13} {'torch 1F1B':>13}")  # fmt: skip
+    print(f"unsplit model fwd+bwd on 1 thread: T1 = {t1 * 1e3:.1f} ms (best round)")
+    print("ms per mini-batch: best round (median); eff = ideal / best")
+    print("  ideal = T1 (M+K-1)/(MK) (the bubble formula); ideal' = the same with T1' = the unsplit")
+    print("  model run micro-batch by micro-batch (adds the cost of smaller matrices)")
+    hdr = [f"{'M':>3}", f"{'ideal':>6}", f"{'ideal2':>6}", "|", f"{'stratagem gpipe':>15}",
+           f"{'eff':>5}", f"{'eff2':>5}", "|", f"{'torch GPipe':>15}", f"{'t/ours':>6}", "|",
+           f"{'stratagem 1f1b':>15}", f"{'torch 1F1B':>15}", f"{'t/ours':>6}"]  # fmt: skip
+    print(" ".join(hdr).replace("ideal2", "ideal'").replace(" eff2", " eff'"))
 
-    def fmt(v: list[int]) -> str:
-        if not any(v):
-            return "-"
-        return "[" + ", ".join(f"{b / mib:.1f}" for b in v) + "]"
+    def cell(v: Any) -> str:
+        return (f"{v[0] * 1e3:.1f} ({v[1] * 1e3:.0f})" if v else "-").rjust(15)
 
     for r in rows:
+        m = r["M"]
+        ideal = t1 * (m + K - 1) / (m * K)
+        ideal2 = r["T1'"][0] * (m + K - 1) / (m * K)
+        g, f = r["gpipe/never"], r["1f1b/never"]
+        tg, tf = r.get("torch GPipe"), r.get("torch 1F1B")
+        ratio_f = f"{tf[0] / f[0]:>6.2f}" if tf else f"{'-':>6}"
         print(
-            f"{r['M']:>3} | {fmt(r['mem gpipe/never']):>13} {fmt(r['mem gpipe/except_last']):>13} | "
-            f"{fmt(r['mem 1f1b/never']):>13} {fmt(r['mem 1f1b/except_last']):>13} | "
-            f"{fmt(r['mem torch GPipe']):>13} {fmt(r['mem torch 1F1B']):>13}"
+            f"{m:>3} {ideal * 1e3:>6.1f} {ideal2 * 1e3:>6.1f} | {cell(g)} {ideal / g[0]:>5.2f} "
+            f"{ideal2 / g[0]:>5.2f} | {cell(tg)} {tg[0] / g[0]:>6.2f} | {cell(f)} {cell(tf)} {ratio_f}"
         )
-    print("  +rm: checkpoint='except_last' (re-materialization); others: checkpoint='never'; "
-          "torch's Schedule1F1B needs M >= 2")
+    print("  t/ours = torch's best time / ours, same schedule and memory (no re-materialization);")
+    print("  > 1: stratagem is faster")
+    print("\nre-materialization (checkpoint='except_last'): best ms, and x time without it")
+    for r in rows:
+        a, b = r["gpipe/except_last"], r["1f1b/except_last"]
+        print(
+            f"  M={r['M']:>2}: gpipe {a[0] * 1e3:6.1f} (x{a[0] / r['gpipe/never'][0]:.2f})   "
+            f"1f1b {b[0] * 1e3:6.1f} (x{b[0] / r['1f1b/never'][0]:.2f})"
+        )
+    print("\nCPU ms per mini-batch summed over both stages (all threads, median round)")
+    for r in rows:
+        a, b = r["cpu gpipe/never"], r.get("cpu torch GPipe", 0.0)
+        print(
+            f"  M={r['M']:>2}: stratagem GPipe {a * 1e3:6.1f}, torch ScheduleGPipe {b * 1e3:6.1f} "
+            f"(torch/ours {b / a:.2f}); unsplit T1 {r['cpu T1'] * 1e3:.1f}"
+        )
+    print(
+        f"  load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other "
+        "processes on this machine make absolute times noisy)"
+    )
+    print("\npeak activation memory held for backward, MiB [stage 0, stage 1]")
+    print("(autograd-saved tensors + inputs kept for recomputation)")
+    keys = ["gpipe/never", "gpipe/except_last", "1f1b/never", "1f1b/except_last",
+            "torch GPipe", "torch 1F1B"]  # fmt: skip
+    print(f"{'M':>3} | " + " ".join(f"{k:>17}" for k in keys))
+    for r in rows:
+        cells = []
+        for k in keys:
+            v = r["mem"].get(k)
+            cells.append(("[" + ", ".join(f"{b / mib:.1f}" for b in v) + "]") if v else "-")
+        print(f"{r['M']:>3} | " + " ".join(f"{c:>17}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -63,3 +63,26 @@ def write_text_files(directory: str, n_files: int = 4, lines: int = 7) -> list[s
                 fh.write(f"file {f} line {f * 100 + i}\n")
         paths.append(path)
     return paths
+
+
+def fail_on(bad: int, x: int) -> int:
+    """``functools.partial(fail_on, bad)``: raises on element ``bad``."""
+    if x == bad:
+        raise KeyError(f"boom at {x}")
+    return x
+
+
+class UnpicklableError(Exception):
+    def __init__(self, a: str, b: str) -> None:  # pickles, but does not unpickle
+        super().__init__(a)
+        self.b = b
+
+
+def raise_unpicklable(x: int) -> int:
+    if x == 3:
+        raise UnpicklableError("odd", "state")
+    return x
+
+
+def double_leaves(element: dict) -> dict:
+    return {"a": element["a"] * 2, "b": (element["b"][0] + 1, str(element["b"][1]))}

@@ -292,3 +292,21 @@ def hybrid_worker() -> list[str]:
 def test_hybrid_two_stages_two_copies():
     results = run_workers(hybrid_worker, 4, timeout=150)
     assert [r.value for r in results] == [[]] * 4
+
+
+# --- launch 5: a plain `python script.py` starts its own second stage ----------------------------------
+@pytest.mark.timeout(120)
+def test_plain_script_launches_its_stages():
+    import re
+    from pathlib import Path
+
+    from stratagem.testing import run_script
+
+    result = run_script([str(Path(__file__).with_name("pipeline_script.py"))], timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "partition by params: balance=" in result.stdout
+    found = re.findall(r"stage (\d): loss ([\d.]+) -> ([\d.]+), accuracy ([\d.]+)", result.stdout)
+    assert sorted(s for s, *_ in found) == ["0", "1"], result.stdout
+    for _, first, last, acc in found:
+        assert float(last) < float(first) / 2 and float(acc) >= 0.9
+    assert found[0][1:] == found[1][1:]  # every stage reports the same loss and predictions

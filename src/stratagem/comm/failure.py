@@ -161,6 +161,10 @@ class FailureMonitor:
             self._wait_for_peers(lambda p: p in self._finished, self.shutdown_wait)
         self._ended = True
         self._stop.set()
+        # join the watcher so no thread is inside the store's C++ client while the process exits
+        # (a thread left there aborts the interpreter: "terminate called without an active exception")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, 3 * self.options.heartbeat_seconds))
 
     def _wait_for_peers(self, satisfied: Any, limit: float) -> None:
         deadline = time.monotonic() + limit

@@ -48,7 +48,7 @@ class Tuner:
         self.element_bytes = Ema()
         self.buffer = 1
 
-    def _memory_cap(self) -> int:
+    def memory_cap(self) -> int:
         if self.element_bytes.value is None or self.element_bytes.value <= 0:
             return MAX_BUFFER * self.max_parallelism
         return max(1, int(self.ram_budget / STAGE_SHARE / self.element_bytes.value))
@@ -60,11 +60,11 @@ class Tuner:
         else:
             assert self.produce.value is not None
             p = math.ceil(self.produce.value / max(self.consume.value, 1e-5)) + 1
-        return max(1, min(p, self.max_parallelism, self._memory_cap()))
+        return max(1, min(p, self.max_parallelism, self.memory_cap()))
 
     def starved(self) -> None:
         """The consumer found the buffer empty: allow one more buffered element."""
         self.buffer = min(self.buffer + 1, MAX_BUFFER)
 
     def buffer_size(self) -> int:
-        return max(1, min(self.buffer, self._memory_cap()))
+        return max(1, min(self.buffer, self.memory_cap()))

@@ -1,12 +1,27 @@
-"""Parallel map on a thread pool or a spawn-context process pool, resumable and in tf order."""
+"""Parallel map on a thread pool or a process pool, resumable and in tf order.
+
+Process pool (``use_processes=True``): workers are forked from a ``forkserver`` (``spawn``
+where the platform has none; never a plain fork of this possibly threaded torch process)
+whose preload is ``__main__`` plus this module, so torch and stratagem are imported once in
+the server instead of in every worker (2-4 s each). Each iterator starts its own workers
+(milliseconds from the warm server) and stops them in ``close()``. ``fn`` is sent once per
+worker (pool initializer), not with every task. Elements travel in chunks sized from the
+measured per-element time so one task is about ``CHUNK_SECONDS`` of work (the executor's
+per-task cost is a few hundred microseconds of IPC), with two chunks queued per worker;
+results stay per element, so order, resume state, seeds and error positions do not depend on
+the chunking. Array leaves cross the process boundary as tensors in shared memory.
+"""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
 import multiprocessing
+import multiprocessing.context
 import pickle
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +34,36 @@ from stratagem.data.functions import call, element_rng, failure, function_name
 from stratagem.data.iterator import Context, StatefulIterator
 from stratagem.data.options import AUTOTUNE
 from stratagem.data.structure import flatten, map_structure, nbytes, pack_as
+
+CHUNK_SECONDS = 0.02  # target work per process-pool task
+MAX_CHUNK = 64  # most elements per process-pool task
+PRELOAD = ("stratagem.data.parallel",)  # imported once in the forkserver, besides __main__
+
+_context_lock = threading.Lock()
+_context: multiprocessing.context.BaseContext | None = None
+
+
+def process_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context of ``map(use_processes=True)``: forkserver, else spawn.
+
+    Adds :data:`PRELOAD` to the forkserver's preload list (keeping the modules already there,
+    ``__main__`` by default); this takes effect if the forkserver is not running yet.
+    """
+    global _context
+    with _context_lock:
+        if _context is None:
+            if "forkserver" in multiprocessing.get_all_start_methods():
+                from multiprocessing import forkserver
+
+                ctx = multiprocessing.get_context("forkserver")
+                current = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None)
+                modules = list(current) if current is not None else ["__main__"]
+                modules += [m for m in PRELOAD if m not in modules]
+                ctx.set_forkserver_preload(modules)  # type: ignore[attr-defined]
+                _context = ctx
+            else:
+                _context = multiprocessing.get_context("spawn")
+        return _context
 
 
 class ParallelMapDataset(Dataset):
@@ -69,11 +114,50 @@ def _timed_call(fn: Callable[..., Any], element: Any, seed: Any) -> tuple[Any, f
     return call(fn, element, rng), time.perf_counter() - start
 
 
-def _process_call(fn: Callable[..., Any], element: Any, seed: Any) -> tuple[Any, list, list, float]:
-    """Runs in a worker process; numpy leaves travel back as shared-memory tensors."""
-    element = _restore_shared(*element)
-    out, seconds = _timed_call(fn, element, seed)
-    return (*_to_shared(out), seconds)
+# -- worker process side -----------------------------------------------------------------
+_worker_fn: Callable[..., Any] | None = None
+
+
+def _init_worker(fn: Callable[..., Any]) -> None:
+    global _worker_fn
+    _worker_fn = fn
+
+
+ChunkResult = tuple[list[Any], tuple[BaseException, str] | None]
+
+
+def _process_chunk(items: list[tuple[Any, Any]]) -> ChunkResult:
+    """Runs in a worker: ``fn`` on each (shared element, seed) in order. Returns the results
+    (skeleton, leaves, kinds, seconds) up to the first failure, and that failure (exception,
+    formatted traceback) or None."""
+    fn = _worker_fn
+    assert fn is not None, "process-pool worker without a function"
+    results: list[Any] = []
+    for element, seed in items:
+        try:
+            value, seconds = _timed_call(fn, _restore_shared(*element), seed)
+            results.append((*_to_shared(value), seconds))
+        except Exception as e:
+            return results, _portable_error(e)
+    return results, None
+
+
+def _portable_error(e: Exception) -> tuple[BaseException, str]:
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e, tb
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e} (unpicklable exception)"), tb
+
+
+class _RemoteTraceback(Exception):
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f"\n(in the worker process)\n{self.tb}"
 
 
 def _to_shared(element: Any) -> tuple[Any, list[Any], list[str]]:
@@ -96,15 +180,21 @@ def _restore_shared(skeleton: Any, leaves: list[Any], kinds: list[str]) -> Any:
 
 
 class _Entry:
-    __slots__ = ("pos", "snap", "future", "yielded")
+    """One input element: its position, the input state before it, and (once submitted) the
+    future computing it (for processes, ``index`` is its place in the future's chunk)."""
 
-    def __init__(self, pos: int, snap: Any, future: cf.Future | None, yielded: bool) -> None:
-        self.pos, self.snap, self.future, self.yielded = pos, snap, future, yielded
+    __slots__ = ("pos", "snap", "future", "index", "yielded")
+
+    def __init__(self, pos: int, snap: Any, yielded: bool) -> None:
+        self.pos, self.snap, self.yielded = pos, snap, yielded
+        self.future: cf.Future | None = None
+        self.index = 0
 
 
 class _ParallelMapIterator(StatefulIterator):
-    """Keeps up to p elements in flight; state = input state before the oldest element not
-    yet returned, plus the positions after it already returned (deterministic=False)."""
+    """Keeps up to p elements in flight (2 p chunks with processes); state = input state before
+    the oldest element not yet returned, plus the positions after it already returned
+    (deterministic=False)."""
 
     def __init__(self, ds: ParallelMapDataset, ctx: Context) -> None:
         self.ds, self.ctx = ds, ctx
@@ -121,6 +211,7 @@ class _ParallelMapIterator(StatefulIterator):
         self.tuner = Tuner(self.max_workers, options.resolved_ram_budget)
         self.pool: cf.Executor | None = None
         self.inflight: collections.deque[_Entry] = collections.deque()
+        self.npending = 0  # entries in self.inflight not yet yielded
         self.pos = 0
         self.skip: set[int] = set()
         self.input_done = False
@@ -132,7 +223,10 @@ class _ParallelMapIterator(StatefulIterator):
         if self.pool is None:
             if self.ds._use_processes:
                 self.pool = cf.ProcessPoolExecutor(
-                    self.max_workers, mp_context=multiprocessing.get_context("spawn")
+                    self.max_workers,
+                    mp_context=process_context(),
+                    initializer=_init_worker,
+                    initargs=(self.ds._fn,),
                 )
             else:
                 self.pool = cf.ThreadPoolExecutor(
@@ -140,37 +234,90 @@ class _ParallelMapIterator(StatefulIterator):
                 )
         return self.pool
 
-    def _submit(self, x: Any, pos: int) -> cf.Future:
-        seed = self.ctx.seed_sequence(self.ds._seed, pos) if self.ds._with_rng else None
-        if self.ds._use_processes:
-            return self._pool().submit(_process_call, self.ds._fn, _to_shared(x), seed)
-        return self._pool().submit(_timed_call, self.ds._fn, x, seed)
-
-    def _target(self) -> int:
+    def _plan(self) -> tuple[int, int]:
+        """(elements to keep in flight, elements per task)."""
         p = self.tuner.parallelism() if self.ds._n == AUTOTUNE else self.max_workers
-        # processes: keep a second element queued per worker to hide the pipe round trip
-        return 2 * p if self.ds._use_processes else p
+        if not self.ds._use_processes:
+            return p, 1
+        chunk = 1
+        per_element = self.tuner.produce.value
+        if self.tuner.produce.count >= 4 and per_element is not None:
+            chunk = int(min(MAX_CHUNK, max(1.0, CHUNK_SECONDS / max(per_element, 1e-7))))
+        # two tasks queued per worker hide the pipe round trip; memory caps the elements
+        chunk = max(1, min(chunk, self.tuner.memory_cap() // (2 * p)))
+        return 2 * p * chunk, chunk
+
+    def _submit(self, batch: list[tuple[_Entry, Any]]) -> None:
+        fn, pool = self.ds._fn, self._pool()
+        seeds = [
+            self.ctx.seed_sequence(self.ds._seed, e.pos) if self.ds._with_rng else None
+            for e, _ in batch
+        ]
+        if self.ds._use_processes:
+            items = [(_to_shared(x), seed) for (_, x), seed in zip(batch, seeds)]
+            future = pool.submit(_process_chunk, items)
+            for i, (entry, _) in enumerate(batch):
+                entry.future, entry.index = future, i
+        else:
+            for (entry, x), seed in zip(batch, seeds):
+                entry.future = pool.submit(_timed_call, fn, x, seed)
 
     def _fill(self) -> None:
-        target = self._target()
-        while not self.input_done and sum(not e.yielded for e in self.inflight) < target:
-            snap = self.child.state_dict()
-            try:
-                x = next(self.child)
-            except StopIteration:
-                self.input_done = True
-                break
-            pos = self.pos
-            self.pos += 1
-            if pos in self.skip:
-                self.skip.discard(pos)
-                self.inflight.append(_Entry(pos, snap, None, True))
-            else:
-                self.inflight.append(_Entry(pos, snap, self._submit(x, pos), False))
+        target, chunk = self._plan()
+        if self.npending > target - chunk:
+            return  # refill only a whole chunk at a time
+        batch: list[tuple[_Entry, Any]] = []
+        try:
+            while not self.input_done and self.npending < target:
+                snap = self.child.state_dict()
+                try:
+                    x = next(self.child)
+                except StopIteration:
+                    self.input_done = True
+                    break
+                pos = self.pos
+                self.pos += 1
+                if pos in self.skip:
+                    self.skip.discard(pos)
+                    self.inflight.append(_Entry(pos, snap, True))
+                    continue
+                entry = _Entry(pos, snap, False)
+                self.inflight.append(entry)
+                self.npending += 1
+                batch.append((entry, x))
+                if len(batch) >= chunk:
+                    self._submit(batch)
+                    batch = []
+        finally:
+            if batch:
+                self._submit(batch)
 
     def _purge(self) -> None:
         while self.inflight and self.inflight[0].yielded:
             self.inflight.popleft()
+
+    def _fail(self, entry: _Entry, e: BaseException) -> Exception:
+        self.close()
+        return failure(self.ds._name, self.ds._fn, entry.pos, e)
+
+    def _result(self, entry: _Entry) -> tuple[Any, float]:
+        """The element's value and its worker seconds; raises the named failure."""
+        assert entry.future is not None
+        try:
+            result = entry.future.result()
+        except Exception as e:
+            raise self._fail(entry, e) from e
+        if not self.ds._use_processes:
+            return result  # type: ignore[no-any-return]
+        results, error = result
+        if entry.index < len(results):
+            skeleton, leaves, kinds, seconds = results[entry.index]
+            results[entry.index] = None  # free it before the rest of the chunk is taken
+            return _restore_shared(skeleton, leaves, kinds), seconds
+        assert error is not None and entry.index == len(results)
+        exc, tb = error
+        exc.__cause__ = _RemoteTraceback(tb)
+        raise self._fail(entry, exc) from exc
 
     def __next__(self) -> Any:
         if self.closed:
@@ -179,28 +326,21 @@ class _ParallelMapIterator(StatefulIterator):
             self.tuner.consume.add(time.perf_counter() - self.last_return)
         self._purge()
         self._fill()
-        pending = [e for e in self.inflight if not e.yielded]
-        if not pending:
+        if not self.npending:
             raise StopIteration
         if self.deterministic:
-            entry = pending[0]
+            entry = next(e for e in self.inflight if not e.yielded)
         else:
-            futures: dict[Any, _Entry] = {e.future: e for e in pending}
-            done, _ = cf.wait(list(futures), return_when=cf.FIRST_COMPLETED)
-            entry = min((futures[f] for f in done), key=lambda e: e.pos)
-        assert entry.future is not None
-        try:
-            result = entry.future.result()
-        except Exception as e:
-            self.close()
-            raise failure(self.ds._name, self.ds._fn, entry.pos, e) from e
+            by_future: dict[Any, list[_Entry]] = {}
+            for e in self.inflight:
+                if not e.yielded:
+                    by_future.setdefault(e.future, []).append(e)
+            done, _ = cf.wait(list(by_future), return_when=cf.FIRST_COMPLETED)
+            entry = min((e for f in done for e in by_future[f]), key=lambda e: e.pos)
+        value, seconds = self._result(entry)
         entry.yielded, entry.future = True, None
+        self.npending -= 1
         self._purge()
-        if self.ds._use_processes:
-            skeleton, leaves, kinds, seconds = result
-            value = _restore_shared(skeleton, leaves, kinds)
-        else:
-            value, seconds = result
         self.tuner.produce.add(seconds)
         if self.ds._n == AUTOTUNE and self.tuner.element_bytes.count < 16:
             self.tuner.element_bytes.add(nbytes(value))
@@ -228,4 +368,5 @@ class _ParallelMapIterator(StatefulIterator):
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
         self.inflight.clear()
+        self.npending = 0
         self.child.close()

@@ -85,9 +85,12 @@ def join_group(
     )
     _joined["comm"] = comm
     _joined["store"] = store
-    atexit.register(_leave)
     if options.enabled:
         _joined["monitor"] = monitor.start()
+    # registered after the monitor's own exit hook, so it runs first (atexit is LIFO): the
+    # process group is torn down before this rank tells the store host it has ended, and the
+    # store host outlives every peer's teardown
+    atexit.register(_leave)
     return comm
 
 
