@@ -144,7 +144,7 @@ class Dataset:
         """Apply ``map_func`` to each element (tuples are unpacked into arguments).
 
         ``num_parallel_calls`` (an int or AUTOTUNE) runs it on a thread pool, or with
-        ``use_processes=True`` on a spawn-context process pool (``map_func`` must be
+        ``use_processes=True`` on a forkserver process pool (``map_func`` must be
         picklable; tensors come back through shared memory). ``with_rng=True`` passes
         ``rng=``, a ``numpy.random.Generator`` seeded from (seed, epoch, element index), so
         random transforms do not depend on the number of threads or processes.

@@ -9,7 +9,8 @@ worker (pool initializer), not with every task. Elements travel in chunks sized 
 measured per-element time so one task is about ``CHUNK_SECONDS`` of work (the executor's
 per-task cost is a few hundred microseconds of IPC), with two chunks queued per worker;
 results stay per element, so order, resume state, seeds and error positions do not depend on
-the chunking. Array leaves cross the process boundary as tensors in shared memory.
+the chunking. Array leaves cross the process boundary as tensors in shared memory. Workers
+run torch with one intra-op thread (as DataLoader workers do).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ _worker_fn: Callable[..., Any] | None = None
 def _init_worker(fn: Callable[..., Any]) -> None:
     global _worker_fn
     _worker_fn = fn
+    torch.set_num_threads(1)  # as DataLoader workers: the pool is the parallelism
 
 
 ChunkResult = tuple[list[Any], tuple[BaseException, str] | None]
