@@ -228,21 +228,36 @@ def test_shape_mismatch_names_both_stages():
 
 
 # --- launch 3: an exception in one stage reaches every process ----------------------------------------
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("boom in backward")
+
+
 class Boom(nn.Module):
+    """Identity until armed; then raises in forward or in backward."""
+
+    mode = ""
+
     def forward(self, x):
-        if getattr(self, "armed", False):
-            raise ValueError("boom in stage 1")
-        return x
+        if self.mode == "forward":
+            raise ValueError("boom in forward")
+        return _RaiseInBackward.apply(x) if self.mode == "backward" else x
 
 
-def failure_worker(schedule: str) -> tuple[str, float]:
-    s = PipelineStrategy(2, 4, schedule=schedule)
+def failure_worker(schedule: str, mode: str, position: int) -> tuple[str, float]:
+    s = PipelineStrategy(2, 4, schedule=schedule, balance=[2, 2])
     boom = Boom()
-    pipe, _ = make_pipe(s, lambda: nn.Sequential(nn.Linear(5, 8), nn.Linear(8, 8), boom,
-                                                  nn.Linear(8, 3)), nn.CrossEntropyLoss())  # fmt: skip
+    layers = [nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 3)]
+    layers.insert(position, boom)  # position 1: stage 0, position 2: stage 1
+    pipe, _ = make_pipe(s, lambda: nn.Sequential(*layers), nn.CrossEntropyLoss())
     x, y = batches([8])[0]
     s.run(pipe.train_step, args=(x, y))  # a good step first
-    boom.armed = True
+    boom.mode = mode
     t0 = time.monotonic()
     try:
         s.run(pipe.train_step, args=(x, y))
@@ -252,11 +267,16 @@ def failure_worker(schedule: str) -> tuple[str, float]:
 
 
 @pytest.mark.timeout(60)
-def test_exception_in_one_stage_reaches_every_process():
-    results = run_workers(failure_worker, 2, args=("1f1b",), timeout=50)
+@pytest.mark.parametrize(
+    "schedule,mode,position",
+    [("1f1b", "forward", 2), ("gpipe", "forward", 1), ("gpipe", "backward", 2), ("1f1b", "backward", 1)],
+)
+def test_exception_in_one_stage_reaches_every_process(schedule, mode, position):
+    results = run_workers(failure_worker, 2, args=(schedule, mode, position), timeout=50)
+    stage = position - 1
     for r in results:
         msg, secs = r.value
-        assert "boom in stage 1" in msg and "stage 1" in msg
+        assert f"boom in {mode}" in msg and f"stage {stage}" in msg, msg
         assert secs < 30
 
 

@@ -1,6 +1,7 @@
 """Point-to-point messages between the stages of one pipeline: a fixed-size header (kind, dtype,
-shape) then the payload, so the receiver can allocate; an error marker instead of a tensor tells
-a neighbour that a stage failed, so no process stays blocked in a receive.
+shape) then the payload, so the receiver can allocate; or, once both sides know the shape, a raw
+payload with one status byte appended. An error marker in place of the expected message tells a
+neighbour that a stage failed, so no process stays blocked in a receive.
 
 Sends are non-blocking (gloo's send only completes once the peer posts the matching receive, so
 blocking sends could deadlock a 1F1B schedule); receives block. Message sizes always match
@@ -28,6 +29,13 @@ DTYPES = (
 )  # fmt: skip
 
 
+def raw_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
 class RemoteStageError(Exception):
     """A neighbour reported that stage ``origin`` failed with ``message``."""
 
@@ -47,6 +55,7 @@ class Channel:
         self.device = comm.device
         self.error_wait = error_wait
         self._pending: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+        self.last_extra = 0
 
     def _peer(self, rank: int) -> int:
         assert isinstance(self.comm, ProcessGroupCommunicator)
@@ -76,8 +85,9 @@ class Channel:
             raise self._fail(e, f"receive from stage {src}") from e
 
     # --- messages ---------------------------------------------------------------------------
-    def send(self, value: torch.Tensor | None, dst: int) -> None:
-        """Queue ``value`` (a tensor, or None) for stage ``dst``; returns at once."""
+    def send(self, value: torch.Tensor | None, dst: int, *, extra: int = 0) -> None:
+        """Queue ``value`` (a tensor, or None) with its header for stage ``dst``; returns at once.
+        ``extra`` (an integer) travels in the header (``recv`` puts it in ``last_extra``)."""
         header = torch.zeros(HEADER, dtype=torch.int64)
         if value is None:
             header[0] = NONE
@@ -90,6 +100,7 @@ class Channel:
             )
         header[0] = TENSOR
         header[1] = DTYPES.index(value.dtype)
+        header[2] = extra
         header[3] = value.dim()
         header[4 : 4 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
         payload = value.detach().to(self.device).contiguous()
@@ -114,9 +125,66 @@ class Channel:
             raise RuntimeError(f"malformed pipeline message from stage {src}: header {h}")
         shape = tuple(int(d) for d in h[4 : 4 + int(h[3])])
         out = torch.empty(shape, dtype=DTYPES[int(h[1])], device=self.device)
+        self.last_extra = int(h[2])
         if out.numel():
             self._recv(out, src)
         return out
+
+    # --- raw messages: shape agreed beforehand, one status byte appended ------------------------
+    def send_raw(self, value: torch.Tensor | None, dst: int, nbytes: int) -> None:
+        """Queue ``value`` as ``nbytes`` raw bytes plus a status byte (None: status NONE); the
+        receiver already knows its shape and dtype (``recv_raw``)."""
+        buf = torch.empty(nbytes + 1, dtype=torch.uint8, device=self.device)
+        if value is None:
+            buf[-1] = NONE
+        else:
+            flat = value.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8)
+            if flat.numel() != nbytes:
+                raise RuntimeError(f"internal: raw message of {flat.numel()} bytes, {nbytes} agreed")
+            buf[:-1].copy_(flat)
+            buf[-1] = TENSOR
+        self._isend((buf,), dst)
+
+    def recv_raw(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The next raw message from ``src``: a tensor of ``shape`` and ``dtype``, or None;
+        RemoteStageError if ``src`` reports a failure instead."""
+        nbytes = raw_nbytes(shape, dtype)
+        buf = torch.empty(nbytes + 1, dtype=torch.uint8, device=self.device)
+        self._recv(buf, src)
+        status = int(buf[-1])
+        if status == ERROR:
+            # the marker holds the origin and the start of the message; the whole message follows
+            # (it may be lost if the failing process exits at once: use the start then)
+            origin, short = src, b""
+            if nbytes >= 8:
+                head = buf[:8].cpu().view(torch.int32).tolist()
+                origin = int(head[0])
+                short = bytes(buf[8 : 8 + max(0, min(int(head[1]), nbytes - 8))].cpu().tolist())
+            try:
+                self.recv(src)
+            except RemoteStageError:
+                raise
+            except Exception:  # noqa: BLE001
+                pass
+            raise RemoteStageError(origin, short.decode("utf-8", "replace"))
+        if status == NONE:
+            return None
+        return buf[:-1].view(dtype).view(shape)
+
+    def send_error_raw(self, dst: int, nbytes: int, origin: int, message: str) -> bool:
+        """Like ``send_error`` when ``dst`` waits for a raw message of ``nbytes`` bytes."""
+        buf = torch.zeros(nbytes + 1, dtype=torch.uint8)
+        if nbytes >= 8:
+            text = message.encode("utf-8")[: nbytes - 8]
+            buf[:8] = torch.tensor([origin, len(text)], dtype=torch.int32).view(torch.uint8)
+            buf[8 : 8 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        buf[-1] = ERROR
+        buf = buf.to(self.device)
+        try:
+            works = self._isend((buf,), dst)
+        except Exception:  # noqa: BLE001 - the peer may be gone already
+            return False
+        return self._wait(works) and self.send_error(dst, origin, message)
 
     def send_error(self, dst: int, origin: int, message: str) -> bool:
         """Tell stage ``dst`` that stage ``origin`` failed; wait (at most ``error_wait`` s) until
@@ -131,6 +199,9 @@ class Channel:
             works = self._isend(parts, dst)
         except Exception:  # noqa: BLE001 - the peer may be gone already
             return False
+        return self._wait(works)
+
+    def _wait(self, works: list[Any]) -> bool:
         deadline = time.monotonic() + self.error_wait
         try:
             for w in works:
