@@ -1,7 +1,9 @@
 """The README example, runnable: `python examples/quickstart.py`."""
 
-import torch, stratagem as sg
+import torch
 from torch import nn
+
+import stratagem as sg
 
 strategy = sg.MirroredStrategy(num_replicas=2)        # a plain `python train.py` starts replica 1 itself
 with strategy.scope():                                 # what is created here is mirrored

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import stratagem as sg
-from tests_gpu_workers import nccl_parity_worker  # noqa: F401  (importable by the workers)
 from stratagem.testing import run_workers
+from tests_gpu_workers import nccl_parity_worker  # noqa: F401  (importable by the workers)
 
 pytestmark = [
     pytest.mark.gpu,
