@@ -78,7 +78,7 @@ def test_multi_worker_mirrored_across_two_namespaces(two_hosts):
                 p.wait()
     report = "\n=====\n".join(o[-3000:] for o in outs)
     assert [p.returncode for p in procs] == [0, 0], report
-    found = [re.search(r"rank=(\d) world=2 worker=(\d) digest=(\w+)", o) for o in outs]
+    found = [re.search(r"rank=(\d) world=2 worker=(\d) digest=([0-9a-f]{16})", o) for o in outs]
     assert all(found), report
     assert [(m.group(1), m.group(2)) for m in found] == [("0", "0"), ("1", "1")]  # type: ignore[union-attr]
     assert found[0].group(3) == found[1].group(3)  # type: ignore[union-attr]

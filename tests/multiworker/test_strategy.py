@@ -82,7 +82,7 @@ def test_run_builds_torchrun_arguments():
 def test_stratagem_run_two_replicas():
     r = run_script(["-m", "stratagem.cli.run", "-n", "2", str(HERE / "mw_script.py")], timeout=100)
     assert r.returncode == 0, r.stderr[-3000:]
-    digests = re.findall(r"rank=(\d) world=2 worker=0 digest=(\w+)", r.stdout)
+    digests = re.findall(r"rank=(\d) world=2 worker=0 digest=([0-9a-f]{16})", r.stdout)
     assert sorted(d[0] for d in digests) == ["0", "1"] and digests[0][1] == digests[1][1], r.stdout
 
 
