@@ -45,6 +45,15 @@ class RemoteStageError(Exception):
         self.message = message
 
 
+class PostedRecv:
+    """A raw receive posted ahead of need (``Channel.post_raw``), finished by ``finish_raw``."""
+
+    __slots__ = ("work", "buf", "src", "shape", "dtype")
+
+    def __init__(self, work: Any, buf: torch.Tensor, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.work, self.buf, self.src, self.shape, self.dtype = work, buf, src, shape, dtype
+
+
 class Channel:
     """The messages this stage exchanges with its neighbours (ranks of the pipeline group)."""
 
@@ -148,9 +157,28 @@ class Channel:
     def recv_raw(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The next raw message from ``src``: a tensor of ``shape`` and ``dtype``, or None;
         RemoteStageError if ``src`` reports a failure instead."""
+        return self.finish_raw(self.post_raw(src, shape, dtype))
+
+    def post_raw(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> PostedRecv:
+        """Post the receive of the next raw message from ``src`` now, so the transfer overlaps
+        the computation until ``finish_raw`` (gloo moves a message only once it is posted)."""
+        assert isinstance(self.comm, ProcessGroupCommunicator)
         nbytes = raw_nbytes(shape, dtype)
         buf = torch.empty(nbytes + 1, dtype=torch.uint8, device=self.device)
-        self._recv(buf, src)
+        try:
+            work = dist.irecv(buf, src=self._peer(src), group=self.comm.group)
+        except (RuntimeError, dist.DistError) as e:
+            raise self._fail(e, f"receive from stage {src}") from e
+        return PostedRecv(work, buf, src, shape, dtype)
+
+    def finish_raw(self, posted: PostedRecv) -> torch.Tensor | None:
+        """Wait for a posted raw receive; the tensor, None, or RemoteStageError."""
+        try:
+            posted.work.wait()
+        except (RuntimeError, dist.DistError) as e:
+            raise self._fail(e, f"receive from stage {posted.src}") from e
+        buf, src, shape, dtype = posted.buf, posted.src, posted.shape, posted.dtype
+        nbytes = buf.numel() - 1
         status = int(buf[-1])
         if status == ERROR:
             # the marker holds the origin and the start of the message; the whole message follows

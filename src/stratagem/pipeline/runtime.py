@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from stratagem.pipeline.errors import PipelineError
-from stratagem.pipeline.p2p import Channel, RemoteStageError, raw_nbytes
+from stratagem.pipeline.p2p import Channel, PostedRecv, RemoteStageError, raw_nbytes
 from stratagem.pipeline.schedule import Action
 from stratagem.pipeline.stage import Stage, shape_of
 
@@ -47,6 +47,28 @@ class _Links:
         self.out_spec: Spec | None = None  # activations to stage + 1
         self.sent_fwd = 0
         self.sent_bwd = 0
+        # the next raw activation / gradient, received ahead (its transfer overlaps compute)
+        self.got_fwd = 0
+        self.got_bwd = 0
+        self.ahead_fwd: tuple[int, PostedRecv] | None = None
+        self.ahead_bwd: tuple[int, PostedRecv] | None = None
+
+    def _post_next_activation(self) -> None:
+        """Post the receive of the activation after the ones taken so far, if one will come."""
+        if self.in_spec is None or self.got_fwd >= len(self.f_order):
+            return
+        j = self.f_order[self.got_fwd]
+        trailing, dtype = self.in_spec
+        self.ahead_fwd = (j, self.channel.post_raw(self.stage.index - 1, (self.sizes[j], *trailing), dtype))
+
+    def _post_next_grad(self) -> None:
+        if self.out_spec is None or not self.out_spec[1].is_floating_point:
+            return
+        if self.got_bwd >= len(self.b_order):
+            return
+        j = self.b_order[self.got_bwd]
+        trailing, dtype = self.out_spec
+        self.ahead_bwd = (j, self.channel.post_raw(self.stage.index + 1, (self.sizes[j], *trailing), dtype))
 
     # --- activations ------------------------------------------------------------------------
     def recv_activation(self, i: int) -> torch.Tensor:
@@ -67,9 +89,18 @@ class _Links:
                     "the pipeline)",
                     stage=s.index,
                 )
+            self.got_fwd = 1
+            self._post_next_activation()
             return x
-        trailing, dtype = self.in_spec
-        x = self.channel.recv_raw(src, (self.sizes[i], *trailing), dtype)
+        if self.ahead_fwd is None:
+            self._post_next_activation()
+        assert self.ahead_fwd is not None and self.ahead_fwd[0] == i, "activations out of plan order"
+        posted, self.ahead_fwd = self.ahead_fwd[1], None
+        self.got_fwd += 1
+        x = self.channel.finish_raw(posted)
+        # one receive ahead at most: after an error marker the sender's full message follows
+        # as a header message, which a second raw receive posted ahead would mismatch
+        self._post_next_activation()
         assert x is not None
         return x
 
@@ -86,6 +117,8 @@ class _Links:
                 )
             self.channel.send(out, dst, extra=self.batch)
             self.out_spec = (tuple(out.shape[1:]), out.dtype)
+            if self.b_order and self.ahead_bwd is None and self.got_bwd == 0:
+                self._post_next_grad()  # the first gradient's transfer overlaps the forwards
         else:
             trailing, dtype = self.out_spec
             if tuple(out.shape) != (self.sizes[i], *trailing) or out.dtype != dtype:
@@ -102,10 +135,16 @@ class _Links:
     # --- gradients (only for floating-point activations) --------------------------------------
     def recv_grad(self, i: int) -> torch.Tensor | None:
         assert self.out_spec is not None
-        trailing, dtype = self.out_spec
-        if not dtype.is_floating_point:
+        if not self.out_spec[1].is_floating_point:
             return None
-        return self.channel.recv_raw(self.stage.index + 1, (self.sizes[i], *trailing), dtype)
+        if self.ahead_bwd is None:
+            self._post_next_grad()
+        assert self.ahead_bwd is not None and self.ahead_bwd[0] == i, "gradients out of plan order"
+        posted, self.ahead_bwd = self.ahead_bwd[1], None
+        self.got_bwd += 1
+        grad = self.channel.finish_raw(posted)
+        self._post_next_grad()
+        return grad
 
     def _grad_nbytes(self, i: int) -> int | None:
         if self.in_spec is None or not self.in_spec[1].is_floating_point:
