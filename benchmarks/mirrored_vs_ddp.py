@@ -33,9 +33,10 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8, help="steps per round")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="for both (DDP's default)")
     args = parser.parse_args()
 
-    strategy = sg.MirroredStrategy(num_replicas=args.replicas)
+    strategy = sg.MirroredStrategy(num_replicas=args.replicas, bucket_cap_mb=args.bucket_cap_mb)
     torch.set_num_threads(1)
     n = strategy.num_replicas_in_sync
     per_replica = args.global_batch // n
@@ -58,7 +59,7 @@ def main() -> None:
         return loss.detach()
 
     torch.manual_seed(0)
-    ddp = DDP(make_mlp())
+    ddp = DDP(make_mlp(), bucket_cap_mb=args.bucket_cap_mb)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
     def ddp_step() -> None:
