@@ -1,8 +1,7 @@
 """stratagem: tf.distribute strategies, tf.data pipelines and GPipe pipelines for PyTorch."""
 
-from stratagem import data
+from stratagem import callbacks, cluster_resolver, data, metrics
 from stratagem._version import __version__
-from stratagem.cluster import resolvers as cluster_resolver
 from stratagem.comm import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -40,10 +39,8 @@ from stratagem.train import (
     CheckpointManager,
     History,
     RNGState,
-    callbacks,
     evaluate,
     fit,
-    metrics,
     predict,
 )
 

@@ -169,6 +169,23 @@ def pipeline_worker() -> dict[str, Any]:
     out["pipe"] = {"params": {n: p.detach().clone() for n, p in pipe.named_parameters()}, "history": _history(hist)}
     ref_model, ref_hist = train(one, data, **kw)
     out["ref"] = {"params": params_of(ref_model), "history": _history(ref_hist)}
+    # 3. BackupAndRestore under a pipeline: one epoch, then a fresh run of two resumes from it
+    import tempfile
+
+    from stratagem.train.callbacks import BackupAndRestore
+
+    world = pipe_strategy.extended.world  # type: ignore[attr-defined]
+    backup = world.broadcast_object(tempfile.mkdtemp() if pipe_strategy.stage == 0 else None)
+    first, first_opt = build(pipe_strategy)
+    fit(first, first_opt, nn.CrossEntropyLoss(), data, strategy=pipe_strategy, verbose=0,
+        callbacks=[BackupAndRestore(backup, delete_checkpoint=False)], **{**kw, "epochs": 1})
+    second, second_opt = build(pipe_strategy)
+    hist = fit(second, second_opt, nn.CrossEntropyLoss(), data, strategy=pipe_strategy, verbose=0,
+               callbacks=[BackupAndRestore(backup)], **kw)
+    out["resumed"] = {
+        "params": {n: p.detach().clone() for n, p in second.named_parameters() if p.device.type != "meta"},
+        "history": _history(hist),
+    }
     return out
 
 

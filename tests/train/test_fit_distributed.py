@@ -101,7 +101,7 @@ def test_pipeline_fit_matches_one_device():
     for r in results:
         v = r.value
         ref = v["ref"]
-        for usage in ("scope", "pipe"):
+        for usage in ("scope", "pipe", "resumed"):
             got = v[usage]
             assert got["params"], usage
             for name, p in got["params"].items():

@@ -23,6 +23,19 @@ from stratagem.cluster.spec import LAUNCH_VARS, ProcessEnv
 SLURM_BASE_PORT = 15000
 
 
+__all__ = [
+    "ClusterResolver",
+    "ClusterSpec",
+    "SimpleClusterResolver",
+    "SlurmClusterResolver",
+    "TFConfigClusterResolver",
+    "TorchrunClusterResolver",
+    "detect",
+    "expand_hostlist",
+    "split_address",
+]
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Where this process stands in the cluster: workers, its task, its rank, the rendezvous."""

@@ -136,6 +136,9 @@ def _is_shared(obj: Any) -> bool:
 def _state_of(name: str, obj: Any) -> Any:
     if isinstance(obj, (torch.Tensor, int, float)) and not isinstance(obj, bool):
         return obj
+    if isinstance(obj, nn.Module):
+        # a pipeline stage's model keeps the other stages' parameters on the meta device
+        return {k: v for k, v in obj.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
     if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
         return obj.state_dict()
     raise TypeError(
@@ -166,13 +169,14 @@ class Checkpoint:
     def objects(self) -> dict[str, Any]:
         return dict(self._objects)
 
-    def encode(self, shared: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The shared (or per-replica) objects' states as a JSON structure and flat tensors."""
+    def encode(self, shared: bool | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The shared (or per-replica, or with None all) objects' states as a JSON structure
+        and flat tensors."""
         tensors: dict[str, torch.Tensor] = {}
         struct = {
             name: _encode(_state_of(name, obj), tensors, name)
             for name, obj in self._objects.items()
-            if _is_shared(obj) == shared
+            if shared is None or _is_shared(obj) == shared
         }
         return struct, tensors
 
@@ -191,6 +195,15 @@ class Checkpoint:
                     obj.copy_(state)
             elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
                 self._objects[name] = type(obj)(state)
+            elif isinstance(obj, nn.Module):
+                want = set(_state_of(name, obj))
+                if set(state) != want:
+                    raise KeyError(
+                        f"the checkpoint's {name!r} has tensors {sorted(set(state) - want)[:4]} "
+                        f"this model lacks and lacks {sorted(want - set(state))[:4]}; restore "
+                        "into the same model (under a pipeline: the same stage)"
+                    )
+                obj.load_state_dict(state, strict=False)
             else:
                 obj.load_state_dict(state)
 
@@ -318,13 +331,18 @@ def write_checkpoint(
 
 
 # --- the manager ----------------------------------------------------------------------------------
-def _strategy_parts(strategy: Any) -> tuple[Any, Any]:
+def _strategy_parts(strategy: Any) -> tuple[Any, bool]:
+    """The communicator of every process of ``strategy``, and whether every object is per-rank
+    (pipeline stages hold different parameters; data-parallel replicas hold the same ones)."""
     from stratagem.distribute.data_parallel import DataParallelExtended
+    from stratagem.distribute.pipeline_strategy import PipelineExtended
 
     ext = strategy.extended
-    if not isinstance(ext, DataParallelExtended):
-        raise NotImplementedError(f"CheckpointManager does not support {type(strategy).__name__} yet")
-    return ext, ext.comm
+    if isinstance(ext, DataParallelExtended):
+        return ext.comm, False
+    if isinstance(ext, PipelineExtended):
+        return ext.world, True
+    raise TypeError(f"CheckpointManager does not know {type(strategy).__name__}")
 
 
 class CheckpointManager:
@@ -365,7 +383,7 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
         self.strategy = strategy
-        self._ext, self._comm = _strategy_parts(strategy)
+        self._comm, self._all_per_rank = _strategy_parts(strategy)
         self._on_file_written: Callable[[str], None] | None = None  # tests: fail mid-write
 
     # --- listing ------------------------------------------------------------------------------
@@ -398,12 +416,12 @@ class CheckpointManager:
         if step is None:
             raise ValueError("save(step): pass the step (or give the Checkpoint a `step` object)")
         step_int = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
-        mine = _payload(*self.checkpoint.encode(shared=False))
+        mine = _payload(*self.checkpoint.encode(shared=None if self._all_per_rank else False))
         per_rank = self._comm.all_gather_object(mine)
         result: tuple[str, str] = ("", "")
-        if self._ext.should_checkpoint:
+        if self._comm.rank == 0:
             try:
-                shared = _payload(*self.checkpoint.encode(shared=True))
+                shared = _payload(*({}, {}) if self._all_per_rank else self.checkpoint.encode(shared=True))
                 path = write_checkpoint(
                     self.directory, step_int, shared, per_rank, on_file_written=self._on_file_written
                 )
@@ -443,7 +461,7 @@ class CheckpointManager:
         """Load the checkpoint at ``path`` into the objects (every replica; verified first)."""
         p = Path(path)
         problem: tuple[str, str] = ("", "")
-        if self._ext.should_checkpoint:
+        if self._comm.rank == 0:
             try:
                 verify(p)
             except CheckpointCorruptError as e:
@@ -454,13 +472,13 @@ class CheckpointManager:
         if problem[0]:
             raise CheckpointCorruptError(problem[0], problem[1])
         self._load(p)
-        self._ext.barrier()
+        self._comm.barrier()
 
     def restore_or_initialize(self) -> str | None:
         """Restore the newest checkpoint that verifies (skipping corrupt ones with a warning);
         None, leaving the objects as they are, when there is none."""
         chosen = ""
-        if self._ext.should_checkpoint:
+        if self._comm.rank == 0:
             for _, p in reversed(self._listing()):
                 try:
                     verify(p)
@@ -473,5 +491,5 @@ class CheckpointManager:
         if not chosen:
             return None
         self._load(Path(chosen))
-        self._ext.barrier()
+        self._comm.barrier()
         return chosen
