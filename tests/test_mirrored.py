@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from torch import nn
@@ -199,9 +201,31 @@ def errors_worker() -> dict:
         strategy.run(lambda: sg.get_replica_context().all_reduce("sum", structure))
     except sg.ReplicaMismatchError as e:
         out["structure"] = str(e)
+    # replicas that disagree on rank (a scalar here, a vector there) for reduce along an axis
+    try:
+        strategy.reduce("sum", torch.tensor(1.0) if rank == 0 else torch.ones(2), axis=0)
+    except sg.ReplicaMismatchError as e:
+        out["reduce_axis"] = str(e)
+    # a replica that creates nothing in the scope while the other creates a layer
+    try:
+        with strategy.scope():
+            if rank == 0:
+                nn.Linear(2, 3)
+    except ValueError as e:
+        out["scope"] = str(e)
+    # a replica whose per-replica pipeline yields nothing at all (namedtuple batches)
+    def dataset_fn(ctx: sg.InputContext):
+        return [Pair(torch.ones(2, 3), torch.zeros(2))] if ctx.input_pipeline_id == 0 else []
+
+    out["empty_pipeline"] = [tuple(b.x.shape) for b in strategy.distribute_datasets_from_function(dataset_fn)]
     # still in sync afterwards: a correct collective works
     out["after"] = strategy.reduce("sum", torch.tensor(1.0)).item()
     return out
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
 
 
 @pytest.mark.timeout(120)
@@ -212,6 +236,9 @@ def test_bad_input_errors_on_every_replica():
         assert "SGD steps a parameter" in res["optimizer"]
         assert "replica 0: float32[3]; replica 1: float32[4]" in res["shape"]
         assert "replica 0: (float32[2], float32[2]); replica 1: [float32[2]]" in res["structure"]
+        assert "reduce was called with different structures" in res["reduce_axis"]
+        assert "replicas created different parameters" in res["scope"]
+        assert res["empty_pipeline"] == ([(2, 3)] if r.rank == 0 else [(0, 3)])
         assert res["after"] == 2.0
 
 
@@ -258,3 +285,44 @@ def test_stratagem_datasets_are_rebatched_and_sharded(tmp_path):
     # files 0 and 2 go to replica 0, file 1 to replica 1, which then gets zero-size batches
     assert r0["files"] == [[0, 1], [2, 3], [20, 21], [22, 23]]
     assert r1["files"] == [[10, 11], [], [], []]
+
+
+# --- gradient accumulation over several backward passes is exact -------------------------------
+
+
+def accumulation_worker() -> list[list[float]]:
+    strategy = sg.MirroredStrategy(num_replicas=2)
+    rank = strategy.extended.replica_id
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = make_model()
+        opt = make_sgd(model.parameters())
+    batches = global_batches([8, 8, 8, 8])  # two optimizer steps of two accumulated halves
+
+    def accumulate(x, y):
+        loss = sg.compute_average_loss(per_example(model(x), y), global_batch_size=16)
+        loss.backward()  # no zero_grad in between: gradients accumulate
+
+    for step in range(2):
+        opt.zero_grad()
+        for x, y in batches[2 * step : 2 * step + 2]:
+            strategy.run(accumulate, args=(x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]))
+        opt.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_gradient_accumulation_matches_single_device():
+    torch.manual_seed(0)
+    model = make_model()
+    opt = make_sgd(model.parameters())
+    batches = global_batches([8, 8, 8, 8])
+    for step in range(2):
+        opt.zero_grad()
+        for x, y in batches[2 * step : 2 * step + 2]:
+            (per_example(model(x), y).sum() / 16).backward()
+        opt.step()
+    want = [p.detach().flatten().tolist() for p in model.parameters()]
+    for r in run_workers(accumulation_worker, 2):
+        for got, exp in zip(r.value, want):
+            assert got == pytest.approx(exp, rel=1e-5, abs=1e-6)

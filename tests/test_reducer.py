@@ -62,3 +62,31 @@ def test_parameters_without_gradients_keep_none_and_mean_divides():
     reducer.remove()
     (a * 1).sum().backward()
     torch.testing.assert_close(a.grad, torch.full((3,), 4.0))  # no reduction after remove()
+
+
+def test_accumulating_over_backward_passes_reduces_only_the_new_part():
+    # two identical 'replicas': each reduction doubles what it is given
+    w = nn.Parameter(torch.ones(3))
+    GradientReducer(RecordingComm([]), [w], ["w"])
+    (w * 1).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 2.0))  # 1 + 1
+    (w * 2).sum().backward()  # no zero_grad: accumulate
+    torch.testing.assert_close(w.grad, torch.full((3,), 6.0))  # 2 + (2 + 2), not 2 * (2 + 2)
+    w.grad = None
+    (w * 1).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
+    w.grad.zero_()  # zero_grad(set_to_none=False)
+    (w * 1).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
+
+
+def test_gradients_accumulated_while_disabled_are_reduced_whole():
+    w = nn.Parameter(torch.ones(2))
+    reducer = GradientReducer(RecordingComm([]), [w], ["w"])
+    reducer.enabled = False  # like the pipeline's micro-batches (DDP's no_sync)
+    (w * 1).sum().backward()
+    (w * 1).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((2,), 2.0))  # local only
+    reducer.enabled = True
+    (w * 1).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((2,), 6.0))  # (1 + 1 + 1) reduced over 2

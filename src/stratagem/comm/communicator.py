@@ -27,6 +27,7 @@ from stratagem.comm.errors import (
     CollectiveTimeoutError,
     ReplicaMismatchError,
     WorkerFailedError,
+    looks_like_peer_loss,
 )
 
 OPS = ("sum", "mean", "max", "min")
@@ -87,6 +88,10 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every member's picklable ``obj`` (small metadata only), in rank order."""
+
+    @abc.abstractmethod
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every member's picklable ``obj`` in rank order on ``dst`` (None elsewhere)."""
 
     @abc.abstractmethod
     def barrier(self) -> None:
@@ -218,6 +223,9 @@ class LocalCommunicator(Communicator):
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        return [obj]
+
     def barrier(self) -> None:
         return None
 
@@ -252,8 +260,13 @@ def classify_failure(exc: BaseException, probe: FailureProbe | None, op: str) ->
             f"{op} timed out waiting for the other workers ({text}); a worker is stuck or the "
             "timeout is too short for this step (raise `timeout=`)"
         )
+    if rank is None and not looks_like_peer_loss(lowered):
+        # nothing says a peer failed: this rank's own call went wrong (e.g. a tensor on a
+        # device the backend does not serve); say so rather than blame another worker
+        return CollectiveError(f"{op} failed on this worker: {type(exc).__name__}: {text}")
     detail = f": {why}" if why else ""
     return WorkerFailedError(f"{op} failed because {who} failed{detail} ({text})", rank=rank)
+
 
 
 class ProcessGroupCommunicator(Communicator):
@@ -306,6 +319,12 @@ class ProcessGroupCommunicator(Communicator):
         out: list[Any] = [None] * self.world_size
         with self._guard("all_gather_object"):
             dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        with self._guard("gather_object"):
+            dist.gather_object(obj, out, dst=self.global_ranks[dst], group=self.group)
         return out
 
     def barrier(self) -> None:

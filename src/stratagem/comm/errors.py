@@ -22,3 +22,12 @@ class CollectiveTimeoutError(CollectiveError):
 
 class ReplicaMismatchError(ValueError):
     """Replicas passed different structures, shapes or dtypes to the same collective."""
+
+
+_PEER_LOSS = ("connection", "closed", "reset by peer", "broken pipe", "eof", "peer", "socket")
+
+
+def looks_like_peer_loss(message: str) -> bool:
+    """Whether a backend error message says the other side went away."""
+    lowered = message.lower()
+    return any(word in lowered for word in _PEER_LOSS)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stratagem.comm.errors import CollectiveError, WorkerFailedError
+from stratagem.comm.errors import CollectiveError, WorkerFailedError, looks_like_peer_loss
 
 #: exit code of a process the watchdog stops because a peer failed while it was blocked.
 ABORT_EXIT_CODE = 1
@@ -310,6 +310,7 @@ class FailureMonitor:
         """Which rank failed, for ``classify_failure`` (called on the main thread)."""
         self._reported = True
         timed_out = "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
+        peer_lost = not timed_out and looks_like_peer_loss(str(exc))
         wait = self.options.heartbeat_seconds if timed_out else min(self.options.dead_after_seconds, 10.0)
         deadline = time.monotonic() + wait
         fallback_at = time.monotonic() + 3.0
@@ -325,7 +326,7 @@ class FailureMonitor:
             if self.failure is not None:
                 break
             now = time.monotonic()
-            if self.world_size == 2 and not timed_out and now >= fallback_at:
+            if self.world_size == 2 and peer_lost and now >= fallback_at:
                 self._set_failure(Failure(1 - self.rank, "its connection closed"))
                 break
             if now >= deadline:

@@ -8,13 +8,17 @@ backward pass (an autograd engine callback) the buckets not yet started are star
 reduction is waited for and the results are written back to ``.grad``, so the gradients are
 final before ``backward()`` returns. Each parameter carries one extra flag element in its bucket
 (1 if this replica produced a gradient for it in this backward pass): a parameter no replica
-touched keeps its ``.grad``; one touched anywhere gets the reduced gradient on every replica. The reduced gradients are views
-of the bucket buffers (as DDP's ``gradient_as_bucket_view``): the next backward pass overwrites
-them, so clone a gradient you want to keep across steps.
+touched keeps its ``.grad``; one touched anywhere gets the reduced gradient on every replica.
+
+Accumulation is exact: a gradient this reducer already reduced (no ``zero_grad`` since) is set
+aside before the next backward pass accumulates (a tensor pre-hook) and added back after, so only
+the new part is reduced; gradients accumulated while the reducer is disabled (the pipeline's
+micro-batches, like DDP's ``no_sync``) are reduced whole at the next enabled backward pass.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,11 +65,16 @@ class GradientReducer:
                 self._bucket_of[i] = b.index
         self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._handles: list[Any] = []
+        # gradients this reducer wrote (already reduced), by parameter: (weakref, version)
+        self._reduced: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # reduced gradients set aside while a later backward accumulates on top of them
+        self._prev: dict[int, torch.Tensor] = {}
         self._reset()
         self.enabled = True
         if comm.world_size > 1:
             for i, p in enumerate(self.params):
                 if p.requires_grad:
+                    self._handles.append(p.register_hook(self._pre_hook(i)))
                     self._handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
 
     # --- per-backward state ---------------------------------------------------------------
@@ -75,6 +84,23 @@ class GradientReducer:
         self._next = 0
         self._works: list[tuple[Bucket, torch.Tensor, Any]] = []
         self._armed = False
+
+    def _is_reduced(self, i: int, g: torch.Tensor | None) -> bool:
+        """Whether ``g`` is the reduced gradient this reducer wrote, unchanged since."""
+        rec = self._reduced.get(i)
+        return g is not None and rec is not None and rec[0]() is g and g._version == rec[1]
+
+    def _pre_hook(self, i: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            # before this backward's gradient is accumulated: an already reduced .grad (no
+            # zero_grad since the last step) is set aside, so only the new part is reduced
+            p = self.params[i]
+            if self._is_reduced(i, p.grad):
+                assert p.grad is not None
+                self._prev[i] = p.grad
+                p.grad = None
+
+        return hook
 
     def _hook(self, i: int) -> Any:
         def hook(param: torch.Tensor) -> None:
@@ -98,6 +124,13 @@ class GradientReducer:
                 return
             self._launch(b)
 
+    def _contribution(self, i: int) -> torch.Tensor | None:
+        """What this replica adds for parameter ``i``: its gradient unless already reduced."""
+        g = self.params[i].grad
+        if g is None or (i not in self._touched and self._is_reduced(i, g)):
+            return None
+        return g
+
     def _launch(self, b: Bucket) -> None:
         buf = self._buffers[b.index]
         n = len(b.params)
@@ -105,16 +138,16 @@ class GradientReducer:
             p0 = self.params[b.params[0]]
             buf = torch.empty(b.numel + n, dtype=p0.dtype, device=self.comm.device)
             self._buffers[b.index] = buf
+        flags = torch.zeros(n, dtype=buf.dtype)
         for k, (i, off) in enumerate(zip(b.params, b.offsets)):
-            p = self.params[i]
-            view = buf[off : off + p.numel()]
-            if i in self._touched and p.grad is not None:
-                if p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad.reshape(-1))
-                buf[b.numel + k] = 1
+            view = buf[off : off + self.params[i].numel()]
+            g = self._contribution(i)
+            if g is not None:
+                view.copy_(g.reshape(-1))
+                flags[k] = 1
             else:
                 view.zero_()
-                buf[b.numel + k] = 0
+        buf[b.numel :].copy_(flags)
         self._works.append((b, buf, self.comm.all_reduce_async(buf)))
         self._next += 1
 
@@ -129,13 +162,26 @@ class GradientReducer:
                 flags = buf[b.numel :].tolist()
                 for k, (i, off) in enumerate(zip(b.params, b.offsets)):
                     if flags[k] == 0:
-                        continue
-                    p = self.params[i]
-                    # the reduced gradient stays in the bucket (DDP's gradient_as_bucket_view):
-                    # no copy out, and a zero_grad(set_to_none=False) step accumulates in place
-                    p.grad = buf[off : off + p.numel()].view(p.shape)
+                        continue  # no replica had a new gradient for it: .grad is left alone
+                    self._write(i, buf[off : off + self.params[i].numel()])
         finally:
             self._reset()
+
+    def _write(self, i: int, reduced: torch.Tensor) -> None:
+        """.grad = (the reduced gradient set aside, if any) + this reduction, in its own tensor."""
+        p = self.params[i]
+        prev = self._prev.pop(i, None)
+        if prev is None and i not in self._touched and self._is_reduced(i, p.grad):
+            prev = p.grad  # untouched here, reduced before, new contributions elsewhere
+        r = reduced.view(p.shape)
+        if prev is not None:
+            g = prev.add_(r)
+        elif p.grad is not None:
+            g = p.grad.copy_(r)
+        else:
+            g = r.clone()
+        p.grad = g
+        self._reduced[i] = (weakref.ref(g), g._version)
 
     def remove(self) -> None:
         """Stop reducing (hooks removed)."""

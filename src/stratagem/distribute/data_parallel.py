@@ -36,6 +36,14 @@ def _leaf_tensor(x: Any) -> torch.Tensor:
     return torch.as_tensor(t)
 
 
+def _masked(tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]:
+    """Shape-only stand-ins with the size along ``axis`` hidden (it may differ by replica)."""
+    return [
+        torch.empty([0 if t.dim() and d == axis % t.dim() else n for d, n in enumerate(t.shape)], dtype=t.dtype, device="meta")
+        for t in tensors
+    ]
+
+
 class DataParallelExtended(StrategyExtended):
     """N replicas (processes) of one model over a Communicator."""
 
@@ -120,6 +128,7 @@ class DataParallelExtended(StrategyExtended):
         if axis is None:
             out = self.comm.all_reduce(tensors, op.value, check=True)
             return nest.unflatten(treedef, out)
+        self.comm.check_same("reduce", _masked(tensors, axis))
         sums = []
         counts = []
         for t in tensors:
@@ -127,7 +136,7 @@ class DataParallelExtended(StrategyExtended):
                 raise ValueError(f"cannot reduce a scalar along axis {axis}; use axis=None")
             sums.append(t.sum(dim=axis))
             counts.append(torch.tensor(t.shape[axis], dtype=torch.int64, device=t.device))
-        total_sums, total_counts = self.comm.all_reduce((sums, counts), "sum", check=True)
+        total_sums, total_counts = self.comm.all_reduce((sums, counts), "sum", check=False)
         if op is ReduceOp.SUM:
             return nest.unflatten(treedef, total_sums)
         means = [
@@ -139,14 +148,10 @@ class DataParallelExtended(StrategyExtended):
     def gather(self, value: Any, axis: int) -> Any:
         leaves, treedef = nest.flatten(value)
         tensors = [_leaf_tensor(x) for x in leaves]
+        self.comm.check_same("gather", _masked(tensors, axis))
         for t in tensors:
             if t.dim() == 0:
                 raise ValueError("gather needs tensors with at least one dimension")
-        shapes = [
-            torch.empty([0 if d == axis % t.dim() else s for d, s in enumerate(t.shape)], dtype=t.dtype, device="meta")
-            for t in tensors
-        ]
-        self.comm.check_same("gather", shapes)
         return nest.unflatten(treedef, [self.comm.gather_varlen(t, axis % t.dim()) for t in tensors])
 
     # --- input ------------------------------------------------------------------------------

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import final
+
 from stratagem.comm import LocalCommunicator
 from stratagem.distribute.data_parallel import DataParallelExtended
 from stratagem.distribute.strategy import Strategy
 
 
+@final
 class DefaultStrategy(Strategy):
     """``run(fn)`` calls ``fn``; ``reduce`` returns the value (reduced along ``axis`` if given)."""
 

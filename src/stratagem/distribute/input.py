@@ -298,6 +298,8 @@ def _rebuild(spec: Any, make: Callable[[Any], Any]) -> Any:
         return make(spec)
     if isinstance(spec, dict):
         return {k: _rebuild(v, make) for k, v in spec.items()}
+    if isinstance(spec, tuple) and hasattr(spec, "_fields"):
+        return type(spec)(*(_rebuild(v, make) for v in spec))
     if isinstance(spec, (list, tuple)):
         return type(spec)(_rebuild(v, make) for v in spec)
     return spec

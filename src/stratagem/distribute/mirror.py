@@ -177,10 +177,10 @@ class MirrorRegistry:
     def sync(self) -> None:
         """Make the tensors created since the last sync identical everywhere; rebuild the reducer."""
         new, self._new = self._new, []
-        if not new:
+        if not new and self.comm.world_size == 1:
             return
         new = [(t, n) for t, n in new if t.device.type != "meta"]
-        if self.comm.world_size > 1 and new:
+        if self.comm.world_size > 1:  # every replica takes part, also one that created nothing
             shapes = [(n, tuple(t.shape), str(t.dtype)) for t, n in new]
             sigs = self.comm.all_gather_object(shapes)
             if any(s != sigs[0] for s in sigs):
@@ -190,8 +190,10 @@ class MirrorRegistry:
                     f"replica 0 created {_summary(sigs[0])}, replica {diff} created "
                     f"{_summary(sigs[diff])}; build the same model on every replica"
                 )
-            self.comm.broadcast_tensors_([t.data for t, _ in new], src=0)
-        self._rebuild_reducer()
+            if new:
+                self.comm.broadcast_tensors_([t.data for t, _ in new], src=0)
+        if new:
+            self._rebuild_reducer()
 
     def _rebuild_reducer(self) -> None:
         if self.reducer is not None:

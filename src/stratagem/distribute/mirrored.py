@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import final
 
 import torch
 
@@ -35,6 +36,7 @@ def _resolve_devices(devices: Sequence[str] | None, num_replicas: int | None, en
     return None
 
 
+@final
 class MirroredStrategy(Strategy):
     """Synchronous data parallelism over ``devices`` or ``num_replicas`` processes on this machine.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import final
+
 import torch
 
 from stratagem.comm import LocalCommunicator
@@ -9,6 +11,7 @@ from stratagem.distribute.data_parallel import DataParallelExtended
 from stratagem.distribute.strategy import Strategy
 
 
+@final
 class OneDeviceStrategy(Strategy):
     """One replica on ``device`` ("cpu", "cuda:0"): the single-device baseline of every parity test."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, final
 
 import torch
 from torch import nn
@@ -211,6 +211,7 @@ class PipelineExtended(StrategyExtended):
         return pipe
 
 
+@final
 class PipelineStrategy(Strategy):
     """GPipe pipeline parallelism: ``num_stages`` processes, each holding consecutive layers of an
     ``nn.Sequential``, times ``data_parallel`` copies of the pipeline.

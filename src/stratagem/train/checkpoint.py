@@ -321,12 +321,14 @@ def write_checkpoint(
     body = {"format": FORMAT, "step": step, "world_size": len(per_rank), "files": files}
     _write(tmp / "metadata.json", json.dumps({**body, "sha256": _sha256(_canonical(body))}, indent=1).encode())
     _fsync_dir(tmp)
-    if final.exists():  # re-saving a step: move the old one aside first
+    old = None
+    if final.exists():  # re-saving a step: move the old one aside, delete it once replaced
         old = directory / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
         os.rename(final, old)
-        shutil.rmtree(old, ignore_errors=True)
     os.rename(tmp, final)
     _fsync_dir(directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -417,9 +419,9 @@ class CheckpointManager:
             raise ValueError("save(step): pass the step (or give the Checkpoint a `step` object)")
         step_int = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
         mine = _payload(*self.checkpoint.encode(shared=None if self._all_per_rank else False))
-        per_rank = self._comm.all_gather_object(mine)
+        per_rank = self._comm.gather_object(mine, 0)  # to the writer only, not to everyone
         result: tuple[str, str] = ("", "")
-        if self._comm.rank == 0:
+        if per_rank is not None:
             try:
                 shared = _payload(*({}, {}) if self._all_per_rank else self.checkpoint.encode(shared=True))
                 path = write_checkpoint(
@@ -445,6 +447,21 @@ class CheckpointManager:
 
     # --- restore ------------------------------------------------------------------------------
     def _load(self, path: Path) -> None:
+        """Load on every replica; a failure on any one is raised on all (no one waits alone)."""
+        problem = ""
+        try:
+            self._load_here(path)
+        except Exception as e:  # noqa: BLE001 - agreed on below, then raised everywhere
+            problem = f"{type(e).__name__}: {e}"
+            error: Exception = e
+        problems = self._comm.all_gather_object(problem)
+        if problem:
+            raise error
+        failed = [f"replica {r}: {p}" for r, p in enumerate(problems) if p]
+        if failed:
+            raise RuntimeError(f"restoring {path} failed on other replicas ({'; '.join(failed)})")
+
+    def _load_here(self, path: Path) -> None:
         meta = read_metadata(path)
         rank, world = self._comm.rank, self._comm.world_size
         if meta["world_size"] != world:

@@ -28,7 +28,7 @@ from stratagem.train.callback import Callback, CallbackList, FitState, Logs
 from stratagem.train.history import History
 from stratagem.train.inputs import GlobalBatches, check_iterable, is_distributed
 from stratagem.train.losses import LossFn, check_loss_fn
-from stratagem.train.metrics import Mean, Metric, get_all
+from stratagem.train.metrics import Mean, Metric, get_all, sync_metrics
 from stratagem.train.progress import Progress, resolve_mode
 from stratagem.train.resume import FitProgress
 from stratagem.train.steps import DataParallelSteps
@@ -62,18 +62,6 @@ def _distribute(strategy: Strategy, batches: Iterable[Any]) -> Iterable[Any]:
     return batches if is_distributed(batches) else strategy.experimental_distribute_dataset(batches)
 
 
-def _sync(strategy: Strategy, metrics: Sequence[Metric], extra: Sequence[float] = ()) -> list[float]:
-    """Sum metric totals (and ``extra`` numbers) across replicas in one collective."""
-    flat = torch.cat([*(m.local_totals() for m in metrics), torch.tensor(list(extra), dtype=torch.float64)])
-    if strategy.num_replicas_in_sync > 1:
-        flat = strategy.reduce("sum", flat).to("cpu", torch.float64)
-    offset = 0
-    for m in metrics:
-        m.set_global_totals(flat[offset : offset + m.num_totals])
-        offset += m.num_totals
-    return flat[offset:].tolist()
-
-
 def _logs(metrics: Sequence[Metric], prefix: str = "") -> Logs:
     return {prefix + m.name: float(m.result()) for m in metrics}
 
@@ -99,9 +87,9 @@ def _run_test(
             cblist.call("on_test_batch_begin", i, None)
         steps.test(batch, tracked[0], tracked[1:])
         if cblist is not None:
-            _sync(strategy, tracked)
+            sync_metrics(strategy, tracked)
             cblist.call("on_test_batch_end", i, _logs(tracked))
-    _sync(strategy, tracked)
+    sync_metrics(strategy, tracked)
     logs = _logs(tracked)
     if cblist is not None:
         cblist.call("on_test_end", logs)
@@ -191,7 +179,7 @@ def fit(
                 state.step = 0
                 _reset(tracked)
                 batches.begin_epoch()
-            _sync(strategy, tracked)
+            sync_metrics(strategy, tracked)
             state.samples = int(tracked[0].global_totals()[1])
             steps.set_training(True)
             cblist.call("on_epoch_begin", epoch, None)
@@ -200,7 +188,7 @@ def fit(
                 steps.train(batch, tracked[0], tracked[1:])
                 state.step += 1
                 state.iterations += 1
-                _sync(strategy, tracked)
+                sync_metrics(strategy, tracked)
                 state.samples = int(tracked[0].global_totals()[1])
                 cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
             logs = _logs(tracked)

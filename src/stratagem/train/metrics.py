@@ -131,20 +131,22 @@ def _sum_across_replicas(totals: torch.Tensor) -> torch.Tensor:
     return context.get_strategy().reduce("sum", totals)  # type: ignore[no-any-return]
 
 
-def sync_metrics(strategy: Strategy, metrics: Sequence[Metric]) -> None:
-    """Sum the totals of ``metrics`` across replicas in one collective; cache them in each.
+def sync_metrics(strategy: Strategy, metrics: Sequence[Metric], extra: Sequence[float] = ()) -> list[float]:
+    """Sum the totals of ``metrics`` (and the numbers ``extra``) across replicas in one
+    collective; cache the metrics' totals in each and return the summed ``extra``.
 
     Every replica must call it with the same metrics in the same order.
     """
-    if not metrics:
-        return
-    flat = torch.cat([m.local_totals() for m in metrics])
+    if not metrics and not extra:
+        return []
+    flat = torch.cat([*(m.local_totals() for m in metrics), torch.tensor(list(extra), dtype=torch.float64)])
     if strategy.num_replicas_in_sync > 1:
         flat = strategy.reduce("sum", flat).to("cpu", torch.float64)
     offset = 0
     for m in metrics:
         m.set_global_totals(flat[offset : offset + m.num_totals])
         offset += m.num_totals
+    return flat[offset:].tolist()
 
 
 # --- concrete metrics ------------------------------------------------------------------------
