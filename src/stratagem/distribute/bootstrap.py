@@ -20,7 +20,7 @@ from stratagem._version import __version__
 from stratagem.cluster.resolvers import ClusterResolver, ClusterSpec, detect
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.failure import FailureOptions
-from stratagem.distribute.replicas import join_group
+from stratagem.distribute.replicas import join_group, local_device
 
 
 class ClusterConfigurationError(RuntimeError):
@@ -49,9 +49,7 @@ def _spec(resolver: ClusterResolver | None) -> ClusterSpec:
 
 def default_device(spec: ClusterSpec) -> torch.device:
     """This process's device: GPU ``local_rank`` (mod the count) when there are GPUs, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", spec.local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    return local_device(spec.local_rank)
 
 
 def connect_to_cluster(

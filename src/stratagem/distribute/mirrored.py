@@ -7,7 +7,6 @@ launcher made. CPU replicas use gloo, CUDA replicas NCCL.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import final
 
@@ -16,7 +15,7 @@ import torch
 from stratagem.cluster import ProcessEnv, ensure_replicas
 from stratagem.distribute.data_parallel import DataParallelExtended
 from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.replicas import join_group
+from stratagem.distribute.replicas import join_group, local_device, share_cpu
 from stratagem.distribute.strategy import Strategy
 
 
@@ -73,14 +72,8 @@ class MirroredStrategy(Strategy):
                     raise ValueError(f"num_replicas={count} but this machine has {gpus} GPUs")
                 devs = [torch.device("cuda", i) for i in range(count)]
         env = ensure_replicas(count)
-        if devs is not None:
-            device = devs[env.local_rank % len(devs)]
-        elif torch.cuda.is_available():
-            device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
-        else:
-            device = torch.device("cpu")
-        if device.type == "cpu" and env.local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+        device = local_device(env.local_rank, devs)
+        share_cpu(device, env.local_world_size)
         self.env = env
         self.device = device
         comm = join_group(env, device, timeout=timeout)

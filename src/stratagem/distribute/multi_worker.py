@@ -9,10 +9,7 @@ the workers (auto-shard), rebatching each global batch to per-replica batches.
 
 from __future__ import annotations
 
-import os
 from typing import final
-
-import torch
 
 from stratagem.cluster.resolvers import ClusterResolver, detect
 from stratagem.distribute.bootstrap import (
@@ -24,6 +21,7 @@ from stratagem.distribute.bootstrap import (
 )
 from stratagem.distribute.data_parallel import DataParallelExtended
 from stratagem.distribute.reduce_op import ReduceOp
+from stratagem.distribute.replicas import share_cpu
 from stratagem.distribute.strategy import Strategy
 
 __all__ = ["CommunicationOptions", "MultiWorkerMirroredStrategy"]
@@ -55,8 +53,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         spec = resolver.cluster_spec()
         options = communication_options or CommunicationOptions()
         device = default_device(spec)
-        if device.type == "cpu" and spec.local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.local_world_size))
+        share_cpu(device, spec.local_world_size)
         comm = connect_to_cluster(resolver, options, device=device)
         op = ReduceOp.of(gradient_reduction)
         config = {"strategy": "MultiWorkerMirroredStrategy", "gradient_reduction": op.value,

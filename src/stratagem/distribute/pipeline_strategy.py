@@ -12,7 +12,6 @@ copy sees the same slice of the global batch).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, final
 
@@ -24,7 +23,7 @@ from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.distribute import context
 from stratagem.distribute.data_parallel import DataParallelExtended
 from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.replicas import join_group
+from stratagem.distribute.replicas import join_group, local_device, share_cpu
 from stratagem.distribute.strategy import Strategy, StrategyExtended
 from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.errors import PipelineConfigError
@@ -244,12 +243,8 @@ class PipelineStrategy(Strategy):
         if env is None or env.world_size != config.world_size:
             env = ensure_replicas(config.world_size)
             _launched["env"] = env
-        if torch.cuda.is_available():
-            device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
-        else:
-            device = torch.device("cpu")
-        if device.type == "cpu" and env.local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+        device = local_device(env.local_rank)
+        share_cpu(device, env.local_world_size)
         world = join_group(env, device, timeout=timeout)
         config.check_world(world.world_size)
         pipeline_comm: Communicator

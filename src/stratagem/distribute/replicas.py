@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,6 +36,22 @@ def _probe(exc: BaseException) -> tuple[int | None, str]:
             rank, code = kids.failed
             return rank, f"it exited with code {code}"
     return None, ""
+
+
+def local_device(local_rank: int, devices: Sequence[torch.device] | None = None) -> torch.device:
+    """This process's device: ``devices[local_rank]``, else GPU ``local_rank`` (mod the count)
+    when there are GPUs, else the CPU."""
+    if devices:
+        return devices[local_rank % len(devices)]
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def share_cpu(device: torch.device, local_world_size: int) -> None:
+    """CPU replicas on one machine split its cores (unless OMP_NUM_THREADS says otherwise)."""
+    if device.type == "cpu" and local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
 def join_group(
