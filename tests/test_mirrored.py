@@ -326,3 +326,29 @@ def test_gradient_accumulation_matches_single_device():
     for r in run_workers(accumulation_worker, 2):
         for got, exp in zip(r.value, want):
             assert got == pytest.approx(exp, rel=1e-5, abs=1e-6)
+
+
+# --- every collective has a finite timeout: a replica that is alive but never joins --------------
+
+
+def stuck_peer_worker() -> str:
+    import time
+
+    strategy = sg.MirroredStrategy(num_replicas=2, timeout=4)
+    if strategy.extended.replica_id == 1:
+        time.sleep(10)  # alive (heartbeats go on) but never joins the collective
+        return "slept"
+    start = time.monotonic()
+    try:
+        strategy.reduce("sum", torch.ones(3))
+    except sg.CollectiveError as e:
+        return f"{type(e).__name__} after {time.monotonic() - start:.1f}s: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_stuck_replica_becomes_a_timeout_error_not_a_hang():
+    r0, r1 = run_workers(stuck_peer_worker, 2, timeout=90)
+    assert r0.value.startswith("CollectiveTimeoutError"), r0.value
+    assert "timed out" in r0.value and float(r0.value.split(" after ")[1].split("s")[0]) < 15
+    assert r1.value == "slept"

@@ -190,7 +190,7 @@ class FailureMonitor:
                 pass
             elif self._store_host_gone():
                 self._store_errors = 2
-                if self.failure is None and not self._closing:
+                if self.failure is None and not self._closing and not self._host_ended():
                     self._set_failure(Failure(self.store_host_rank, self._host_gone_why()))
             else:
                 self._beat()
@@ -206,6 +206,11 @@ class FailureMonitor:
         name, pid = self._peers[host]
         return name == self._host and not _pid_alive(pid)
 
+    def _host_ended(self) -> bool:
+        """The store host finished its program normally (its end record was seen): its store
+        going away is not a failure."""
+        return self.store_host_rank is not None and self.store_host_rank in self._finished
+
     def _host_gone_why(self) -> str:
         pid = self._peers[self.store_host_rank][1] if self.store_host_rank in self._peers else "?"
         return f"its process (pid {pid}) is gone: killed or crashed"
@@ -219,7 +224,7 @@ class FailureMonitor:
             self._store_errors = 0
         except Exception as e:  # noqa: BLE001 - a store that stopped answering
             self._store_errors += 1
-            if self._store_errors >= 2 and self.failure is None and not self._closing:
+            if self._store_errors >= 2 and self.failure is None and not self._closing and not self._host_ended():
                 self._set_failure(self._store_gone(e))
 
     def _store_gone(self, exc: BaseException) -> Failure:
@@ -333,6 +338,9 @@ class FailureMonitor:
                 break
             time.sleep(0.2)
         if self.failure is None:
+            ended = sorted(self._finished)
+            if ended and not timed_out:
+                return ended[0], "its program had already ended (this collective was never joined)"
             return None, ""
         return self.failure.rank, self.failure.why
 
