@@ -15,6 +15,7 @@ import torch
 
 from stratagem.data.dataset import Dataset
 from stratagem.data.iterator import Context, StatefulIterator
+from stratagem.data.sources import _IndexIterator
 from stratagem.data.structure import flatten, map_structure, pack_as
 
 _INDEX = "index.json"
@@ -94,15 +95,8 @@ class CacheDataset(Dataset):
         return _CacheWriter(self, self._inputs[0]._make_iterator(ctx.child(0)))
 
 
-class _ListReader(StatefulIterator):
-    def __init__(self, n: int, get: Any) -> None:
-        self.n, self.get, self.i = n, get, 0
-
-    def __next__(self) -> Any:
-        if self.i >= self.n:
-            raise StopIteration
-        self.i += 1
-        return self.get(self.i - 1)
+class _ListReader(_IndexIterator):
+    """Reads a committed cache; its state also accepts one saved while the cache was written."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"mode": "read", "index": self.i}

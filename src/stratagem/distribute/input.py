@@ -271,38 +271,14 @@ class PerReplicaIterator:
 
     def _empty_like_peers(self, batch: Any) -> Any:
         """Replicas without data take a zero-size batch shaped like the others' batches."""
-        specs = self.comm.all_gather_object(None if self._empty is None else _spec(self._empty))
+        # zero-size batches are tiny: the peers' own empty batches carry structure, shapes, dtypes
+        empties = self.comm.all_gather_object(self._empty)
         if batch is not _END:
             return batch
-        if self._empty is not None:
-            return self._empty
-        spec = next((s for s in specs if s is not None), None)
-        if spec is None:
+        empty = self._empty if self._empty is not None else next((e for e in empties if e is not None), None)
+        if empty is None:
             raise RuntimeError("no replica has seen a batch to shape an empty batch after")
-        return _from_spec(spec)
-
-
-def _spec(empty: Any) -> Any:
-    return nest.map_structure(lambda t: ("tensor", tuple(t.shape), str(t.dtype)), empty)
-
-
-def _from_spec(spec: Any) -> Any:
-    def make(s: Any) -> Any:
-        return torch.empty(s[1], dtype=getattr(torch, s[2].replace("torch.", "")))
-
-    return _rebuild(spec, make)
-
-
-def _rebuild(spec: Any, make: Callable[[Any], Any]) -> Any:
-    if isinstance(spec, tuple) and len(spec) == 3 and spec[0] == "tensor":
-        return make(spec)
-    if isinstance(spec, dict):
-        return {k: _rebuild(v, make) for k, v in spec.items()}
-    if isinstance(spec, tuple) and hasattr(spec, "_fields"):
-        return type(spec)(*(_rebuild(v, make) for v in spec))
-    if isinstance(spec, (list, tuple)):
-        return type(spec)(_rebuild(v, make) for v in spec)
-    return spec
+        return empty
 
 
 _END: Any = object()
