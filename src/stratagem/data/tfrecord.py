@@ -7,36 +7,19 @@ import struct
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
+from stratagem.data import checksum as _crc
 from stratagem.data.iterator import Context, StatefulIterator
 from stratagem.data.sources import FileSource, _as_file_array
 
 
-def _make_table() -> list[int]:
-    table = []
-    for i in range(256):
-        crc = i
-        for _ in range(8):
-            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
-        table.append(crc)
-    return table
-
-
-_TABLE = _make_table()
-
-
 def crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli), table-driven; ``crc32c(b"123456789") == 0xE3069283``."""
-    crc = 0xFFFFFFFF
-    table = _TABLE
-    for b in data:
-        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
+    """CRC-32C (Castagnoli), native; ``crc32c(b"123456789") == 0xE3069283``."""
+    return _crc.crc32c(data)
 
 
 def masked_crc32c(data: bytes) -> int:
     """The masked CRC stored in TFRecord files."""
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    return _crc.masked_crc32c(data)
 
 
 class CorruptRecordError(ValueError):
@@ -80,7 +63,7 @@ class TFRecordWriter:
 class TFRecordDataset(FileSource):
     """Records (``bytes``) of TFRecord files, file after file.
 
-    ``verify_checksums=False`` skips the (pure-Python) CRC check for speed.
+    ``verify_checksums=False`` skips the CRC check for speed.
     """
 
     def __init__(
