@@ -9,7 +9,7 @@ import helpers
 import pytest
 import torch
 
-from stratagem.data import AUTOTUNE, Dataset, MapFunctionError
+from stratagem.data import AUTOTUNE, Dataset, MapFunctionError, procs
 
 D = Dataset
 
@@ -106,8 +106,12 @@ def test_process_pool_error_and_unpicklable():
     with pytest.raises(MapFunctionError, match="element 5"):
         list(ds)
     assert _wait_clean(set(), timeout=20) or not multiprocessing.active_children()
-    with pytest.raises(TypeError, match="picklable"):
-        D.range(3).map(lambda x: x, num_parallel_calls=2, use_processes=True)
+    if procs.forks():  # forked workers inherit the function: a lambda works, as in DataLoader
+        lam = D.range(3).map(lambda x: x + 1, num_parallel_calls=2, use_processes=True)
+        assert list(lam) == [1, 2, 3]
+    else:
+        with pytest.raises(TypeError, match="picklable"):
+            D.range(3).map(lambda x: x, num_parallel_calls=2, use_processes=True)
 
 
 @pytest.mark.timeout(60)

@@ -13,12 +13,37 @@ The algorithm, per parallel stage (kept deliberately simple):
   share it: ``p * mean_element_bytes <= ram_budget / STAGE_SHARE``.
 
 Until a few elements have been measured, ``p`` is the number of CPU cores.
+
+The engine of ``map(fn, num_parallel_calls=AUTOTUNE)`` (``use_processes`` unset) is chosen
+once per map by :func:`choose_engine`: it computes a small sample of the map's first elements
+(a separate iterator over its input, results discarded) on one thread, then the same sample on
+``P = min(cores, 4)`` threads at once. Speed-up ``>= SCALES * P`` means the function releases the
+GIL (file reads, numpy, large tensor ops): threads. Below that it holds the GIL (small torch
+ops, pure Python): processes, which run torch with one intra-op thread each. A cheap function
+(under ``CHEAP_SECONDS`` per element), a failing one (the pipeline then reports the error at its
+position) or a single core means threads. The choice is logged once at INFO on the
+``stratagem.data`` logger.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stratagem.data.iterator import Context
+    from stratagem.data.parallel import ParallelMapDataset
+
+logger = logging.getLogger("stratagem.data")
+
+SCALES = 0.75  # threads scale when P threads are at least this fraction of P times faster
+CHEAP_SECONDS = 20e-6  # a function cheaper than this per element stays on threads
+PROBE_SECONDS = 0.02  # one pass over the probe's sample aims at about this much work
 
 MAX_BUFFER = 64
 STAGE_SHARE = 4  # a stage may use at most 1/STAGE_SHARE of the ram budget
@@ -68,3 +93,109 @@ class Tuner:
 
     def buffer_size(self) -> int:
         return max(1, min(self.buffer, self.memory_cap()))
+
+
+def thread_speedup(run: Callable[[], None], threads: int, repeats: int = 3) -> float:
+    """How many times faster ``threads`` threads each calling ``run`` once finish than one
+    thread calling it ``threads`` times (1.0: no scaling, ``threads``: perfect). Each side is
+    the fastest of ``repeats`` runs, so a stall from another process does not decide it."""
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            run()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    serial = parallel = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        serial = min(serial, time.perf_counter() - start)
+        pool = [threading.Thread(target=work, name="stratagem-probe") for _ in range(threads)]
+        start = time.perf_counter()
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        parallel = min(parallel, time.perf_counter() - start)
+        if errors:
+            raise errors[0]
+    return threads * serial / max(parallel, 1e-9)
+
+
+def _warm_up(call: Callable[[], None], budget: float = 0.2) -> float:
+    """Call until the time per call settles (first calls pay one-time costs); the last time."""
+    times: list[float] = []
+    deadline = time.perf_counter() + budget
+    while len(times) < 20:
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+        if len(times) >= 3 and max(times[-3:]) <= 1.5 * min(times[-3:]):
+            break
+        if time.perf_counter() > deadline:
+            break
+    return min(times[-3:])
+
+
+def choose_engine(ds: ParallelMapDataset, ctx: Context) -> str:
+    """"threads" or "processes" for an AUTOTUNE map, by measurement (see module doc)."""
+    from stratagem.data.functions import call, element_rng, function_name
+
+    what = f"{ds._name}({function_name(ds._fn)})"
+    cores = os.cpu_count() or 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        pass
+    if cores < 2:
+        logger.info("%s: AUTOTUNE runs it on threads (one core)", what)
+        return "threads"
+    fn = ds._fn
+
+    def one(x: Any, pos: int) -> None:
+        rng = element_rng(ctx.seed_sequence(ds._seed, pos)) if ds._with_rng else None
+        call(fn, x, rng)
+
+    sample: list[Any] = []
+    try:
+        it = ds._inputs[0]._make_iterator(ctx.child(0))
+        try:
+            first = next(it)
+            per = _warm_up(lambda: one(first, 0))
+            n = int(min(64, max(8, PROBE_SECONDS / max(per, 1e-7))))
+            sample = [first]
+            for _ in range(n - 1):
+                sample.append(next(it))
+        except StopIteration:
+            pass
+        finally:
+            it.close()
+        if len(sample) < 2:
+            logger.info("%s: AUTOTUNE runs it on threads (too few elements to measure)", what)
+            return "threads"
+
+        def run() -> None:
+            for i, x in enumerate(sample):
+                one(x, i)
+
+        start = time.perf_counter()
+        run()
+        per = (time.perf_counter() - start) / len(sample)
+        if per < CHEAP_SECONDS:
+            logger.info("%s: AUTOTUNE runs it on threads (%.1f us per element is too cheap to "
+                        "ship to processes)", what, per * 1e6)
+            return "threads"
+        p = min(cores, 4)
+        speedup = thread_speedup(run, p)
+    except Exception as e:  # noqa: BLE001 - the pipeline reports it where it belongs
+        logger.info("%s: AUTOTUNE runs it on threads (measuring failed: %s: %s)", what,
+                    type(e).__name__, e)
+        return "threads"
+    engine = "threads" if speedup >= SCALES * p else "processes"
+    logger.info(
+        "%s: AUTOTUNE runs it on %s (%.2fx faster on %d threads than on one; %.3f ms per "
+        "element; use_processes=True/False overrides)", what, engine, speedup, p, per * 1e3,
+    )
+    return engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,9 @@ def _is_text(leaf: Any) -> bool:
     )
 
 
+Alloc = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
+
+
 def _normalize_shape(shape: Any) -> list[int] | None:
     if shape is None:
         return None
@@ -42,8 +46,12 @@ def stack(
     padded: bool = False,
     padded_shape: list[int] | None = None,
     padding_value: Any = None,
+    alloc: Alloc | None = None,
 ) -> Any:
-    """Stack one component of a batch; strings become a numpy string array."""
+    """Stack one component of a batch; strings become a numpy string array.
+
+    ``alloc(shape, dtype)`` may provide the output tensor (a shared-memory region), or None.
+    """
     if _is_text(leaves[0]):
         return np.asarray([np.asarray(x).item() if np.ndim(x) == 0 else x for x in leaves])
     tensors = [_as_tensor(x) for x in leaves]
@@ -57,6 +65,12 @@ def stack(
                 f"{describe(example)}); use padded_batch(batch_size) to pad them to a common "
                 "shape, or map them to one shape first"
             )
+        if alloc is not None and all(
+            t.dtype == tensors[0].dtype and not t.requires_grad for t in tensors
+        ):
+            out = alloc((len(tensors), *shapes[0]), tensors[0].dtype)
+            if out is not None:
+                return torch.stack(tensors, out=out)
         return torch.stack(tensors)
     rank = len(shapes[0])
     if any(len(s) != rank for s in shapes):
@@ -111,9 +125,16 @@ class BatchDataset(Dataset):
         return n // self.batch_size if self.drop_remainder else -(-n // self.batch_size)
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
+        from stratagem.data import batch_workers
+
+        segment = batch_workers.find_segment(self)
+        if segment is not None:
+            workers = segment.pm.batch_workers(batch_workers.pm_context(segment, ctx))
+            if workers:  # the parallel map runs on processes: they build whole batches
+                return batch_workers.BatchWorkersIterator(segment, ctx, workers)
         return _BatchIterator(self._inputs[0]._make_iterator(ctx.child(0)), self)
 
-    def collate(self, elements: list[Any]) -> Any:
+    def collate(self, elements: list[Any], alloc: Alloc | None = None) -> Any:
         example = elements[0]
         flats = [flatten(e) for e in elements]
         n = len(flats[0])
@@ -138,6 +159,7 @@ class BatchDataset(Dataset):
             stack(
                 [f[j] for f in flats], component=j, example=example, padded=self._padded,
                 padded_shape=_normalize_shape(shapes[j]), padding_value=values[j],
+                alloc=alloc,
             )
             for j in range(n)
         ])

@@ -138,16 +138,18 @@ class Dataset:
         *,
         with_rng: bool = False,
         seed: int | None = None,
-        use_processes: bool = False,
+        use_processes: bool | None = None,
         name: str | None = None,
     ) -> Dataset:
         """Apply ``map_func`` to each element (tuples are unpacked into arguments).
 
-        ``num_parallel_calls`` (an int or AUTOTUNE) runs it on a thread pool, or with
-        ``use_processes=True`` on a forkserver process pool (``map_func`` must be
-        picklable; tensors come back through shared memory). ``with_rng=True`` passes
-        ``rng=``, a ``numpy.random.Generator`` seeded from (seed, epoch, element index), so
-        random transforms do not depend on the number of threads or processes.
+        ``num_parallel_calls`` (an int or AUTOTUNE) runs it in parallel: with AUTOTUNE and
+        ``use_processes`` unset, on threads or processes as measured (logged once); with
+        ``use_processes=True`` on worker processes (forked on Linux; elsewhere
+        ``map_func`` must be picklable), ``False`` on threads. Worker processes feeding a
+        ``batch`` build whole batches in shared memory. ``with_rng=True`` passes ``rng=``,
+        a ``numpy.random.Generator`` seeded from (seed, epoch, element index), so random
+        transforms do not depend on the number of threads or processes.
         """
         if num_parallel_calls is None and not use_processes:
             from stratagem.data.transforms import MapDataset

@@ -1,24 +1,27 @@
 """Parallel map on a thread pool or a process pool, resumable and in tf order.
 
-Process pool (``use_processes=True``): workers are forked from a ``forkserver`` (``spawn``
-where the platform has none; never a plain fork of this possibly threaded torch process)
-whose preload is ``__main__`` plus this module, so torch and stratagem are imported once in
-the server instead of in every worker (2-4 s each). Each iterator starts its own workers
-(milliseconds from the warm server) and stops them in ``close()``. ``fn`` is sent once per
-worker (pool initializer), not with every task. Elements travel in chunks sized from the
-measured per-element time so one task is about ``CHUNK_SECONDS`` of work (the executor's
-per-task cost is a few hundred microseconds of IPC), with two chunks queued per worker;
-results stay per element, so order, resume state, seeds and error positions do not depend on
-the chunking. Array leaves cross the process boundary as tensors in shared memory. Workers
-run torch with one intra-op thread (as DataLoader workers do).
+Which engine: ``use_processes=True/False`` decides; by default (``num_parallel_calls=AUTOTUNE``,
+``use_processes`` unset) :func:`stratagem.data.autotune.choose_engine` measures whether the
+function scales on threads (GIL-free work) or needs processes (small torch ops, pure Python),
+once per map, and logs the choice. A map on processes that feeds ``batch``/``padded_batch``
+(through 1:1 maps only) runs with the batch in batch-building workers
+(:mod:`stratagem.data.batch_workers`); otherwise elements go through the process pool here.
+
+Process pool: workers are started by :mod:`stratagem.data.procs` (forked on Linux, like
+DataLoader's; one torch thread; a watchdog ends them when the parent is gone). ``fn`` reaches
+each worker once (inherited by fork, else pickled into the pool initializer). Elements travel
+in chunks sized from the measured per-element time so one task is about ``CHUNK_SECONDS`` of
+work (the executor's per-task cost is a few hundred microseconds of IPC), with two chunks
+queued per worker; results stay per element, so order, resume state, seeds and error
+positions do not depend on the chunking. Array leaves cross the process boundary as tensors
+in shared memory.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import multiprocessing
-import multiprocessing.context
+import os
 import pickle
 import threading
 import time
@@ -29,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stratagem.data.autotune import Tuner
+from stratagem.data import procs
+from stratagem.data.autotune import Tuner, choose_engine
 from stratagem.data.dataset import Dataset
 from stratagem.data.functions import call, element_rng, failure, function_name
 from stratagem.data.iterator import Context, StatefulIterator
@@ -38,33 +42,13 @@ from stratagem.data.structure import flatten, map_structure, nbytes, pack_as
 
 CHUNK_SECONDS = 0.02  # target work per process-pool task
 MAX_CHUNK = 64  # most elements per process-pool task
-PRELOAD = ("stratagem.data.parallel",)  # imported once in the forkserver, besides __main__
-
-_context_lock = threading.Lock()
-_context: multiprocessing.context.BaseContext | None = None
 
 
-def process_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context of ``map(use_processes=True)``: forkserver, else spawn.
-
-    Adds :data:`PRELOAD` to the forkserver's preload list (keeping the modules already there,
-    ``__main__`` by default); this takes effect if the forkserver is not running yet.
-    """
-    global _context
-    with _context_lock:
-        if _context is None:
-            if "forkserver" in multiprocessing.get_all_start_methods():
-                from multiprocessing import forkserver
-
-                ctx = multiprocessing.get_context("forkserver")
-                current = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None)
-                modules = list(current) if current is not None else ["__main__"]
-                modules += [m for m in PRELOAD if m not in modules]
-                ctx.set_forkserver_preload(modules)  # type: ignore[attr-defined]
-                _context = ctx
-            else:
-                _context = multiprocessing.get_context("spawn")
-        return _context
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 class ParallelMapDataset(Dataset):
@@ -79,14 +63,14 @@ class ParallelMapDataset(Dataset):
         *,
         with_rng: bool,
         seed: int | None,
-        use_processes: bool,
+        use_processes: bool | None,
         name: str | None,
     ) -> None:
         if num_parallel_calls != AUTOTUNE and int(num_parallel_calls) < 1:
             raise ValueError(
                 f"map: num_parallel_calls must be >= 1 or AUTOTUNE, got {num_parallel_calls}"
             )
-        if use_processes:
+        if use_processes and not procs.forks():
             try:
                 pickle.dumps(fn)
             except Exception as e:
@@ -101,6 +85,32 @@ class ParallelMapDataset(Dataset):
         self._with_rng, self._seed = with_rng, seed
         self._use_processes = use_processes
         self._name = name or "map"
+        self._engine: str | None = (
+            None if use_processes is None and self._n == AUTOTUNE
+            else "processes" if use_processes else "threads"
+        )
+        self._engine_lock = threading.Lock()
+
+    def engine(self, ctx: Context) -> str:
+        """"threads" or "processes": as asked, else measured once (AUTOTUNE) and logged."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = choose_engine(self, ctx)
+            return self._engine
+
+    def workers(self, ctx: Context) -> int:
+        """Threads or processes this map uses (AUTOTUNE: the CPU budget, for processes
+        also at most the usable cores)."""
+        cap = ctx.options.resolved_cpu_budget
+        if self.engine(ctx) == "processes":
+            cap = min(cap, usable_cpus())
+        return cap if self._n == AUTOTUNE else self._n
+
+    def batch_workers(self, ctx: Context) -> int:
+        """Processes for batch-building workers (0: this map does not run on them)."""
+        if self.engine(ctx) != "processes" or not procs.forks():
+            return 0
+        return self.workers(ctx)
 
     def _cardinality(self) -> int:
         return self._inputs[0].cardinality()
@@ -122,7 +132,7 @@ _worker_fn: Callable[..., Any] | None = None
 def _init_worker(fn: Callable[..., Any]) -> None:
     global _worker_fn
     _worker_fn = fn
-    torch.set_num_threads(1)  # as DataLoader workers: the pool is the parallelism
+    procs.init_worker()
 
 
 ChunkResult = tuple[list[Any], tuple[BaseException, str] | None]
@@ -206,10 +216,8 @@ class _ParallelMapIterator(StatefulIterator):
         self.deterministic = (
             options.resolved_deterministic if ds._deterministic is None else ds._deterministic
         )
-        cap = options.resolved_cpu_budget
-        if ds._use_processes:
-            cap = min(cap, multiprocessing.cpu_count())
-        self.max_workers = cap if ds._n == AUTOTUNE else ds._n
+        self.processes = ds.engine(ctx) == "processes"
+        self.max_workers = ds.workers(ctx)
         self.tuner = Tuner(self.max_workers, options.resolved_ram_budget)
         self.pool: cf.Executor | None = None
         self.inflight: collections.deque[_Entry] = collections.deque()
@@ -223,10 +231,11 @@ class _ParallelMapIterator(StatefulIterator):
     # -- execution -------------------------------------------------------------------
     def _pool(self) -> cf.Executor:
         if self.pool is None:
-            if self.ds._use_processes:
+            if self.processes:
+                procs.check_can_start(f"{self.ds._name}({function_name(self.ds._fn)})")
                 self.pool = cf.ProcessPoolExecutor(
                     self.max_workers,
-                    mp_context=process_context(),
+                    mp_context=procs.process_context(),
                     initializer=_init_worker,
                     initargs=(self.ds._fn,),
                 )
@@ -239,7 +248,7 @@ class _ParallelMapIterator(StatefulIterator):
     def _plan(self) -> tuple[int, int]:
         """(elements to keep in flight, elements per task)."""
         p = self.tuner.parallelism() if self.ds._n == AUTOTUNE else self.max_workers
-        if not self.ds._use_processes:
+        if not self.processes:
             return p, 1
         chunk = 1
         per_element = self.tuner.produce.value
@@ -255,7 +264,7 @@ class _ParallelMapIterator(StatefulIterator):
             self.ctx.seed_sequence(self.ds._seed, e.pos) if self.ds._with_rng else None
             for e, _ in batch
         ]
-        if self.ds._use_processes:
+        if self.processes:
             items = [(_to_shared(x), seed) for (_, x), seed in zip(batch, seeds)]
             future = pool.submit(_process_chunk, items)
             for i, (entry, _) in enumerate(batch):
@@ -309,7 +318,7 @@ class _ParallelMapIterator(StatefulIterator):
             result = entry.future.result()
         except Exception as e:
             raise self._fail(entry, e) from e
-        if not self.ds._use_processes:
+        if not self.processes:
             return result  # type: ignore[no-any-return]
         results, error = result
         if entry.index < len(results):

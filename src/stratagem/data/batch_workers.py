@@ -1,0 +1,569 @@
+"""Batch-building worker processes: ``map(fn, num_parallel_calls)`` followed by element-wise
+maps and ``batch``/``padded_batch`` runs as one segment in forked workers, each of which builds
+whole batches and hands each over once, in shared memory.
+
+The main process reads the map's input, packs one batch's worth of elements per task into a
+shared arena (one stacked copy per component) and sends a small message; a worker runs every
+map of the segment on each element (same per-element seeds and positions as the sequential
+pipeline), stacks the batch straight into its own arena (``torch.stack(out=...)``) and replies
+with the layout. The batch the consumer receives views that arena; when it is dropped, the
+arena goes back to the worker for a later batch. The output equals the sequential pipeline's
+bit for bit, in order (``deterministic=False`` lets a finished batch overtake an earlier one
+when no map sits between the parallel map and the batch); the iterator state has the same
+format as the unfused chain's, so states move between engines and resume exactly; an element
+error names the stage and position the sequential pipeline would, with the worker's traceback
+as ``err.__cause__.__cause__``; a worker killed by the OS is a ``WorkerDiedError`` naming the
+segment.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import pickle
+import threading
+from multiprocessing import connection
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import TYPE_CHECKING, Any
+
+from stratagem.data import procs, sharedmem
+from stratagem.data.autotune import STAGE_SHARE
+from stratagem.data.functions import call, element_rng, failure, function_name
+from stratagem.data.iterator import Context, StatefulIterator
+from stratagem.data.prefetch import PipelineClosed
+from stratagem.data.transforms import MapDataset
+
+if TYPE_CHECKING:
+    from stratagem.data.batching import BatchDataset
+    from stratagem.data.parallel import ParallelMapDataset
+
+TASKS_PER_WORKER = 2  # batches queued per worker: one computing, one waiting
+
+
+class WorkerDiedError(RuntimeError):
+    """A pipeline worker process ended without a result (killed by the OS, or it crashed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One map of the segment as the worker runs it (``ctx`` gives its per-element seeds)."""
+
+    fn: Any
+    with_rng: bool
+    seed: int | None
+    name: str
+    ctx: Context
+
+    def __call__(self, x: Any, pos: int) -> Any:
+        rng = element_rng(self.ctx.seed_sequence(self.seed, pos)) if self.with_rng else None
+        return call(self.fn, x, rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """parallel map -> element-wise maps -> batch: what one worker task runs."""
+
+    pm: ParallelMapDataset
+    steps: tuple[MapDataset, ...]  # in application order
+    batch: BatchDataset
+
+    def describe(self) -> str:
+        names = [f"{self.pm._name}({function_name(self.pm._fn)})"]
+        names += [f"{s._name}({function_name(s._fn)})" for s in self.steps]
+        kind = "padded_batch" if self.batch._padded else "batch"
+        return " -> ".join([*names, f"{kind}({self.batch.batch_size})"])
+
+
+def find_segment(batch: BatchDataset) -> Segment | None:
+    """The segment ending at ``batch``, if a parallel map feeds it through 1:1 maps only."""
+    from stratagem.data.parallel import ParallelMapDataset
+
+    steps: list[MapDataset] = []
+    node = batch._inputs[0]
+    while isinstance(node, MapDataset):
+        steps.append(node)
+        node = node._inputs[0]
+    if not isinstance(node, ParallelMapDataset):
+        return None
+    return Segment(node, tuple(reversed(steps)), batch)
+
+
+def pm_context(segment: Segment, ctx: Context) -> Context:
+    """The parallel map's context, given the batch's (each node's input is child 0)."""
+    for _ in range(len(segment.steps) + 1):
+        ctx = ctx.child(0)
+    return ctx
+
+
+# -- worker process ----------------------------------------------------------------------
+def _send(conn: Any, msg: Any) -> None:
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _worker_main(
+    conn: Any, stages: list[Stage], batch: BatchDataset, sources: sharedmem.Sources,
+    close: list[int],
+) -> None:
+    from stratagem.data.parallel import _portable_error
+
+    for fd in close:  # the main process's ends of other workers' pipes (inherited by fork)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    inputs: dict[int, sharedmem.Arena] = {}
+    outputs: dict[int, sharedmem.Arena] = {}
+    free: set[int] = set()
+    ids = [0]  # the next output arena id (never reused)
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if msg[0] == "stop":
+            return
+        if msg[0] == "arena":
+            inputs[msg[1]] = sharedmem.Arena(msg[2], recv_handle(conn))
+            continue
+        _, tid, aid, skel, descs, positions, qs, collate, released = msg
+        free.update(released)
+        elements = sharedmem.read_inputs(skel, descs, inputs.get(aid), sources)
+        outs = []
+        error = None
+        for i, x in enumerate(elements):
+            stage = 0
+            try:
+                y = stages[0](x, positions[i])
+                for stage in range(1, len(stages)):
+                    y = stages[stage](y, qs[stage - 1] + i)
+                outs.append(y)
+            except Exception as e:
+                error = ("error", tid, i, stage, *_portable_error(e))
+                break
+        del elements
+        if error is not None or not collate:
+            _send(conn, error or ("done", tid, None, None, None, []))
+            continue
+        try:
+            need = sharedmem.batch_bytes(outs) if not batch._padded else 0
+            arena_id, dropped = _take_arena(outputs, free, need, ids)
+            bump = sharedmem.Bump(outputs[arena_id])
+            value = batch.collate(outs, alloc=bump.alloc)
+            del outs
+            skel, descs, missing = sharedmem.describe_batch(value, bump)
+            if missing and bump.used + missing > bump.arena.size:  # padded: a bigger arena
+                free.add(arena_id)
+                arena_id, more = _take_arena(outputs, free, bump.used + missing, ids)
+                dropped += more
+                old, bump = bump, sharedmem.Bump(outputs[arena_id])
+                descs = _move(descs, old, bump)
+            descs = sharedmem.place_rest(descs, bump)
+            del value
+        except Exception as e:
+            _send(conn, ("error", tid, None, None, *_portable_error(e)))
+            continue
+        arena = outputs[arena_id]
+        _send(conn, ("done", tid, arena_id, arena.size if arena.fd is not None else None,
+                     (skel, descs), dropped))
+        if arena.fd is not None:
+            send_handle(conn, arena.fd, os.getppid())
+            arena.close_fd()
+
+
+def _take_arena(
+    outputs: dict[int, sharedmem.Arena], free: set[int], need: int, ids: list[int]
+) -> tuple[int, list[int]]:
+    """A free arena of at least ``need`` bytes, else a new one; free arenas too small for
+    this batch are dropped (returned, so the main process unmaps them too)."""
+    fits = [a for a in free if outputs[a].size >= need]
+    if fits:
+        best = min(fits, key=lambda a: outputs[a].size)
+        free.discard(best)
+        return best, []
+    dropped = [a for a in free if a in outputs]
+    for a in dropped:
+        del outputs[a]
+    free.clear()
+    new = ids[0]
+    ids[0] += 1
+    outputs[new] = sharedmem.Arena(need)
+    return new, dropped
+
+
+def _move(descs: list[Any], old: sharedmem.Bump, new: sharedmem.Bump) -> list[Any]:
+    out = []
+    for d in descs:
+        if d[0] == "T":
+            _, dtype, shape, offset = d
+            region = new.alloc(shape, dtype)
+            assert region is not None
+            region.copy_(old.arena.region(offset, dtype, shape))
+            out.append(("T", dtype, shape, new.placed[id(region)]))
+        else:
+            out.append(d)
+    return out
+
+
+# -- main process ------------------------------------------------------------------------
+class _Task:
+    __slots__ = ("id", "snap", "positions", "skipped", "qs", "worker", "arena", "result",
+                 "returned", "error_after", "collate")
+
+    def __init__(self, tid: int) -> None:
+        self.id = tid
+        self.snap: Any = None
+        self.positions: list[int] = []
+        self.skipped: list[int] = []
+        self.qs: list[int] = []
+        self.worker: _Worker | None = None
+        self.arena: int | None = None
+        self.result: Any = None
+        self.returned = False
+        self.error_after: BaseException | None = None
+        self.collate = True
+
+
+class _Worker:
+    def __init__(self, index: int, proc: Any, conn: Any) -> None:
+        self.index, self.proc, self.conn = index, proc, conn
+        self.inputs: dict[int, sharedmem.Arena] = {}
+        self.free_inputs: list[int] = []
+        self.outputs: dict[int, sharedmem.Arena] = {}
+        self.released: collections.deque[int] = collections.deque()  # appended by finalizers
+        self.tasks = 0
+
+
+class BatchWorkersIterator(StatefulIterator):
+    """The main-process side of a segment run by batch-building workers."""
+
+    def __init__(self, segment: Segment, ctx: Context, workers: int) -> None:
+        self.seg, self.ctx = segment, ctx
+        step_ctxs = []
+        c = ctx
+        for _ in segment.steps:  # batch -> last step -> ... -> first step -> parallel map
+            c = c.child(0)
+            step_ctxs.append(c)
+        pm_ctx = c.child(0)
+        step_ctxs.reverse()
+        pm = segment.pm
+        self.stages = [Stage(pm._fn, pm._with_rng, pm._seed, pm._name, pm_ctx)] + [
+            Stage(s._fn, s._with_rng, s._seed, s._name, sc)
+            for s, sc in zip(segment.steps, step_ctxs)
+        ]
+        self.child = pm._inputs[0]._make_iterator(pm_ctx.child(0))
+        self.children = [self.child]
+        options = ctx.options
+        deterministic = options.resolved_deterministic if pm._deterministic is None else (
+            pm._deterministic)
+        self.in_order = deterministic or bool(segment.steps)
+        self.nworkers = max(1, workers)
+        self.budget = options.resolved_ram_budget // STAGE_SHARE
+        self.batch_bytes = 0
+        self.workers: list[_Worker] = []
+        self.sources: sharedmem.Sources | None = None
+        self.tasks: collections.deque[_Task] = collections.deque()
+        self.next_tid = 0
+        self.pos = 0
+        self.skip: set[int] = set()
+        self.q = [0] * len(segment.steps)
+        self.input_done = False
+        self.closed = False
+        self.lock = threading.Lock()  # close() may come from another thread
+
+    # -- workers -------------------------------------------------------------------
+    def _start(self) -> None:
+        procs.check_can_start(self.seg.describe())
+        mine = [w.conn.fileno() for w in self.workers]
+        self.sources = sharedmem.Sources(self.seg.pm._inputs[0]) if procs.forks() else None
+        for i in range(self.nworkers):
+            parent, child = procs.process_context().Pipe(duplex=True)
+            proc = procs.start(
+                _worker_main,
+                (child, self.stages, self.seg.batch, self.sources, [*mine, parent.fileno()]),
+                name=f"stratagem-batch-{i}",
+            )
+            child.close()
+            self.workers.append(_Worker(i, proc, parent))
+            mine.append(parent.fileno())
+
+    def _target(self) -> int:
+        tasks = TASKS_PER_WORKER * self.nworkers
+        if self.batch_bytes:
+            tasks = min(tasks, max(self.nworkers, self.budget // self.batch_bytes))
+        return tasks
+
+    # -- feeding -------------------------------------------------------------------
+    def _read(self) -> _Task | None:
+        task = _Task(self.next_tid)
+        elements: list[Any] = []
+        size = self.seg.batch.batch_size
+        try:
+            while len(elements) < size:
+                snap = self.child.state_dict() if not elements else None
+                try:
+                    x = next(self.child)
+                except StopIteration:
+                    self.input_done = True
+                    break
+                p = self.pos
+                self.pos += 1
+                if p in self.skip:
+                    self.skip.discard(p)
+                    if elements:
+                        task.skipped.append(p)
+                    continue
+                if not elements:
+                    task.snap = snap
+                elements.append(x)
+                task.positions.append(p)
+        except PipelineClosed:
+            raise
+        except Exception as e:  # the input failed: raise it where the sequential one would
+            self.input_done = True
+            task.error_after = e
+            if not elements:
+                task.snap = self.child.state_dict()
+        if not elements and task.error_after is None:
+            return None
+        self.next_tid += 1
+        task.qs = list(self.q)
+        self.q = [q + len(elements) for q in self.q]
+        task.collate = task.error_after is None and not (
+            self.seg.batch.drop_remainder and len(elements) < size
+        )
+        if elements:
+            self._send(task, elements)
+        else:
+            task.result = ("done", task.id, None, None, None, [])
+        return task
+
+    def _send(self, task: _Task, elements: list[Any]) -> None:
+        if not self.workers:
+            self._start()
+        w = min(self.workers, key=lambda w: (w.tasks, w.index))
+        skel, descs, need = sharedmem.plan_inputs(elements, self.sources)
+        aid = None
+        if need:
+            fits = [a for a in w.free_inputs if w.inputs[a].size >= need]
+            if fits:
+                aid = min(fits, key=lambda a: w.inputs[a].size)
+                w.free_inputs.remove(aid)
+            else:
+                for a in w.free_inputs:  # too small for this task: replace it
+                    del w.inputs[a]
+                w.free_inputs.clear()
+                aid = max(w.inputs, default=-1) + 1
+                arena = sharedmem.Arena(need)
+                w.inputs[aid] = arena
+                _send(w.conn, ("arena", aid, arena.size))
+                assert arena.fd is not None
+                send_handle(w.conn, arena.fd, w.proc.pid)
+                arena.close_fd()
+        sent = sharedmem.write_inputs(descs, w.inputs[aid] if aid is not None else None)
+        released = []
+        while w.released:
+            released.append(w.released.popleft())
+        _send(w.conn, ("task", task.id, aid, skel, sent, task.positions, task.qs,
+                       task.collate, released))
+        task.worker, task.arena = w, aid
+        w.tasks += 1
+
+    def _fill(self) -> None:
+        while not self.input_done and len(
+            [t for t in self.tasks if not t.returned]
+        ) < self._target():
+            task = self._read()
+            if task is None:
+                break
+            self.tasks.append(task)
+
+    # -- receiving -----------------------------------------------------------------
+    def _receive(self, w: _Worker) -> None:
+        msg = pickle.loads(w.conn.recv_bytes())
+        task = next(t for t in self.tasks if t.id == msg[1])
+        if msg[0] == "done" and msg[3] is not None:  # a new output arena: its fd follows
+            w.outputs[msg[2]] = sharedmem.Arena(msg[3], recv_handle(w.conn))
+        if msg[0] == "done":
+            for a in msg[5]:
+                w.outputs.pop(a, None)
+        task.result = msg
+        w.tasks -= 1
+        if task.arena is not None:
+            w.free_inputs.append(task.arena)
+
+    def _wait(self, want: list[_Task]) -> _Task:
+        """Block until one of ``want`` has its result (never forever: a dead worker raises)."""
+        while True:
+            done = [t for t in want if t.result is not None]
+            if done:
+                return done[0]
+            busy = [w for w in self.workers if w.tasks]
+            if not busy:
+                if self.closed:
+                    raise PipelineClosed("batch workers were closed")
+                raise RuntimeError("batch workers: waiting for a batch no worker is building")
+            sentinels = {w.proc.sentinel: w for w in busy}
+            try:
+                ready = connection.wait([w.conn for w in busy] + list(sentinels), timeout=1.0)
+            except (OSError, ValueError):
+                if self.closed:
+                    raise PipelineClosed("batch workers were closed") from None
+                raise
+            for r in ready:
+                if r in sentinels:
+                    continue
+                w = next(w for w in busy if w.conn is r)
+                try:
+                    self._receive(w)
+                except (EOFError, OSError):
+                    self._died(w)
+            if self.closed:
+                raise PipelineClosed("batch workers were closed")
+            for s in ready:
+                if s in sentinels and not sentinels[s].conn.poll():
+                    self._died(sentinels[s])
+
+    def _died(self, w: _Worker) -> None:
+        if self.closed:
+            raise PipelineClosed("batch workers were closed")
+        w.proc.join(1.0)
+        how = procs.describe_exit(w.proc.exitcode)
+        pending = [t for t in self.tasks if t.worker is w and t.result is None]
+        what = f" while building batch {pending[0].id}" if pending else ""
+        self.close()
+        raise WorkerDiedError(
+            f"{self.seg.describe()}: worker process {w.proc.pid} ({w.index + 1} of "
+            f"{self.nworkers}) {how}{what}; the pipeline is closed. If it ran out of memory, "
+            "use a smaller batch or fewer workers (num_parallel_calls), or set "
+            "Options().autotune.ram_budget"
+        )
+
+    def _batch(self, task: _Task) -> Any:
+        msg = task.result
+        if msg[0] == "error":
+            _, _, i, stage, exc, tb = msg
+            from stratagem.data.parallel import _RemoteTraceback
+
+            exc.__cause__ = _RemoteTraceback(tb)
+            self.close()
+            if i is None:  # collate failed (e.g. shapes that do not stack)
+                raise exc
+            st = self.stages[stage]
+            pos = task.positions[i] if stage == 0 else task.qs[stage - 1] + i
+            raise failure(st.name, st.fn, pos, exc) from exc
+        if task.error_after is not None:
+            self.close()
+            raise task.error_after
+        if not task.collate:
+            return None
+        w = task.worker
+        assert w is not None
+        skel, descs = msg[4]
+        arena_id = msg[2]
+        arena = w.outputs[arena_id]
+        if not self.batch_bytes:
+            self.batch_bytes = sum(
+                d[1].itemsize * max(1, _numel(d[2])) for d in descs if d[0] == "T"
+            )
+        released = w.released
+        return sharedmem.read_batch(skel, descs, arena, lambda: released.append(arena_id))
+
+    def __next__(self) -> Any:
+        with self.lock:
+            if self.closed:
+                raise StopIteration
+        try:
+            self._fill()
+            pending = [t for t in self.tasks if not t.returned]
+            if not pending:
+                self._finish()
+                raise StopIteration
+            task = self._wait(pending[:1] if self.in_order else pending)
+            task.returned = True
+            while self.tasks and self.tasks[0].returned:
+                self.tasks.popleft()
+            value = self._batch(task)
+            if value is None:  # a remainder dropped by drop_remainder
+                self._finish()
+                raise StopIteration
+            self._fill()  # start the next batches before handing this one out
+            return value
+        except (StopIteration, PipelineClosed, WorkerDiedError):
+            raise
+        except Exception:
+            if self.closed:
+                raise
+            self.close()
+            raise
+
+    def _finish(self) -> None:
+        self._stop_workers()
+
+    # -- state ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        pending = [t for t in self.tasks if not t.returned]
+        if pending and pending[0].positions:
+            base = pending[0]
+            first = base.positions[0]
+            skip = set(self.skip)
+            for t in self.tasks:
+                skip.update(p for p in t.skipped if p > first)
+                if t.returned:
+                    skip.update(p for p in t.positions if p > first)
+            state: dict[str, Any] = {"input": base.snap, "pos": first, "skip": sorted(skip)}
+            qs = base.qs
+        elif pending:  # only an input error is pending: the input's state before it
+            state = {"input": pending[0].snap, "pos": self.pos, "skip": sorted(self.skip)}
+            qs = pending[0].qs
+        else:
+            state = {"input": self.child.state_dict(), "pos": self.pos,
+                     "skip": sorted(self.skip)}
+            qs = self.q
+        for q in qs:
+            state = {"input": state, "pos": q}
+        return {"input": state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s = state["input"]
+        qs = []
+        for _ in self.seg.steps:
+            qs.append(int(s["pos"]))
+            s = s["input"]
+        self.q = list(reversed(qs))
+        self.child.load_state_dict(s["input"])
+        self.pos = int(s["pos"])
+        self.skip = {int(p) for p in s["skip"]}
+
+    # -- shutdown ------------------------------------------------------------------
+    def _stop_workers(self) -> None:
+        workers, self.workers = self.workers, []
+        for w in workers:
+            try:
+                _send(w.conn, ("stop",))
+            except OSError:
+                pass
+        for w in workers:
+            w.proc.join(0.2)
+            if w.proc.is_alive():
+                w.proc.terminate()
+                w.proc.join(2.0)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(2.0)
+            w.conn.close()
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self._stop_workers()
+        self.child.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
