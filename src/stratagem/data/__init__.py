@@ -2,9 +2,20 @@
 
 from stratagem.data.batching import BatchDataset, UnbatchDataset
 from stratagem.data.cache import CacheDataset
+from stratagem.data.csv import CsvDataset, CsvParseError, make_csv_dataset
 from stratagem.data.dataset import Dataset
+from stratagem.data.example import (
+    ExampleParseError,
+    FixedLenFeature,
+    FixedLenSequenceFeature,
+    VarLenFeature,
+    encode_example,
+    parse_example,
+    parse_single_example,
+)
 from stratagem.data.functions import MapFunctionError, element_rng
 from stratagem.data.iterator import DatasetIterator
+from stratagem.data.mixtures import choose_from_datasets, sample_from_datasets
 from stratagem.data.options import (
     AUTOTUNE,
     INFINITE_CARDINALITY,
@@ -15,6 +26,7 @@ from stratagem.data.options import (
     Options,
 )
 from stratagem.data.prefetch import PipelineClosed
+from stratagem.data.ragged import Ragged
 from stratagem.data.sharding import (
     auto_shard,
     file_sources,
@@ -24,10 +36,12 @@ from stratagem.data.sharding import (
     shard_files,
 )
 from stratagem.data.sources import TextLineDataset
+from stratagem.data.spec import RaggedSpec, TensorSpec
 from stratagem.data.testing import assert_resumes_exactly
 from stratagem.data.tfrecord import (
     CorruptRecordError,
     TFRecordDataset,
+    TFRecordOptions,
     TFRecordWriter,
     crc32c,
     masked_crc32c,
@@ -43,26 +57,42 @@ __all__ = [
     "BatchDataset",
     "CacheDataset",
     "CorruptRecordError",
+    "CsvDataset",
+    "CsvParseError",
     "DataLoaderView",
     "Dataset",
     "DatasetIterator",
     "DistributeOptions",
+    "ExampleParseError",
+    "FixedLenFeature",
+    "FixedLenSequenceFeature",
     "MapFunctionError",
     "Options",
     "PipelineClosed",
+    "Ragged",
+    "RaggedSpec",
     "TFRecordDataset",
+    "TFRecordOptions",
     "TFRecordWriter",
+    "TensorSpec",
     "TextLineDataset",
     "UnbatchDataset",
+    "VarLenFeature",
     "assert_resumes_exactly",
     "auto_shard",
+    "choose_from_datasets",
     "crc32c",
     "element_rng",
+    "encode_example",
     "file_sources",
     "from_torch",
     "last_batch",
+    "make_csv_dataset",
     "masked_crc32c",
+    "parse_example",
+    "parse_single_example",
     "rebatch_and_shard",
+    "sample_from_datasets",
     "shard_data",
     "shard_files",
 ]

@@ -102,10 +102,30 @@ class Dataset:
         return TensorsDataset(tensors)
 
     @staticmethod
-    def from_generator(generator: Callable[[], Iterable[Any]], args: tuple = ()) -> Dataset:
-        from stratagem.data.sources import GeneratorDataset
+    def from_generator(
+        generator: Callable[..., Iterable[Any]],
+        output_types: Any = None,
+        output_shapes: Any = None,
+        args: tuple | None = None,
+        output_signature: Any = None,
+        name: str | None = None,
+    ) -> Dataset:
+        """Elements of ``generator(*args)``. ``output_signature`` (a structure of
+        TensorSpec) converts and checks each element; tf's older ``output_types`` and
+        ``output_shapes`` make the same signature (arguments in tf's order)."""
+        from stratagem.data.sources import GeneratorDataset, signature_from
 
-        return GeneratorDataset(generator, args)
+        del name
+        if output_signature is not None and output_types is not None:
+            raise TypeError(
+                "from_generator: give output_signature or output_types/output_shapes, not both"
+            )
+        signature = output_signature
+        if output_types is not None:
+            signature = signature_from(output_types, output_shapes)
+        elif output_shapes is not None:
+            raise TypeError("from_generator: output_shapes needs output_types")
+        return GeneratorDataset(generator, tuple(args or ()), signature)
 
     @staticmethod
     def list_files(
@@ -297,3 +317,173 @@ class Dataset:
         from stratagem.data.torch_interop import to_numpy
 
         return (to_numpy(e) for e in self)
+
+    # -- tf.data entry points added for issue 15 (see docs/TFDATA_COVERAGE.md) ----------
+    def _spec(self) -> Any:
+        """The element spec this node knows without running (None: not known)."""
+        return None
+
+    @property
+    def element_spec(self) -> Any:
+        """The structure of the elements with a TensorSpec/RaggedSpec per leaf: from the
+        plan where it is known (sources, output_signature, batch), else from the first
+        element."""
+        from stratagem.data.spec import element_spec
+
+        return element_spec(self)
+
+    @staticmethod
+    def counter(start: int = 0, step: int = 1) -> Dataset:
+        from stratagem.data.sources import CounterDataset
+
+        return CounterDataset(start, step)
+
+    @staticmethod
+    def random(seed: int | None = None, rerandomize_each_iteration: bool | None = None
+               ) -> Dataset:
+        from stratagem.data.sources import RandomDataset
+
+        return RandomDataset(seed, rerandomize_each_iteration)
+
+    @staticmethod
+    def sample_from_datasets(
+        datasets: Sequence[Dataset],
+        weights: Any = None,
+        seed: int | None = None,
+        stop_on_empty_dataset: bool = False,
+        rerandomize_each_iteration: bool | None = None,
+    ) -> Dataset:
+        from stratagem.data.mixtures import sample_from_datasets
+
+        return sample_from_datasets(
+            datasets, weights, seed, stop_on_empty_dataset, rerandomize_each_iteration
+        )
+
+    @staticmethod
+    def choose_from_datasets(
+        datasets: Sequence[Dataset], choice_dataset: Dataset, stop_on_empty_dataset: bool = True
+    ) -> Dataset:
+        from stratagem.data.mixtures import choose_from_datasets
+
+        return choose_from_datasets(datasets, choice_dataset, stop_on_empty_dataset)
+
+    @staticmethod
+    def load(
+        path: str,
+        element_spec: Any = None,
+        compression: str | None = None,
+        reader_func: Callable[[Dataset], Dataset] | None = None,
+    ) -> Dataset:
+        from stratagem.data.saved import load
+
+        return load(path, element_spec, compression, reader_func)
+
+    def save(
+        self,
+        path: str,
+        compression: str | None = None,
+        shard_func: Callable[..., Any] | None = None,
+        checkpoint_args: Any = None,
+    ) -> None:
+        from stratagem.data.saved import save
+
+        save(self, path, compression, shard_func, checkpoint_args)
+
+    def snapshot(
+        self,
+        path: str,
+        compression: str | None = "AUTO",
+        reader_func: Callable[[Dataset], Dataset] | None = None,
+        shard_func: Callable[..., Any] | None = None,
+    ) -> Dataset:
+        from stratagem.data.saved import SnapshotDataset
+
+        return SnapshotDataset(self, path, compression, reader_func, shard_func)
+
+    def window(
+        self, size: int, shift: int | None = None, stride: int = 1, drop_remainder: bool = False
+    ) -> Dataset:
+        from stratagem.data.windowing import WindowDataset
+
+        return WindowDataset(self, size, shift, stride, drop_remainder)
+
+    def group_by_window(
+        self,
+        key_func: Callable[..., Any],
+        reduce_func: Callable[[int, Dataset], Dataset],
+        window_size: int | None = None,
+        window_size_func: Callable[[int], Any] | None = None,
+    ) -> Dataset:
+        from stratagem.data.windowing import GroupByWindowDataset
+
+        return GroupByWindowDataset(self, key_func, reduce_func, window_size, window_size_func)
+
+    def bucket_by_sequence_length(
+        self,
+        element_length_func: Callable[..., Any],
+        bucket_boundaries: Sequence[int],
+        bucket_batch_sizes: Sequence[int],
+        padded_shapes: Any = None,
+        padding_values: Any = None,
+        pad_to_bucket_boundary: bool = False,
+        no_padding: bool = False,
+        drop_remainder: bool = False,
+    ) -> Dataset:
+        from stratagem.data.windowing import bucket_by_sequence_length
+
+        return bucket_by_sequence_length(
+            self, element_length_func, list(bucket_boundaries), list(bucket_batch_sizes),
+            padded_shapes, padding_values, pad_to_bucket_boundary, no_padding, drop_remainder,
+        )
+
+    def ragged_batch(
+        self, batch_size: int, drop_remainder: bool = False, row_splits_dtype: Any = None
+    ) -> Dataset:
+        """Batch elements of different lengths into :class:`Ragged` values (row splits are
+        always int64)."""
+        from stratagem.data.ragged_batch import RaggedBatchDataset
+
+        del row_splits_dtype
+        return RaggedBatchDataset(self, batch_size, drop_remainder)
+
+    def rejection_resample(
+        self,
+        class_func: Callable[..., Any],
+        target_dist: Any,
+        initial_dist: Any = None,
+        seed: int | None = None,
+    ) -> Dataset:
+        from stratagem.data.mixtures import rejection_resample
+
+        return rejection_resample(self, class_func, target_dist, initial_dist, seed)
+
+    def scan(self, initial_state: Any, scan_func: Callable[..., Any]) -> Dataset:
+        from stratagem.data.scan import ScanDataset
+
+        return ScanDataset(self, initial_state, scan_func)
+
+    def take_while(self, predicate: Callable[..., Any]) -> Dataset:
+        from stratagem.data.scan import TakeWhileDataset
+
+        return TakeWhileDataset(self, predicate)
+
+    def unique(self) -> Dataset:
+        from stratagem.data.scan import UniqueDataset
+
+        return UniqueDataset(self)
+
+    def reduce(self, initial_state: Any, reduce_func: Callable[..., Any]) -> Any:
+        from stratagem.data.scan import reduce
+
+        return reduce(self, initial_state, reduce_func)
+
+    def get_single_element(self) -> Any:
+        from stratagem.data.scan import get_single_element
+
+        return get_single_element(self)
+
+    def assert_cardinality(self, expected_cardinality: int) -> Dataset:
+        from stratagem.data.transforms import AssertCardinalityDataset
+
+        return AssertCardinalityDataset(self, expected_cardinality)
+

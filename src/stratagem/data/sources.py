@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +25,11 @@ class RangeDataset(Dataset):
 
     def _cardinality(self) -> int:
         return len(self._range)
+
+    def _spec(self) -> Any:
+        from stratagem.data.spec import TensorSpec
+
+        return TensorSpec((), "int64")
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _RangeIterator(self._range)
@@ -86,6 +91,16 @@ class TensorSlicesDataset(Dataset):
     def _cardinality(self) -> int:
         return self._n
 
+    def _spec(self) -> Any:
+        from stratagem.data.spec import STRING, TensorSpec, as_dtype
+
+        specs = [
+            TensorSpec(tuple(leaf.shape[1:]), STRING if np.asarray(leaf[:0]).dtype.kind in "OSU"
+                       else as_dtype(leaf.dtype))
+            for leaf in self._leaves
+        ]
+        return pack_as(self._template, specs)
+
     def _element(self, i: int) -> Any:
         leaves = []
         for leaf, as_py in zip(self._leaves, self._as_python):
@@ -125,22 +140,131 @@ class TensorsDataset(Dataset):
     def _cardinality(self) -> int:
         return 1
 
+    def _spec(self) -> Any:
+        from stratagem.data.spec import spec_of
+
+        return spec_of(self._value)
+
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _IndexIterator(1, lambda i: self._value)
 
 
 class GeneratorDataset(Dataset):
-    """Elements of ``generator(*args)``; resuming replays the generator up to the position."""
+    """Elements of ``generator(*args)``; resuming replays the generator up to the position.
 
-    def __init__(self, generator: Callable[..., Iterable[Any]], args: tuple = ()) -> None:
+    With ``output_signature`` (a structure of TensorSpec/RaggedSpec) every element is
+    converted to its dtypes and checked against its shapes (a ValueError names the element),
+    and ``element_spec`` is the signature. The older ``output_types``/``output_shapes`` build
+    the same signature.
+    """
+
+    def __init__(
+        self,
+        generator: Callable[..., Iterable[Any]],
+        args: tuple = (),
+        output_signature: Any = None,
+    ) -> None:
         if not callable(generator):
             raise TypeError(
                 f"from_generator expects a callable returning an iterable, got {generator!r}"
             )
         self._generator, self._args = generator, tuple(args)
+        self._signature = output_signature
+
+    def _spec(self) -> Any:
+        return self._signature
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
-        return _GeneratorIterator(lambda: iter(self._generator(*self._args)))
+        make = lambda: iter(self._generator(*self._args))  # noqa: E731
+        if self._signature is None:
+            return _GeneratorIterator(make)
+        from stratagem.data.spec import convert
+
+        signature = self._signature
+
+        def checked() -> Any:
+            for i, x in enumerate(make()):
+                yield convert(x, signature, "from_generator", i)
+
+        return _GeneratorIterator(checked)
+
+
+def signature_from(output_types: Any, output_shapes: Any) -> Any:
+    """tf's older from_generator(output_types, output_shapes) as an output_signature."""
+    from stratagem.data.spec import TensorSpec
+
+    def build(t: Any, s: Any) -> Any:
+        if isinstance(t, tuple):
+            parts = s if s is not None else [None] * len(t)
+            return tuple(build(ti, si) for ti, si in zip(t, parts))
+        if isinstance(t, dict):
+            return {k: build(t[k], None if s is None else s[k]) for k in t}
+        return TensorSpec(None if s is None else tuple(s), t)
+
+    return build(output_types, output_shapes)
+
+
+class CounterDataset(Dataset):
+    """``counter(start, step)``: start, start + step, ... forever (tf.data.Dataset.counter)."""
+
+    def __init__(self, start: int = 0, step: int = 1) -> None:
+        self._start, self._step = int(start), int(step)
+
+    def _cardinality(self) -> int:
+        return -1
+
+    def _spec(self) -> Any:
+        from stratagem.data.spec import TensorSpec
+
+        return TensorSpec((), "int64")
+
+    def _make_iterator(self, ctx: Context) -> StatefulIterator:
+        return _CounterIterator(self._start, self._step)
+
+
+class _CounterIterator(StatefulIterator):
+    def __init__(self, start: int, step: int) -> None:
+        self.start, self.step, self.i = start, step, 0
+
+    def __next__(self) -> int:
+        self.i += 1
+        return self.start + (self.i - 1) * self.step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"index": self.i}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.i = int(state["index"])
+
+
+class RandomDataset(Dataset):
+    """``Dataset.random(seed)``: random int64 values forever, seeded from (seed, epoch, index)
+    (a different stream from TensorFlow's)."""
+
+    def __init__(self, seed: int | None = None, rerandomize_each_iteration: bool | None = None
+                 ) -> None:
+        self._seed, self._rerandomize = seed, rerandomize_each_iteration
+
+    def _cardinality(self) -> int:
+        return -1
+
+    def _make_iterator(self, ctx: Context) -> StatefulIterator:
+        import dataclasses
+
+        if self._seed is not None and not self._rerandomize:
+            ctx = dataclasses.replace(ctx, epoch=())
+        return _RandomIterator(ctx, self._seed)
+
+
+class _RandomIterator(_CounterIterator):
+    def __init__(self, ctx: Context, seed: int | None) -> None:
+        super().__init__(0, 1)
+        self.ctx, self.seed = ctx, seed
+
+    def __next__(self) -> int:  # type: ignore[override]
+        i = super().__next__()
+        state = self.ctx.seed_sequence(self.seed, i).generate_state(2, np.uint32)
+        return int(np.int64((int(state[0]) << 32 | int(state[1])) - (1 << 63)))
 
 
 class _GeneratorIterator(StatefulIterator):
@@ -204,6 +328,11 @@ class ListFilesDataset(FileSource):
     def _cardinality(self) -> int:
         return len(self._files)
 
+    def _spec(self) -> Any:
+        from stratagem.data.spec import TensorSpec
+
+        return TensorSpec((), "string")
+
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         files = self._files
         if self._shuffle:
@@ -215,7 +344,8 @@ class ListFilesDataset(FileSource):
 class TextLineDataset(FileSource):
     """Lines of text files (without the line ending), file after file, as ``str``.
 
-    ``encoding=None`` yields ``bytes`` like tf.data. Resume seeks to the saved byte offset.
+    ``encoding=None`` yields ``bytes`` like tf.data. ``compression_type`` "GZIP"/"ZLIB"
+    reads compressed files. Resume seeks to the saved (uncompressed) byte offset.
     """
 
     def __init__(
@@ -226,29 +356,34 @@ class TextLineDataset(FileSource):
         num_parallel_reads: int | None = None,
         encoding: str | None = "utf-8",
     ) -> None:
-        if compression_type not in (None, ""):
-            raise ValueError(
-                f"TextLineDataset: compression_type {compression_type!r} is not supported; "
-                "decompress the files first"
-            )
+        from stratagem.data import compression
+
+        self._compression = compression.normalize(compression_type, "TextLineDataset")
         del buffer_size, num_parallel_reads
         self._files = _as_file_array(filenames, "TextLineDataset")
         self._encoding = encoding
 
+    def _spec(self) -> Any:
+        from stratagem.data.spec import TensorSpec
+
+        return TensorSpec((), "string")
+
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
-        return _LineIterator(self.files, self._encoding)
+        return _LineIterator(self.files, self._encoding, self._compression)
 
 
 class _LineIterator(StatefulIterator):
-    def __init__(self, files: list[str], encoding: str | None) -> None:
-        self.files, self.encoding = files, encoding
+    def __init__(self, files: list[str], encoding: str | None, kind: str = "") -> None:
+        self.files, self.encoding, self.kind = files, encoding, kind
         self.file_index, self.offset = 0, 0
-        self.fh: BinaryIO | None = None
+        self.fh: Any = None
 
     def __next__(self) -> Any:
         while self.file_index < len(self.files):
             if self.fh is None:
-                self.fh = open(self.files[self.file_index], "rb")  # noqa: SIM115
+                from stratagem.data import compression
+
+                self.fh = compression.open_read(self.files[self.file_index], self.kind)
                 self.fh.seek(self.offset)
             line = self.fh.readline()
             if line:

@@ -76,3 +76,71 @@ def nbytes(element: Any) -> int:
         else:
             total += 32
     return total
+
+
+def to_json(value: Any) -> Any:
+    """A nested value (tensors, arrays, numbers, strings, bytes, tuples, dicts, lists) as JSON
+    values, exactly invertible by :func:`from_json` (for iterator states that hold elements)."""
+    if isinstance(value, torch.Tensor):
+        return {"t": str(value.dtype).replace("torch.", ""), "s": list(value.shape),
+                "v": value.reshape(-1).tolist()}
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return {"o": [to_json(v) for v in value.reshape(-1)], "s": list(value.shape)}
+        return {"n": value.dtype.str, "s": list(value.shape),
+                "v": [to_json(v) for v in value.reshape(-1).tolist()]}
+    if isinstance(value, np.generic):
+        return {"g": value.dtype.str, "v": to_json(value.item())}
+    if isinstance(value, bool | int | float | str) or value is None:
+        if isinstance(value, float) and not np.isfinite(value):
+            return {"f": repr(value)}
+        return value
+    if isinstance(value, bytes):
+        return {"b": value.hex()}
+    if isinstance(value, tuple):
+        fields = getattr(value, "_fields", None)
+        if fields is not None:
+            raise TypeError("namedtuples cannot be stored in an iterator state; use a dict")
+        return {"u": [to_json(v) for v in value]}
+    if isinstance(value, list):
+        return {"l": [to_json(v) for v in value]}
+    if isinstance(value, dict):
+        return {"d": [[to_json(k), to_json(v)] for k, v in value.items()]}
+    to_state = getattr(value, "to_state", None)
+    if to_state is not None:  # Ragged
+        return {"r": to_state()}
+    raise TypeError(f"cannot store a {type(value).__name__} in an iterator state")
+
+
+def from_json(obj: Any) -> Any:
+    """The inverse of :func:`to_json`."""
+    if not isinstance(obj, dict):
+        return obj
+    if "t" in obj:
+        dtype = getattr(torch, obj["t"])
+        return torch.tensor(obj["v"], dtype=dtype).reshape(obj["s"])
+    if "o" in obj:
+        out = np.empty(len(obj["o"]), dtype=object)
+        out[:] = [from_json(v) for v in obj["o"]]
+        return out.reshape(obj["s"])
+    if "n" in obj:
+        return np.array([from_json(v) for v in obj["v"]], dtype=np.dtype(obj["n"])).reshape(
+            obj["s"]
+        )
+    if "g" in obj:
+        return np.dtype(obj["g"]).type(from_json(obj["v"]))
+    if "f" in obj:
+        return float(obj["f"])
+    if "b" in obj:
+        return bytes.fromhex(obj["b"])
+    if "u" in obj:
+        return tuple(from_json(v) for v in obj["u"])
+    if "l" in obj:
+        return [from_json(v) for v in obj["l"]]
+    if "d" in obj:
+        return {from_json(k): from_json(v) for k, v in obj["d"]}
+    if "r" in obj:
+        from stratagem.data.ragged import Ragged
+
+        return Ragged.from_state(obj["r"])
+    raise ValueError(f"not a stored value: {obj!r}")

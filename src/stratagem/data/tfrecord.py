@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
 from stratagem.data import checksum as _crc
+from stratagem.data import compression
 from stratagem.data.iterator import Context, StatefulIterator
 from stratagem.data.sources import FileSource, _as_file_array
 
@@ -26,13 +27,23 @@ class CorruptRecordError(ValueError):
     """A TFRecord file is truncated or fails its checksum."""
 
 
+class TFRecordOptions:
+    """Like ``tf.io.TFRecordOptions``: the compression type ("", "GZIP" or "ZLIB")."""
+
+    def __init__(self, compression_type: str | None = None) -> None:
+        self.compression_type = compression.normalize(compression_type, "TFRecordOptions")
+
+
 class TFRecordWriter:
-    """Writes records: uint64 length, masked crc32c(length), data, masked crc32c(data)."""
+    """Writes records: uint64 length, masked crc32c(length), data, masked crc32c(data).
+
+    ``options`` is "", "GZIP", "ZLIB" or a :class:`TFRecordOptions`; a compressed file is
+    one gzip/zlib stream of that layout, as TensorFlow writes it.
+    """
 
     def __init__(self, path: str | os.PathLike[str], options: Any = None) -> None:
-        if options not in (None, ""):
-            raise ValueError(f"TFRecordWriter: compression {options!r} is not supported")
-        self._fh: BinaryIO | None = open(path, "wb")  # noqa: SIM115
+        kind = compression.normalize(options, "TFRecordWriter")
+        self._fh: Any = compression.open_write(path, kind)
 
     def write(self, record: bytes) -> None:
         if self._fh is None:
@@ -63,6 +74,9 @@ class TFRecordWriter:
 class TFRecordDataset(FileSource):
     """Records (``bytes``) of TFRecord files, file after file.
 
+    ``compression_type`` is "", "GZIP" or "ZLIB" (one stream per file, as TensorFlow
+    writes it); the resume state is the offset in the uncompressed stream, which a restore
+    of a compressed file reaches by decompressing up to it.
     ``verify_checksums=False`` skips the CRC check for speed.
     """
 
@@ -74,24 +88,25 @@ class TFRecordDataset(FileSource):
         num_parallel_reads: int | None = None,
         verify_checksums: bool = True,
     ) -> None:
-        if compression_type not in (None, ""):
-            raise ValueError(
-                f"TFRecordDataset: compression_type {compression_type!r} is not supported; "
-                "write uncompressed TFRecord files"
-            )
+        self._compression = compression.normalize(compression_type, "TFRecordDataset")
         del buffer_size, num_parallel_reads
         self._files = _as_file_array(filenames, "TFRecordDataset")
         self._verify = verify_checksums
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
-        return _RecordIterator(self.files, self._verify)
+        return _RecordIterator(self.files, self._verify, self._compression)
+
+    def _spec(self) -> Any:
+        from stratagem.data.spec import TensorSpec
+
+        return TensorSpec((), "bytes")
 
 
 class _RecordIterator(StatefulIterator):
-    def __init__(self, files: list[str], verify: bool) -> None:
-        self.files, self.verify = files, verify
+    def __init__(self, files: list[str], verify: bool, kind: str = "") -> None:
+        self.files, self.verify, self.kind = files, verify, kind
         self.file_index, self.offset = 0, 0
-        self.fh: BinaryIO | None = None
+        self.fh: Any = None
 
     def _read(self, n: int, what: str) -> bytes:
         assert self.fh is not None
@@ -106,7 +121,7 @@ class _RecordIterator(StatefulIterator):
     def __next__(self) -> bytes:
         while self.file_index < len(self.files):
             if self.fh is None:
-                self.fh = open(self.files[self.file_index], "rb")  # noqa: SIM115
+                self.fh = compression.open_read(self.files[self.file_index], self.kind)
                 self.fh.seek(self.offset)
             header = self.fh.read(12)
             if not header:

@@ -351,3 +351,42 @@ class OptionsDataset(Dataset):
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return self._inputs[0]._make_iterator(ctx.child(0))
 
+
+
+class AssertCardinalityDataset(Dataset):
+    """``assert_cardinality(n)``: declares the cardinality and checks it while iterating."""
+
+    def __init__(self, input_ds: Dataset, expected: int) -> None:
+        self._inputs = (input_ds,)
+        self._expected = int(expected)
+
+    def _cardinality(self) -> int:
+        return self._expected
+
+    def _make_iterator(self, ctx: Context) -> StatefulIterator:
+        return _AssertCardinalityIterator(self._inputs[0]._make_iterator(ctx.child(0)),
+                                          self._expected)
+
+
+class _AssertCardinalityIterator(_Unary):
+    def __init__(self, child: StatefulIterator, expected: int) -> None:
+        super().__init__(child)
+        self.expected = expected
+
+    def __next__(self) -> Any:
+        try:
+            x = next(self.child)
+        except StopIteration:
+            if self.expected >= 0 and self.pos < self.expected:
+                raise ValueError(
+                    f"assert_cardinality: the input dataset ended after {self.pos} elements but "
+                    f"its cardinality was asserted to be {self.expected}"
+                ) from None
+            raise
+        self.pos += 1
+        if self.expected >= 0 and self.pos > self.expected:
+            raise ValueError(
+                f"assert_cardinality: the input dataset has more than {self.expected} elements "
+                f"(its asserted cardinality)"
+            )
+        return x
