@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
 import time
+import weakref
 from typing import Any
 
 from stratagem.data.autotune import Tuner
@@ -18,6 +20,25 @@ _ELEM, _END, _ERR = 0, 1, 2
 
 class PipelineClosed(Exception):
     """Raised inside a pipeline's threads when it is being shut down."""
+
+
+_running: weakref.WeakSet[BackgroundIterator] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all(timeout: float = 2.0) -> None:
+    """At interpreter exit, stop the pipeline threads still running: a daemon thread inside
+    a torch op while the interpreter and torch's statics are torn down can abort the
+    process."""
+    its = list(_running)
+    for it in its:
+        with it.cv:
+            it.stopped = True
+            it.cv.notify_all()
+    deadline = time.monotonic() + timeout
+    for it in its:
+        if it.thread is not None and it.thread is not threading.current_thread():
+            it.thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class BackgroundIterator(StatefulIterator):
@@ -52,6 +73,7 @@ class BackgroundIterator(StatefulIterator):
                 target=self._produce, name=f"stratagem-{self.name}", daemon=True
             )
             self.thread.start()
+            _running.add(self)
 
     def _produce(self) -> None:
         while True:
