@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.distribute.pipeline_strategy import PipelineStrategy
+from stratagem.distribute.strategies.pipeline import PipelineStrategy
 
 K = 2
 
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     args = ap.parse_args()
 
-    first = PipelineStrategy(K, 1, checkpoint="never")  # starts the second process, joins the job
+    first = PipelineStrategy(K, 1, rematerialize="never")  # starts the second process, joins the job
     torch.set_num_threads(1)
     rank = first.stage
     world = first._pipeline_ext.world
@@ -122,7 +122,7 @@ def main() -> None:
         mems: dict[str, list[int]] = {}
         for sched in ("gpipe", "1f1b"):
             for ck in ("never", "except_last"):
-                s = PipelineStrategy(K, m, schedule=sched, checkpoint=ck, balance=balance)
+                s = PipelineStrategy(K, m, schedule=sched, rematerialize=ck, balance=balance)
                 with s.scope():
                     torch.manual_seed(0)
                     pipe = s.pipeline(build(args.width, args.layers), loss_fn, verbose=False)
@@ -256,7 +256,7 @@ def report(rows: list[dict[str, Any]], args: Any) -> None:
         )
     print("  t/ours = torch's best time / ours, same schedule and memory (no re-materialization);")
     print("  > 1: stratagem is faster")
-    print("\nre-materialization (checkpoint='except_last'): best ms, and x time without it")
+    print("\nre-materialization (rematerialize='except_last'): best ms, and x time without it")
     for r in rows:
         a, b = r["gpipe/except_last"], r["1f1b/except_last"]
         print(

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import stratagem as sg
-from stratagem.comm import nest
 from stratagem.comm.buckets import MB, ParamSpec, describe, plan_buckets
-from stratagem.distribute.input import split_sizes
+from stratagem.core import tree
+from stratagem.core.batches import split_sizes
 
 
 def test_default_strategy_outside_any_scope():
@@ -74,10 +74,10 @@ def test_bucket_plan_is_reverse_registration_order_with_a_small_first_bucket():
 
 def test_nest_roundtrip_and_signature():
     value = {"x": (torch.zeros(2, 3), [torch.ones(1)]), "n": 3}
-    leaves, tree = nest.flatten(value)
+    leaves, spec = tree.flatten(value)
     assert len(leaves) == 3
-    assert nest.unflatten(tree, leaves)["x"][1][0].shape == (1,)
-    assert nest.signature(value) == "{'x': (float32[2,3], [float32[1]]), 'n': int}"
+    assert tree.unflatten(spec, leaves)["x"][1][0].shape == (1,)
+    assert tree.signature(value) == "{'x': (float32[2,3], [float32[1]]), 'n': int}"
 
 
 def test_compute_average_loss_divides_by_the_global_batch():

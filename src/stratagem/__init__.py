@@ -12,17 +12,21 @@ from stratagem.comm.failure import FailureOptions
 from stratagem.distribute import (
     InputContext,
     MirroredStrategy,
+    MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     OutsideScopeError,
+    PipelineStrategy,
     ReduceOp,
     ReplicaContext,
     Strategy,
+    StrategyMismatchError,
     compute_average_loss,
     function,
     get_replica_context,
     get_strategy,
     has_strategy,
     in_cross_replica_context,
+    strategy_of,
 )
 from stratagem.distribute.bootstrap import (
     ClusterConfigurationError,
@@ -30,8 +34,6 @@ from stratagem.distribute.bootstrap import (
     connect_to_cluster,
     initialize_system,
 )
-from stratagem.distribute.multi_worker import MultiWorkerMirroredStrategy
-from stratagem.distribute.pipeline_strategy import PipelineStrategy
 from stratagem.train import (
     Callback,
     Checkpoint,
@@ -66,6 +68,7 @@ __all__ = [
     "ReplicaContext",
     "ReplicaMismatchError",
     "Strategy",
+    "StrategyMismatchError",
     "WorkerFailedError",
     "__version__",
     "callbacks",
@@ -83,4 +86,5 @@ __all__ = [
     "initialize_system",
     "metrics",
     "predict",
+    "strategy_of",
 ]

@@ -12,7 +12,7 @@ from stratagem.cluster.resolvers import TorchrunClusterResolver
 from stratagem.comm.failure import FailureOptions
 from stratagem.data import Dataset
 from stratagem.distribute.bootstrap import CommunicationOptions
-from stratagem.distribute.multi_worker import MultiWorkerMirroredStrategy
+from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.train.checkpoint import Checkpoint, CheckpointManager, RNGState
 
 FAST = CommunicationOptions(

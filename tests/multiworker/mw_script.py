@@ -10,7 +10,7 @@ from torch import nn
 
 from stratagem.cluster.resolvers import detect
 from stratagem.distribute.bootstrap import connect_to_cluster, initialize_system
-from stratagem.distribute.multi_worker import MultiWorkerMirroredStrategy
+from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 
 def main() -> None:

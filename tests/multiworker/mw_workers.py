@@ -16,7 +16,7 @@ from stratagem.distribute.bootstrap import (
     connect_to_cluster,
     initialize_system,
 )
-from stratagem.distribute.multi_worker import MultiWorkerMirroredStrategy
+from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 FAST = CommunicationOptions(
     timeout_seconds=60, failure=FailureOptions(heartbeat_seconds=0.5, dead_after_seconds=10, grace_seconds=3)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from stratagem.cluster import ClusterSpec
 from stratagem.cluster.resolvers import (
     SimpleClusterResolver,
     SlurmClusterResolver,
@@ -59,8 +60,10 @@ def test_torchrun_environment():
     spec = TorchrunClusterResolver(env).cluster_spec()
     assert (spec.rank, spec.world_size, spec.local_rank, spec.task_index, spec.num_workers) == (3, 4, 1, 1, 2)
     assert spec.agent_store and spec.restart_count == 2 and spec.master == "10.1.1.1:29500"
-    penv = spec.process_env()
-    assert (penv.rank, penv.world_size, penv.master_port) == (3, 4, 29500)
+    assert spec == ClusterSpec.from_environ(env)  # one spec type for every launcher
+    assert ClusterSpec.from_environ(spec.to_environ()) == dataclasses.replace(
+        spec, restart_count=0, agent_store=False
+    )
     with pytest.raises(ValueError, match="stratagem run"):
         TorchrunClusterResolver({})
 

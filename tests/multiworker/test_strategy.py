@@ -13,7 +13,7 @@ from torch import nn
 from stratagem.cli.run import add_parser, torchrun_args
 from stratagem.cluster.resolvers import TorchrunClusterResolver
 from stratagem.data import Dataset
-from stratagem.distribute.multi_worker import MultiWorkerMirroredStrategy
+from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.testing import assert_matches_single_device, run_script, run_workers
 
 HERE = Path(__file__).parent

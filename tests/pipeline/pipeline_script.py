@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from stratagem.distribute.pipeline_strategy import PipelineStrategy
+from stratagem.distribute.strategies.pipeline import PipelineStrategy
 
 strategy = PipelineStrategy(num_stages=2, num_microbatches=4, schedule="1f1b")
 with strategy.scope():

@@ -13,11 +13,11 @@ from stratagem.pipeline import (
     PipelineConfig,
     PipelineConfigError,
     block_partition,
-    checkpoint_stop,
     gpipe,
     loss_scales,
     make_schedule,
     one_f_one_b,
+    rematerialize_stop,
     simulate,
     split_sizes,
 )
@@ -137,7 +137,7 @@ def test_micro_batches_and_loss_scales():
     assert loss_scales([3, 2], "mean", 5) == [0.6, 0.4]
     assert loss_scales([3, 2], "mean", 10) == [0.3, 0.2]  # another copy holds the other 5
     assert loss_scales([3, 2], "sum", 10) == [1.0, 1.0]
-    assert [checkpoint_stop(m, 4) for m in ("always", "except_last", "never")] == [4, 3, 0]
+    assert [rematerialize_stop(m, 4) for m in ("always", "except_last", "never")] == [4, 3, 0]
 
 
 def test_config_validation_says_what_was_received():
@@ -146,7 +146,7 @@ def test_config_validation_says_what_was_received():
         (dict(num_stages=2, num_microbatches=0), "num_microbatches must be an integer >= 1, got 0"),
         (dict(num_stages=2, num_microbatches=2, data_parallel=0), "data_parallel must be .* got 0"),
         (dict(num_stages=2, num_microbatches=2, schedule="zigzag"), "schedule must be one of .* 'zigzag'"),
-        (dict(num_stages=2, num_microbatches=2, checkpoint="sometimes"), "checkpoint must be .*'sometimes'"),
+        (dict(num_stages=2, num_microbatches=2, rematerialize="sometimes"), "rematerialize must be .*'sometimes'"),
         (dict(num_stages=2, num_microbatches=2, balance=[3]), r"balance=\[3\] must hold 2 positive"),
         (dict(num_stages=2, num_microbatches=2, balance=[2, 0]), r"balance=\[2, 0\]"),
         (dict(num_stages=2, num_microbatches=2, balance="flops"), "'flops'"),
@@ -163,7 +163,7 @@ def test_config_validation_says_what_was_received():
 
 
 def test_strategy_validates_before_launching():
-    from stratagem.distribute.pipeline_strategy import PipelineStrategy
+    from stratagem.distribute.strategies.pipeline import PipelineStrategy
 
     with pytest.raises(PipelineConfigError, match="num_microbatches must be an integer >= 1, got 0"):
         PipelineStrategy(2, 0)

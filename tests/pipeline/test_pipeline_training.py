@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from stratagem.distribute.pipeline_strategy import PipelineStrategy
+from stratagem.distribute.strategies.pipeline import PipelineStrategy
 from stratagem.pipeline import PipelineConfigError, PipelineError, StageShapeError
 from stratagem.testing import run_workers
 
@@ -74,7 +74,7 @@ def matrix_worker() -> dict:
             for m in (1, 2, 8):
                 for reduction in ("mean", "sum"):
                     what = f"{schedule}/{checkpoint}/M={m}/{reduction}"
-                    s = PipelineStrategy(2, m, schedule=schedule, checkpoint=checkpoint)
+                    s = PipelineStrategy(2, m, schedule=schedule, rematerialize=checkpoint)
                     loss_fn = nn.CrossEntropyLoss(reduction=reduction)
                     pipe, opt = make_pipe(s, build, loss_fn)
                     ref, ref_opt = reference(build)
@@ -110,7 +110,7 @@ def dropout_checks() -> dict:
     results = {}
     for schedule in ("gpipe", "1f1b"):
         for checkpoint in ("always", "except_last", "never"):
-            s = PipelineStrategy(2, 4, schedule=schedule, checkpoint=checkpoint, balance=[3, 3])
+            s = PipelineStrategy(2, 4, schedule=schedule, rematerialize=checkpoint, balance=[3, 3])
             pipe, _ = make_pipe(s, lambda: build(0.5), nn.CrossEntropyLoss())
             torch.manual_seed(7)
             loss = s.run(pipe.train_step, args=(x, y))
@@ -141,7 +141,7 @@ def batchnorm_checks(errors) -> bool:
     loss_fn = nn.CrossEntropyLoss()
     for m in (1, 3):
         for checkpoint in ("always", "never"):
-            s = PipelineStrategy(2, m, checkpoint=checkpoint, balance=[3, 3])
+            s = PipelineStrategy(2, m, rematerialize=checkpoint, balance=[3, 3])
             pipe, _ = make_pipe(s, build_bn, loss_fn)
             s.run(pipe.train_step, args=(x, y))
             ref, _ = reference(build_bn)

@@ -42,4 +42,4 @@ for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(batches)):
     loss = strategy.reduce("sum", strategy.run(step, args=(x, y)))
 checksum = strategy.reduce("sum", model.weight.detach().sum()).item()
 if strategy.extended.should_checkpoint:
-    print(f"DONE world={strategy.num_replicas_in_sync} checksum={checksum:.6f} launcher={strategy.env.launcher}")
+    print(f"DONE world={strategy.num_replicas_in_sync} checksum={checksum:.6f} launcher={strategy.cluster_spec.launcher}")

@@ -145,7 +145,7 @@ def parity_worker(ref_backup_dir: str) -> dict[str, Any]:
 
 def pipeline_worker() -> dict[str, Any]:
     """fit/evaluate/predict under PipelineStrategy(2 stages) vs OneDevice, in both usages."""
-    from stratagem.distribute.pipeline_strategy import PipelineStrategy
+    from stratagem.distribute.strategies.pipeline import PipelineStrategy
 
     pipe_strategy = PipelineStrategy(2, 2)
     one = sg.OneDeviceStrategy()
@@ -191,7 +191,7 @@ def pipeline_worker() -> dict[str, Any]:
 
 def multi_worker_worker() -> dict[str, Any]:
     """fit under MultiWorkerMirroredStrategy (list and stratagem Dataset input) vs OneDevice."""
-    from stratagem.distribute.multi_worker import MultiWorkerMirroredStrategy
+    from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
 
     mw = MultiWorkerMirroredStrategy()
     one = sg.OneDeviceStrategy()

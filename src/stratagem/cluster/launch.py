@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stratagem.cluster.spec import ProcessEnv
+from stratagem.cluster.spec import ClusterSpec
 
 _PR_SET_PDEATHSIG = 1
 
@@ -149,14 +149,14 @@ def ensure_replicas(
     *,
     grace: float = 60.0,
     environ: dict[str, str] | None = None,
-) -> ProcessEnv:
+) -> ClusterSpec:
     """This process's place in a job of ``num_replicas`` processes, starting the others if needed.
 
     Joins the job a launcher (torchrun, ``stratagem run``) set up; otherwise re-runs this script
     ``num_replicas - 1`` times with the launch variables set and becomes rank 0.
     """
     global _children
-    env = ProcessEnv.from_environ(environ)
+    env = ClusterSpec.from_environ(environ)
     if env is not None:
         if num_replicas is not None and env.world_size != num_replicas:
             raise RuntimeError(
@@ -166,7 +166,7 @@ def ensure_replicas(
             )
         return env
     if num_replicas is None or num_replicas == 1:
-        return ProcessEnv.single()
+        return ClusterSpec.single()
     if _children is not None:
         raise RuntimeError("replicas were already started by an earlier strategy in this process")
     cmd = relaunch_command()
@@ -174,12 +174,12 @@ def ensure_replicas(
     base = dict(os.environ)
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(1, num_replicas):
-        child = ProcessEnv(rank, num_replicas, rank, num_replicas, "127.0.0.1", port, "self")
+        child = ClusterSpec.local(rank, num_replicas, port)
         procs.append(
             subprocess.Popen(cmd, env={**base, **child.to_environ()}, preexec_fn=_die_with_parent)
         )
     _children = ReplicaProcesses(procs, grace)
-    return ProcessEnv(0, num_replicas, 0, num_replicas, "127.0.0.1", port, "self")
+    return ClusterSpec.local(0, num_replicas, port)
 
 
 def children() -> ReplicaProcesses | None:

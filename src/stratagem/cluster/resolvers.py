@@ -14,10 +14,9 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import final
 
-from stratagem.cluster.spec import LAUNCH_VARS, ProcessEnv
+from stratagem.cluster.spec import LAUNCH_VARS, ClusterSpec
 
 #: the port the chief's store listens on when a Slurm job does not say (MASTER_PORT unset).
 SLURM_BASE_PORT = 15000
@@ -34,57 +33,6 @@ __all__ = [
     "expand_hostlist",
     "split_address",
 ]
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """Where this process stands in the cluster: workers, its task, its rank, the rendezvous."""
-
-    workers: tuple[str, ...]  # one entry per worker (machine); "" where the launcher does not say
-    task_index: int  # this process's worker
-    rank: int  # this process's rank among all processes (replicas)
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str  # the chief's rendezvous store
-    master_port: int
-    chief: int = 0  # the worker whose first process is rank 0
-    source: str = "simple"
-    restart_count: int = 0
-    agent_store: bool = False  # the store is hosted by torchrun's agent, not by rank 0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
-        if not 0 <= self.task_index < max(len(self.workers), 1):
-            raise ValueError(f"task index {self.task_index} is outside {len(self.workers)} workers")
-
-    @property
-    def num_workers(self) -> int:
-        return len(self.workers)
-
-    @property
-    def is_chief(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def master(self) -> str:
-        return f"{self.master_addr}:{self.master_port}"
-
-    def process_env(self) -> ProcessEnv:
-        """The same facts as the ProcessEnv the strategies' process-group code takes."""
-        launcher = "single" if self.world_size == 1 else self.source
-        return ProcessEnv(
-            self.rank, self.world_size, self.local_rank, self.local_world_size,
-            self.master_addr, self.master_port, launcher, self.restart_count,
-        )
-
-    def describe(self) -> str:
-        where = ", ".join(w or "?" for w in self.workers)
-        return (
-            f"rank {self.rank} of {self.world_size} (worker {self.task_index} of "
-            f"{self.num_workers}: [{where}]; rendezvous {self.master}; from {self.source})"
-        )
 
 
 def split_address(address: str, what: str) -> tuple[str, int]:
@@ -191,25 +139,13 @@ class TorchrunClusterResolver(ClusterResolver):
     """The environment torchrun (and ``stratagem run``) gives each worker process."""
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
-        env = os.environ if environ is None else environ
-        penv = ProcessEnv.from_environ(env)
-        if penv is None:
+        spec = ClusterSpec.from_environ(environ)
+        if spec is None:
             raise ValueError(
                 f"not started by torchrun: {list(LAUNCH_VARS)} are not set; start the script "
                 "with `stratagem run -n N script.py` or pick another cluster resolver"
             )
-        local_world = max(penv.local_world_size, 1)
-        nnodes = -(-penv.world_size // local_world)
-        try:
-            node = int(env.get("GROUP_RANK", penv.rank // local_world))
-        except ValueError as e:
-            raise ValueError(f"malformed GROUP_RANK: {e}") from e
-        workers = ["" for _ in range(nnodes)]
-        self._spec = ClusterSpec(
-            tuple(workers), min(node, nnodes - 1), penv.rank, penv.world_size, penv.local_rank,
-            local_world, penv.master_addr, penv.master_port, 0, "torchrun", penv.restart_count,
-            env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-        )
+        self._spec = spec
 
     def cluster_spec(self) -> ClusterSpec:
         return self._spec

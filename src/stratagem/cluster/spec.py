@@ -1,4 +1,10 @@
-"""ProcessEnv: this process's place in the job, read once from the environment into a frozen value."""
+"""ClusterSpec: where this process stands in the job, one frozen value for every launcher.
+
+Resolvers (TF_CONFIG, Slurm, by hand), torchrun / ``stratagem run`` (:meth:`ClusterSpec.from_environ`)
+and the self-launch of a plain ``python train.py`` (``cluster.launch.ensure_replicas``) all
+produce this one type, and ``distribute.join`` takes only it. The environment is read here and
+in the resolvers, once, at the edge.
+"""
 
 from __future__ import annotations
 
@@ -11,40 +17,73 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
-class ProcessEnv:
-    """Where this process stands: its rank among ``world_size`` processes and the rendezvous."""
+class ClusterSpec:
+    """Where this process stands in the cluster: workers, its task, its rank, the rendezvous."""
 
-    rank: int
+    workers: tuple[str, ...]  # one entry per worker (machine); "" where the launcher does not say
+    task_index: int  # this process's worker
+    rank: int  # this process's rank among all processes (replicas)
     world_size: int
     local_rank: int
     local_world_size: int
-    master_addr: str
+    master_addr: str  # the chief's rendezvous store
     master_port: int
-    launcher: str  # "torchrun", "self" (MirroredStrategy started it) or "single"
+    chief: int = 0  # the worker whose first process is rank 0
+    source: str = "simple"  # who described the job: torchrun, self, tf_config, slurm, simple, single
     restart_count: int = 0
+    agent_store: bool = False  # the store is hosted by torchrun's agent, not by rank 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if not 0 <= self.task_index < max(len(self.workers), 1):
+            raise ValueError(f"task index {self.task_index} is outside {len(self.workers)} workers")
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
 
     @property
     def is_chief(self) -> bool:
         return self.rank == 0
 
     @property
-    def node_rank(self) -> int:
-        return self.rank // max(self.local_world_size, 1)
+    def master(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
 
+    @property
+    def launcher(self) -> str:
+        """"single" for a job of one process, else who described it (``source``)."""
+        return "single" if self.world_size == 1 else self.source
+
+    def describe(self) -> str:
+        where = ", ".join(w or "?" for w in self.workers)
+        return (
+            f"rank {self.rank} of {self.world_size} (worker {self.task_index} of "
+            f"{self.num_workers}: [{where}]; rendezvous {self.master}; from {self.source})"
+        )
+
+    # --- the launch environment --------------------------------------------------------------
     @classmethod
-    def single(cls) -> ProcessEnv:
+    def single(cls) -> ClusterSpec:
         """A job of one process that has no peers to meet."""
-        return cls(0, 1, 0, 1, "127.0.0.1", 0, "single")
+        return cls(("",), 0, 0, 1, 0, 1, "127.0.0.1", 0, source="single")
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
-        """The launch this process was started by, or None when no launcher started it."""
+    def local(cls, rank: int, world_size: int, port: int, source: str = "self") -> ClusterSpec:
+        """Process ``rank`` of ``world_size`` on this machine, meeting at ``127.0.0.1:port``."""
+        return cls(("127.0.0.1",), 0, rank, world_size, rank, world_size, "127.0.0.1", port, source=source)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> ClusterSpec | None:
+        """The launch (torchrun, ``stratagem run``, a self-launched replica) that started this
+        process, or None when no launcher started it."""
         env = os.environ if environ is None else environ
         if not all(k in env for k in LAUNCH_VARS):
-            missing = [k for k in LAUNCH_VARS if k in env]
-            if missing:
+            present = [k for k in LAUNCH_VARS if k in env]
+            if present:
                 raise RuntimeError(
-                    f"found {missing} in the environment but not all of {list(LAUNCH_VARS)}; "
+                    f"found {present} in the environment but not all of {list(LAUNCH_VARS)}; "
                     "start the script with `stratagem run -n N script.py` or torchrun, or unset them"
                 )
             return None
@@ -52,15 +91,20 @@ class ProcessEnv:
             rank = int(env["RANK"])
             world = int(env["WORLD_SIZE"])
             local_rank = int(env.get("LOCAL_RANK", rank))
-            local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+            local_world = max(int(env.get("LOCAL_WORLD_SIZE", world)), 1)
             port = int(env["MASTER_PORT"])
             restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            nnodes = -(-world // local_world)
+            node = int(env.get("GROUP_RANK", rank // local_world))
         except ValueError as e:
             raise RuntimeError(f"malformed launch environment: {e}") from e
         if not 0 <= rank < world:
             raise RuntimeError(f"RANK={rank} is outside WORLD_SIZE={world}")
-        launcher = env.get("STRATAGEM_LAUNCHER", "torchrun")
-        return cls(rank, world, local_rank, local_world, env["MASTER_ADDR"], port, launcher, restarts)
+        return cls(
+            tuple("" for _ in range(nnodes)), min(node, nnodes - 1), rank, world, local_rank,
+            local_world, env["MASTER_ADDR"], port, 0, env.get("STRATAGEM_LAUNCHER", "torchrun"),
+            restarts, env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        )  # fmt: skip
 
     def to_environ(self) -> dict[str, str]:
         """The variables that make a child process join this job as ``self.rank``."""
@@ -71,5 +115,5 @@ class ProcessEnv:
             "LOCAL_WORLD_SIZE": str(self.local_world_size),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
-            "STRATAGEM_LAUNCHER": self.launcher,
+            "STRATAGEM_LAUNCHER": self.source,
         }

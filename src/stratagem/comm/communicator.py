@@ -14,28 +14,19 @@ import abc
 import contextlib
 import datetime
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stratagem.comm import nest
 from stratagem.comm.eager import eager_only
-from stratagem.comm.errors import (
-    CollectiveError,
-    CollectiveTimeoutError,
-    ReplicaMismatchError,
-    WorkerFailedError,
-    looks_like_peer_loss,
-)
+from stratagem.comm.errors import CollectiveError, ReplicaMismatchError
+from stratagem.comm.failure import FailureProbe, classify_failure
+from stratagem.core import tree
 
 OPS = ("sum", "mean", "max", "min")
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-#: Explains a failed collective: returns (failed rank or None, human explanation or "").
-FailureProbe = Callable[[BaseException], tuple[int | None, str]]
-
 
 def _as_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
@@ -118,7 +109,7 @@ class Communicator(abc.ABC):
         """Raise ReplicaMismatchError on every member unless all passed alike values."""
         if self.world_size == 1:
             return
-        sig = nest.signature(value)
+        sig = tree.signature(value)
         code = torch.tensor([zlib.crc32(sig.encode()), len(sig)], dtype=torch.int64, device=self.device)
         codes = self.all_gather_tensor(code)
         if all(torch.equal(c, codes[0]) for c in codes):
@@ -130,16 +121,32 @@ class Communicator(abc.ABC):
             f"replicas ({listing}); every replica must pass the same structure and shapes"
         )
 
-    def all_reduce(self, value: Any, op: str = "sum", *, check: bool = True) -> Any:
-        """``value`` (tensors or numbers, nested) reduced across the group; new tensors."""
+    def check_same_once(self, what: str, value: Any, site: Hashable | None) -> None:
+        """``check_same`` on the first call from ``site`` (a call site every member names alike,
+        e.g. the user's file and line); later calls from the same site are not checked, so a
+        steady-state reduction is one collective. ``site=None`` checks every call."""
+        if self.world_size == 1:
+            return
+        seen: set[Hashable] = self.__dict__.setdefault("_checked_sites", set())
+        if site is not None and (what, site) in seen:
+            return
+        self.check_same(what, value)
+        if site is not None:
+            seen.add((what, site))
+
+    def all_reduce(self, value: Any, op: str = "sum", *, check: bool = True, site: Hashable | None = None) -> Any:
+        """``value`` (tensors or numbers, nested) reduced across the group; new tensors.
+
+        ``check`` first verifies that every member passed the same structure, shapes and dtypes
+        (on every call, or with ``site`` on the first call from that site)."""
         if op not in OPS:
             raise ValueError(f"unknown reduction {op!r}; use one of {OPS}")
-        leaves, treedef = nest.flatten(value)
+        leaves, treedef = tree.flatten(value)
         tensors = [_as_tensor(x) for x in leaves]
         if check:
-            self.check_same("all_reduce", nest.unflatten(treedef, tensors))
+            self.check_same_once("all_reduce", tree.unflatten(treedef, tensors), site)
         out = self._reduce_leaves(tensors, op)
-        return nest.unflatten(treedef, out)
+        return tree.unflatten(treedef, out)
 
     def _reduce_leaves(self, tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]:
         if self.world_size == 1:
@@ -197,7 +204,7 @@ class Communicator(abc.ABC):
                     offset += n
 
 
-eager_only(Communicator, ["broadcast_object", "check_same", "all_reduce", "gather_varlen", "broadcast_tensors_"])
+eager_only(Communicator, ["broadcast_object", "check_same", "check_same_once", "all_reduce", "gather_varlen", "broadcast_tensors_"])
 
 
 class LocalCommunicator(Communicator):
@@ -242,31 +249,6 @@ class LocalCommunicator(Communicator):
 class _Done:
     def wait(self) -> bool:
         return True
-
-
-def classify_failure(exc: BaseException, probe: FailureProbe | None, op: str) -> CollectiveError:
-    """Turn a torch.distributed error into a CollectiveError that says what happened."""
-    rank, why = (None, "")
-    if probe is not None:
-        try:
-            rank, why = probe(exc)
-        except Exception:  # noqa: BLE001 - explaining must never hide the original error
-            rank, why = (None, "")
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    lowered = str(exc).lower()
-    who = f"worker {rank}" if rank is not None else "a peer worker"
-    if rank is None and ("timed out" in lowered or "timeout" in lowered):
-        return CollectiveTimeoutError(
-            f"{op} timed out waiting for the other workers ({text}); a worker is stuck or the "
-            "timeout is too short for this step (raise `timeout=`)"
-        )
-    if rank is None and not looks_like_peer_loss(lowered):
-        # nothing says a peer failed: this rank's own call went wrong (e.g. a tensor on a
-        # device the backend does not serve); say so rather than blame another worker
-        return CollectiveError(f"{op} failed on this worker: {type(exc).__name__}: {text}")
-    detail = f": {why}" if why else ""
-    return WorkerFailedError(f"{op} failed because {who} failed{detail} ({text})", rank=rank)
-
 
 
 class ProcessGroupCommunicator(Communicator):

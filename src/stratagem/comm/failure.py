@@ -24,13 +24,20 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
 
-from stratagem.comm.errors import CollectiveError, WorkerFailedError, looks_like_peer_loss
+from stratagem.cluster.launch import children
+from stratagem.comm.errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    WorkerFailedError,
+    looks_like_peer_loss,
+)
 
 #: exit code of a process the watchdog stops because a peer failed while it was blocked.
 ABORT_EXIT_CODE = 1
@@ -412,3 +419,55 @@ class FailureMonitor:
         return p in self._finished or self._add(self._key("seen", self.rank), 0) >= sum(
             1 for q in range(self.world_size) if q != self.rank
         )
+
+
+# --- explaining a failed collective ----------------------------------------------------------------
+#: Explains a failed collective: returns (failed rank or None, human explanation or "").
+FailureProbe = Callable[[BaseException], tuple[int | None, str]]
+
+
+def launcher_probe(exc: BaseException) -> tuple[int | None, str]:
+    """Which replica failed, as far as the self-launcher of this process knows (a child's exit)."""
+    kids = children()
+    if kids is not None:
+        deadline = time.monotonic() + 2.0
+        while kids.failed is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if kids.failed is not None:
+            rank, code = kids.failed
+            return rank, f"it exited with code {code}"
+    return None, ""
+
+
+def job_probe(monitor: FailureMonitor | None) -> FailureProbe:
+    """The probe of a job: the failure monitor's records first, then the launcher's children."""
+
+    def probe(exc: BaseException) -> tuple[int | None, str]:
+        rank, why = monitor.probe(exc) if monitor is not None else (None, "")
+        return (rank, why) if rank is not None else launcher_probe(exc)
+
+    return probe
+
+
+def classify_failure(exc: BaseException, probe: FailureProbe | None, op: str) -> CollectiveError:
+    """Turn a torch.distributed error into a CollectiveError that says what happened."""
+    rank, why = (None, "")
+    if probe is not None:
+        try:
+            rank, why = probe(exc)
+        except Exception:  # noqa: BLE001 - explaining must never hide the original error
+            rank, why = (None, "")
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lowered = str(exc).lower()
+    who = f"worker {rank}" if rank is not None else "a peer worker"
+    if rank is None and ("timed out" in lowered or "timeout" in lowered):
+        return CollectiveTimeoutError(
+            f"{op} timed out waiting for the other workers ({text}); a worker is stuck or the "
+            "timeout is too short for this step (raise `timeout=`)"
+        )
+    if rank is None and not looks_like_peer_loss(lowered):
+        # nothing says a peer failed: this rank's own call went wrong (e.g. a tensor on a
+        # device the backend does not serve); say so rather than blame another worker
+        return CollectiveError(f"{op} failed on this worker: {type(exc).__name__}: {text}")
+    detail = f": {why}" if why else ""
+    return WorkerFailedError(f"{op} failed because {who} failed{detail} ({text})", rank=rank)

@@ -19,7 +19,7 @@ micro-batches, like DDP's ``no_sync``) are reduced whole at the next enabled bac
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ class GradientReducer:
         op: str = "sum",
         first_bucket_bytes: int | None = None,
         bucket_bytes: int | None = None,
+        armed: Callable[[], bool] | None = None,
     ) -> None:
         if op not in ("sum", "mean"):
             raise ValueError(f"gradients can be reduced by 'sum' or 'mean', not {op!r}")
@@ -71,6 +72,7 @@ class GradientReducer:
         self._prev: dict[int, torch.Tensor] = {}
         self._reset()
         self.enabled = True
+        self.armed = armed  # asked at each backward pass whether to reduce (it may raise)
         if comm.world_size > 1:
             for i, p in enumerate(self.params):
                 if p.requires_grad:
@@ -107,6 +109,8 @@ class GradientReducer:
             if not self.enabled:
                 return
             if not self._armed:
+                if self.armed is not None and not self.armed():
+                    return
                 self._armed = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             if i in self._touched:

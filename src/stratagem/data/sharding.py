@@ -8,8 +8,11 @@ from collections.abc import Callable
 from stratagem.data.batching import BatchDataset
 from stratagem.data.dataset import Dataset
 from stratagem.data.options import AutoShardPolicy
+from stratagem.data.parallel import ParallelMapDataset
+from stratagem.data.rebatch import RebatchShardDataset
 from stratagem.data.shuffle import ShuffleDataset
 from stratagem.data.sources import FileSource, ListFilesDataset
+from stratagem.data.transforms import MapDataset
 
 
 def _walk(ds: Dataset) -> list[Dataset]:
@@ -133,8 +136,9 @@ def rebatch_and_shard(dataset: Dataset, num_shards: int, index: int) -> Dataset 
 
     The last ``batch(B)`` becomes ``batch(B / num_shards)`` and the pipeline is auto-sharded by
     its policy, so each worker reads only its share. With the DATA policy worker ``i`` keeps
-    elements ``i, i + n, ...`` of each global batch, so the union of the workers' k-th batches
-    is exactly the k-th global batch. None when that does not apply (one shard, policy OFF, no
+    its contiguous run of each global batch (tf.distribute's rebatching: ``split_sizes``), cut
+    below the element-wise maps, so the union of the workers' k-th batches is exactly the k-th
+    global batch, in order, and each worker maps only its own elements. None when that does not apply (one shard, policy OFF, no
     batch, or B not divisible by ``num_shards``): the caller then splits whole global batches.
     """
     if num_shards == 1 or dataset.options().resolved_auto_shard_policy == AutoShardPolicy.OFF:
@@ -144,5 +148,29 @@ def rebatch_and_shard(dataset: Dataset, num_shards: int, index: int) -> Dataset 
         return None
     smaller = copy.copy(batch)
     smaller.batch_size = batch.batch_size // num_shards
-    rebatched = _rewrite(dataset, lambda d: smaller if d is batch else None)
-    return auto_shard(rebatched, num_shards, index)
+    policy = dataset.options().resolved_auto_shard_policy
+    if policy == AutoShardPolicy.FILE or (policy == AutoShardPolicy.AUTO and file_sources(dataset)):
+        rebatched = _rewrite(dataset, lambda d: smaller if d is batch else None)
+        return auto_shard(rebatched, num_shards, index)
+    # DATA: this worker's contiguous run of each global batch (tf's rebatching), cut below the
+    # element-wise maps that need no per-element RNG, so each worker maps only its own elements
+    _check_same_order(batch._inputs[0])
+    maps = _maps_below(batch)
+    node: Dataset = RebatchShardDataset(
+        (maps[-1] if maps else batch)._inputs[0], batch.batch_size, num_shards, index
+    )
+    for m in reversed(maps):
+        node = m._with_inputs((node,))
+    new_batch = smaller._with_inputs((node,))
+    return _rewrite(dataset, lambda d: new_batch if d is batch else None)
+
+
+def _maps_below(batch: BatchDataset) -> list[Dataset]:
+    """The chain of element-wise maps (no per-element RNG) feeding ``batch``, top down: the
+    shard goes right under the last of them."""
+    out: list[Dataset] = []
+    below = batch._inputs[0]
+    while isinstance(below, (MapDataset, ParallelMapDataset)) and not below._with_rng:
+        out.append(below)
+        below = below._inputs[0]
+    return out

@@ -1,34 +1,42 @@
-"""distribute: the Strategy API, its contexts and values, and the data-parallel strategies."""
+"""distribute: the Strategy API (strategy, context, reduce ops, function, loss), the engines
+strategies are made of (``engines/``), and the strategies themselves (``strategies/``)."""
 
-from stratagem.distribute.context import (
-    ReplicaContext,
+from stratagem.distribute.current import (
     get_replica_context,
     get_strategy,
     has_strategy,
     in_cross_replica_context,
 )
+from stratagem.distribute.engines.input import InputContext
 from stratagem.distribute.function import function
-from stratagem.distribute.input import InputContext
 from stratagem.distribute.loss import compute_average_loss
-from stratagem.distribute.mirror import OutsideScopeError
-from stratagem.distribute.mirrored import MirroredStrategy
-from stratagem.distribute.one_device import OneDeviceStrategy
+from stratagem.distribute.ownership import OutsideScopeError, StrategyMismatchError, strategy_of
 from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.strategy import Strategy, StrategyExtended
+from stratagem.distribute.strategies import (
+    MirroredStrategy,
+    MultiWorkerMirroredStrategy,
+    OneDeviceStrategy,
+    PipelineStrategy,
+)
+from stratagem.distribute.strategy import ReplicaContext, Strategy, StrategyExtended
 
 __all__ = [
     "InputContext",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "OutsideScopeError",
+    "PipelineStrategy",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
+    "StrategyMismatchError",
     "compute_average_loss",
     "function",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "strategy_of",
 ]

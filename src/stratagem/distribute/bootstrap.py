@@ -18,9 +18,9 @@ import torch
 
 from stratagem._version import __version__
 from stratagem.cluster.resolvers import ClusterResolver, ClusterSpec, detect
-from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.comm import Communicator
 from stratagem.comm.failure import FailureOptions
-from stratagem.distribute.replicas import join_group, local_device
+from stratagem.distribute.join import join, local_device
 
 
 class ClusterConfigurationError(RuntimeError):
@@ -66,9 +66,7 @@ def connect_to_cluster(
     spec = _spec(resolver)
     options = communication_options or CommunicationOptions()
     dev = torch.device(device) if device is not None else default_device(spec)
-    if spec.world_size == 1:
-        return LocalCommunicator(dev)
-    return join_group(spec.process_env(), dev, timeout=options.timeout_seconds, failure=options.failure)
+    return join(spec, dev, timeout=options.timeout_seconds, failure=options.failure)
 
 
 def local_facts(spec: ClusterSpec, config: Mapping[str, Any] | None) -> dict[str, Any]:

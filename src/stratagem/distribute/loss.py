@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from stratagem.comm.eager import eager_only
-from stratagem.distribute import context
+from stratagem.distribute import current
 
 
 def compute_average_loss(
@@ -43,7 +43,7 @@ def compute_average_loss(
 
 def _global_count(local: int) -> int:
     """The number of examples in this step over all replicas (runs eagerly, also when compiled)."""
-    ctx = context.get_replica_context()
+    ctx = current.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return local
     return int(ctx.all_reduce("sum", torch.tensor(local, dtype=torch.int64)))

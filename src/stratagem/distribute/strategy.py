@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from stratagem.comm import Communicator
 from stratagem.distribute import context
 from stratagem.distribute.reduce_op import ReduceOp
 
@@ -51,7 +52,34 @@ class StrategyExtended(abc.ABC):
     @property
     @abc.abstractmethod
     def should_checkpoint(self) -> bool:
-        """Whether this process writes shared files (checkpoints, logs): the chief."""
+        """Whether this process writes checkpoint files (every process holding state no other
+        writer has: the chief of a data-parallel job, copy 0 of each pipeline stage)."""
+
+    @property
+    def should_log(self) -> bool:
+        """Whether this process prints progress and writes logs (exactly one process of the job)."""
+        return self.world.rank == 0
+
+    @property
+    @abc.abstractmethod
+    def world(self) -> Communicator:
+        """Every process of the job (collective decisions, checkpoints)."""
+
+    @property
+    def state_is_per_rank(self) -> bool:
+        """Whether every process holds different model state (pipeline stages), so checkpoints
+        keep each rank's part, rather than one state mirrored on all (data parallelism)."""
+        return False
+
+    @property
+    def requires_scope(self) -> bool:
+        """Whether modules must be created in ``scope()`` to be used with this strategy."""
+        return False
+
+    @property
+    def is_pipeline(self) -> bool:
+        """Whether the model runs as stages (``build_pipe``) rather than whole on every replica."""
+        return False
 
     @abc.abstractmethod
     def scope(self) -> contextlib.AbstractContextManager[None]:
@@ -80,6 +108,25 @@ class StrategyExtended(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Wait for every process of the strategy."""
+
+
+class ReplicaContext:
+    """What a replica sees inside ``strategy.run``: its id, the replica count, all_reduce."""
+
+    def __init__(self, strategy: Strategy, replica_id_in_sync_group: int) -> None:
+        self.strategy = strategy
+        self.replica_id_in_sync_group = replica_id_in_sync_group
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
+        """``value`` reduced across replicas; every replica must pass the same structure/shapes."""
+        return self.strategy.extended.all_reduce(ReduceOp.of(reduce_op), value)
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(replica {self.replica_id_in_sync_group} of {self.num_replicas_in_sync})"
 
 
 class Strategy:

@@ -1,12 +1,12 @@
 """pipeline: GPipe/1F1B pipelines: schedules and partitions as data, micro-batching,
 re-materialization, the stage runtime over point-to-point messages (imports only comm)."""
 
-from stratagem.pipeline.checkpointing import MODES, checkpoint_stop
 from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.errors import PipelineConfigError, PipelineError, StageShapeError
 from stratagem.pipeline.microbatch import loss_scales, split_sizes
 from stratagem.pipeline.partition import Partition, block_partition
 from stratagem.pipeline.pipe import Pipe
+from stratagem.pipeline.rematerialize import MODES, rematerialize_stop
 from stratagem.pipeline.schedule import (
     SCHEDULES,
     Action,
@@ -29,7 +29,7 @@ __all__ = [
     "Schedule",
     "StageShapeError",
     "block_partition",
-    "checkpoint_stop",
+    "rematerialize_stop",
     "gpipe",
     "loss_scales",
     "make_schedule",

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stratagem.pipeline.checkpointing import MODES
 from stratagem.pipeline.errors import PipelineConfigError
+from stratagem.pipeline.rematerialize import MODES
 from stratagem.pipeline.schedule import SCHEDULES, Schedule, make_schedule
 
 BALANCE_METHODS = ("params", "time")
@@ -22,7 +22,7 @@ class PipelineConfig:
     num_stages: int
     num_microbatches: int
     schedule: str = "gpipe"
-    checkpoint: str = "except_last"
+    rematerialize: str = "except_last"
     balance: tuple[int, ...] | str = "params"
     data_parallel: int = 1
 
@@ -33,7 +33,7 @@ class PipelineConfig:
         num_microbatches: object,
         *,
         schedule: object = "gpipe",
-        checkpoint: object = "except_last",
+        rematerialize: object = "except_last",
         balance: object = None,
         data_parallel: object = 1,
     ) -> PipelineConfig:
@@ -48,8 +48,8 @@ class PipelineConfig:
         assert isinstance(data_parallel, int)
         if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
             raise PipelineConfigError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-        if checkpoint not in MODES:
-            raise PipelineConfigError(f"checkpoint must be one of {list(MODES)}, got {checkpoint!r}")
+        if rematerialize not in MODES:
+            raise PipelineConfigError(f"rematerialize must be one of {list(MODES)}, got {rematerialize!r}")
         bal: tuple[int, ...] | str
         if balance is None:
             bal = "params"
@@ -74,7 +74,7 @@ class PipelineConfig:
             raise PipelineConfigError(
                 f"balance must be a list of layer counts, 'params' or 'time', got {balance!r}"
             )
-        return cls(num_stages, num_microbatches, schedule.lower(), str(checkpoint), bal, data_parallel)
+        return cls(num_stages, num_microbatches, schedule.lower(), str(rematerialize), bal, data_parallel)
 
     @property
     def world_size(self) -> int:

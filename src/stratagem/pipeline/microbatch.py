@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from stratagem.comm import nest
+from stratagem.core import tree
 
 
 def split_sizes(batch_size: int, num_microbatches: int) -> list[int]:
@@ -24,11 +24,11 @@ def split_sizes(batch_size: int, num_microbatches: int) -> list[int]:
 
 def batch_size(batch: Any) -> int:
     """The leading dimension shared by every tensor of ``batch``."""
-    leaves, _ = nest.flatten(batch)
+    leaves, _ = tree.flatten(batch)
     sizes = {int(t.shape[0]) for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(
-            f"the tensors of a mini-batch must share their first dimension; got {nest.signature(batch)}"
+            f"the tensors of a mini-batch must share their first dimension; got {tree.signature(batch)}"
         )
     return sizes.pop()
 
@@ -44,7 +44,7 @@ def scatter(batch: Any, sizes: list[int]) -> list[Any]:
 
 
 def _slice(batch: Any, start: int, stop: int) -> Any:
-    return nest.map_structure(lambda t: t[start:stop], batch)
+    return tree.map_structure(lambda t: t[start:stop], batch)
 
 
 def gather(outputs: list[torch.Tensor]) -> torch.Tensor:

@@ -10,12 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.comm import Communicator, nest
+from stratagem.comm import Communicator
 from stratagem.comm.reducer import GradientReducer
-from stratagem.pipeline.checkpointing import checkpoint_stop
+from stratagem.core import tree
 from stratagem.pipeline.microbatch import batch_size, loss_scales, scatter, split_sizes
 from stratagem.pipeline.p2p import Channel
 from stratagem.pipeline.partition import Partition
+from stratagem.pipeline.rematerialize import rematerialize_stop
 from stratagem.pipeline.runtime import run_inference, run_plan
 from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.stage import Stage
@@ -39,7 +40,7 @@ class Pipe:
         schedule: Schedule,
         partition: Partition,
         *,
-        checkpoint: str,
+        rematerialize: str,
         loss_reduction: str,
         replicas: Communicator,
     ) -> None:
@@ -48,7 +49,7 @@ class Pipe:
         self.channel = channel
         self.schedule = schedule
         self.partition = partition
-        self.checkpoint = checkpoint
+        self.rematerialize = rematerialize
         self.loss_reduction = loss_reduction
         self.replicas = replicas
         self.num_microbatches = schedule.num_microbatches
@@ -96,7 +97,7 @@ class Pipe:
 
     # --- steps ------------------------------------------------------------------------------------
     def _prepare(self, x: Any) -> tuple[list[int], int]:
-        leaves, _ = nest.flatten(x)
+        leaves, _ = tree.flatten(x)
         for t in leaves:
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 raise ValueError(
@@ -107,7 +108,7 @@ class Pipe:
 
     def _place(self, value: Any) -> Any:
         dev = self.stage.device
-        return nest.map_structure(
+        return tree.map_structure(
             lambda t: t.to(dev, non_blocking=True) if isinstance(t, torch.Tensor) else t, value
         )
 
@@ -134,7 +135,7 @@ class Pipe:
         try:
             loss = run_plan(
                 self.schedule[self.stage.index], self.stage, self.channel, xs, ys, scales, sizes,
-                checkpoint_stop(self.checkpoint, self.num_microbatches),
+                rematerialize_stop(self.rematerialize, self.num_microbatches),
                 on_last_backward=arm if reducer is not None else None,
             )  # fmt: skip
         finally:
@@ -156,5 +157,5 @@ class Pipe:
         r = self.partition.layers(self.stage.index)
         return (
             f"Pipe(stage {self.stage.index} of {self.stage.num_stages}, layers {r.start}..{r.stop - 1}, "
-            f"{self.schedule.name}, {self.num_microbatches} micro-batches, checkpoint={self.checkpoint!r})"
+            f"{self.schedule.name}, {self.num_microbatches} micro-batches, rematerialize={self.rematerialize!r})"
         )

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.pipeline.checkpointing import RNGState, frozen_buffers, replay_rng
 from stratagem.pipeline.errors import PipelineError, StageShapeError
+from stratagem.pipeline.rematerialize import RNGSnapshot, frozen_buffers, replay_rng
 
 
 def describe(module: nn.Module) -> str:
@@ -30,7 +30,7 @@ def shape_of(x: Any) -> str:
 class _Saved:
     input: Any
     output: torch.Tensor | None  # None: recompute in backward
-    rng: RNGState | None
+    rng: RNGSnapshot | None
     target: Any = None
     scale: float = 1.0
 
@@ -125,7 +125,7 @@ class Stage:
         if isinstance(x, torch.Tensor) and not self.is_first and x.is_floating_point():
             x = x.detach().requires_grad_(True)
         if recompute:
-            rng = RNGState.capture(self.device)
+            rng = RNGSnapshot.capture(self.device)
             with torch.no_grad():
                 out = self._run(x, target, scale)
             self._saved[i] = _Saved(x, None, rng, target, scale)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stratagem.cluster import ProcessEnv, find_free_port
+from stratagem.cluster import ClusterSpec, find_free_port
 
 
 @dataclass
@@ -118,7 +118,7 @@ def run_workers(
         argfile.write_bytes(pickle.dumps(tuple(args)))
         cmds, envs = [], []
         for rank in range(nprocs):
-            penv = ProcessEnv(rank, nprocs, rank, nprocs, "127.0.0.1", port, "torchrun")
+            penv = ClusterSpec.local(rank, nprocs, port, source="torchrun")
             extra = {
                 **penv.to_environ(),
                 "PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),

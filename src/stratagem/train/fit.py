@@ -1,8 +1,10 @@
 """fit, evaluate and predict: Keras's training loop, written once for every stratagem strategy.
 
 ``data`` yields *global* batches ``(x, y)`` or ``(x, y, sample_weight)`` (a stratagem Dataset, a
-torch DataLoader, a list); the strategy splits each across its replicas. The model and optimizer
-must have been created in ``strategy.scope()``. ``fit`` minimizes the mean per-example loss over
+torch DataLoader, a list); the strategy splits each across its replicas (a stratagem Dataset
+ending in ``batch(B)`` is rebatched and auto-sharded, so each replica's pipeline reads only its
+share). The model and optimizer must have been created in ``strategy.scope()``; fit runs under
+the strategy that created them (``strategy=`` may name it; a different one is an error). ``fit`` minimizes the mean per-example loss over
 each global batch (see ``stratagem.train.losses`` for how loss functions are read), so training
 on N replicas gives the parameters one device gives on the same global batches.
 
@@ -15,18 +17,19 @@ across replicas at the end of each epoch: all replicas stop at the same epoch.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import nn
 
-from stratagem.comm import nest
-from stratagem.distribute import context
+from stratagem.core.batches import concat
+from stratagem.distribute import context, current, ownership
 from stratagem.distribute.strategy import Strategy
 from stratagem.train.callback import Callback, CallbackList, FitState, Logs
 from stratagem.train.history import History
-from stratagem.train.inputs import GlobalBatches, check_iterable, is_distributed
+from stratagem.train.inputs import GlobalBatches, check_finite, check_iterable, distributed
 from stratagem.train.losses import LossFn, check_loss_fn
 from stratagem.train.metrics import Mean, Metric, get_all, sync_metrics
 from stratagem.train.progress import Progress, resolve_mode
@@ -42,24 +45,32 @@ __all__ = ["evaluate", "fit", "predict"]
 Model = Union[nn.Module, "Pipe"]
 
 
-def _strategy(strategy: Strategy | None) -> Strategy:
-    return strategy if strategy is not None else context.get_strategy()
+def _strategy(
+    model: Model, optimizer: torch.optim.Optimizer | None, given: Strategy | None, what: str
+) -> Strategy:
+    """The strategy that created ``model`` (and ``optimizer``); ``given`` or an open scope must
+    agree with it. Without either, the open scope's strategy or the default one."""
+    open_scope = current.get_strategy() if current.has_strategy() else None
+    objects = {"the model": model, "the optimizer": optimizer}
+    chosen = ownership.resolve(objects, given, open_scope, what)
+    return chosen if chosen is not None else current.get_strategy()
 
 
 def _make_steps(
     strategy: Strategy, model: Model, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn | None
 ) -> Any:
-    from stratagem.train.pipeline_steps import PipelineSteps, is_pipeline
+    from stratagem.train.pipeline_steps import PipelineSteps
 
-    if is_pipeline(strategy):
+    if strategy.extended.is_pipeline:
         return PipelineSteps(strategy, model, optimizer, loss_fn)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     return DataParallelSteps(strategy, model, optimizer, loss_fn)
 
 
-def _distribute(strategy: Strategy, batches: Iterable[Any]) -> Iterable[Any]:
-    return batches if is_distributed(batches) else strategy.experimental_distribute_dataset(batches)
+def _batches(strategy: Strategy, data: Iterable[Any], steps: int | None) -> Iterable[Any]:
+    batches = distributed(strategy, data)
+    return batches if steps is None else itertools.islice(batches, steps)
 
 
 def _logs(metrics: Sequence[Metric], prefix: str = "") -> Logs:
@@ -73,19 +84,20 @@ def _reset(metrics: Sequence[Metric]) -> None:
 
 def _run_test(
     strategy: Strategy,
-    steps: Any,
+    runner: Any,
     data: Iterable[Any],
     tracked: Sequence[Metric],
     cblist: CallbackList | None,
+    steps: int | None = None,
 ) -> Logs:
     _reset(tracked)
     if cblist is not None:
         cblist.call("on_test_begin", None)
     logs: Logs = {}
-    for i, batch in enumerate(_distribute(strategy, data)):
+    for i, batch in enumerate(_batches(strategy, data, steps)):
         if cblist is not None:
             cblist.call("on_test_batch_begin", i, None)
-        steps.test(batch, tracked[0], tracked[1:])
+        runner.test(batch, tracked[0], tracked[1:])
         if cblist is not None:
             sync_metrics(strategy, tracked)
             cblist.call("on_test_batch_end", i, _logs(tracked))
@@ -112,10 +124,10 @@ def fit(
 ) -> History:
     """Train ``model`` for ``epochs`` epochs over ``data``; returns the History of global logs.
 
-    ``strategy=None`` uses the current strategy (``stratagem.get_strategy()``). Call it on every
-    replica (every process of the job), with the same arguments.
+    ``strategy=None`` uses the strategy that created ``model`` (else the open scope's, else the
+    default). Call it on every replica (every process of the job), with the same arguments.
     """
-    strategy = _strategy(strategy)
+    strategy = _strategy(model, optimizer, strategy, "fit")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
     if epochs < 0:
@@ -127,8 +139,9 @@ def fit(
     val_tracked = [Mean("loss"), *val_metrics]
     if validation_data is not None:
         check_iterable(validation_data, "validation_data")
+        check_finite(validation_data, None, "validation_data", "validation_steps")
     steps = _make_steps(strategy, model, optimizer, loss_fn)
-    batches = GlobalBatches(data, steps_per_epoch)
+    batches = GlobalBatches(strategy, data, steps_per_epoch)
     names = [m.name for m in tracked]
     params: dict[str, Any] = {
         "epochs": epochs,
@@ -183,7 +196,7 @@ def fit(
             state.samples = int(tracked[0].global_totals()[1])
             steps.set_training(True)
             cblist.call("on_epoch_begin", epoch, None)
-            for batch in _distribute(strategy, batches.epoch()):
+            for batch in batches.epoch():
                 cblist.call("on_train_batch_begin", state.step, None)
                 steps.train(batch, tracked[0], tracked[1:])
                 state.step += 1
@@ -213,49 +226,47 @@ def evaluate(
     data: Iterable[Any],
     *,
     metrics: Sequence[Metric | str] = (),
+    steps: int | None = None,
     strategy: Strategy | None = None,
 ) -> dict[str, float]:
-    """The mean loss and the metrics of ``model`` over ``data`` (global values, on every replica)."""
-    strategy = _strategy(strategy)
+    """The mean loss and the metrics of ``model`` over ``data`` (global values, on every replica);
+    ``steps`` limits the number of batches read (needed for an infinite dataset)."""
+    strategy = _strategy(model, None, strategy, "evaluate")
     check_loss_fn(loss_fn)
     check_iterable(data, "data")
+    check_finite(data, steps, "data", "steps")
     tracked = [Mean("loss"), *get_all(metrics)]
-    steps = _make_steps(strategy, model, None, loss_fn)
-    was_training = steps.module.training
-    steps.set_training(False)
+    runner = _make_steps(strategy, model, None, loss_fn)
+    was_training = runner.module.training
+    runner.set_training(False)
     try:
         with context.strategy_scope(strategy):
-            return _run_test(strategy, steps, data, tracked, None)
+            return _run_test(strategy, runner, data, tracked, None, steps)
     finally:
-        steps.set_training(was_training)
+        runner.set_training(was_training)
 
 
-def _concat(parts: list[Any]) -> Any:
-    if not parts:
-        return None
-    leaves0, treedef = nest.flatten(parts[0])
-    columns = [nest.flatten(p)[0] for p in parts]
-    return nest.unflatten(treedef, [torch.cat([c[i] for c in columns]) for i in range(len(leaves0))])
-
-
-def predict(model: Model, data: Iterable[Any], *, strategy: Strategy | None = None) -> Any:
+def predict(
+    model: Model, data: Iterable[Any], *, steps: int | None = None, strategy: Strategy | None = None
+) -> Any:
     """The model's outputs for every example of ``data``, in input order, on every replica.
 
     ``data`` yields global batches ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``;
     outputs are concatenated along the batch dimension (nested outputs leaf by leaf). Returns
-    None when ``data`` is empty.
+    None when ``data`` is empty. ``steps`` limits the number of batches read.
     """
-    strategy = _strategy(strategy)
+    strategy = _strategy(model, None, strategy, "predict")
     check_iterable(data, "data")
-    steps = _make_steps(strategy, model, None, None)
-    was_training = steps.module.training
-    steps.set_training(False)
+    check_finite(data, steps, "data", "steps")
+    runner = _make_steps(strategy, model, None, None)
+    was_training = runner.module.training
+    runner.set_training(False)
     parts: list[Any] = []
     try:
         with context.strategy_scope(strategy):
-            for batch in _distribute(strategy, data):
-                parts.append(steps.predict(batch))
+            for batch in _batches(strategy, data, steps):
+                parts.append(runner.predict(batch))
     finally:
-        steps.set_training(was_training)
-    return _concat(parts)
+        runner.set_training(was_training)
+    return concat(parts)
 

@@ -1,15 +1,18 @@
-"""GlobalBatches: the global batches fit reads epoch by epoch, and a position it can save/restore.
+"""GlobalBatches: the batches fit reads epoch by epoch, and a position it can save/restore.
 
-``data`` is a stratagem Dataset, a torch DataLoader or any re-iterable of global batches. With
+``data`` is a stratagem Dataset, a torch DataLoader or any re-iterable of global batches; fit
+reads it through the strategy's ``experimental_distribute_dataset`` (so a stratagem Dataset
+ending in ``batch(B)`` is rebatched and auto-sharded: each replica's pipeline reads only its own
+share), and the position is kept on the distributed iterator. With
 ``steps_per_epoch=None`` every epoch is one fresh pass over ``data``. With ``steps_per_epoch=k``
 an epoch is the next ``k`` batches of the current pass (so an infinite ``Dataset.repeat()`` works);
 a pass that ends starts the next one, and an epoch that reaches the end of a pass ends early.
 
 The position (pass, batches consumed in the pass and in the epoch) can be saved after any step.
-For a stratagem Dataset it includes the iterator's own state, so a restore resumes the pipeline
-exactly (shuffles included; pass ``p`` is ``data.iterator(epoch=p)``). For other iterables a
-restore replays pass ``p`` from its start and skips the consumed batches: exact only when
-iterating ``data`` again gives the same batches (no unseeded shuffling).
+For a stratagem Dataset it includes this replica's pipeline state, so a restore resumes the
+pipeline exactly (shuffles included; pass ``p`` is ``data.iterator(epoch=p)``). For other
+iterables a restore replays pass ``p`` from its start and skips the consumed batches: exact only
+when iterating ``data`` again gives the same batches (no unseeded shuffling).
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from stratagem.data import Dataset
-from stratagem.distribute.input import DistributedDataset, PerReplicaDatasets
+from stratagem.data import INFINITE_CARDINALITY, Dataset
+from stratagem.distribute.strategy import Strategy
 
 
 def is_distributed(data: Any) -> bool:
     """Whether ``data`` already yields per-replica batches (a strategy's distributed dataset)."""
-    return isinstance(data, (DistributedDataset, PerReplicaDatasets))
+    return hasattr(data, "iterator") and hasattr(data, "resumable") and not isinstance(data, Dataset)
 
 
 def known_length(data: Any) -> int | None:
@@ -50,16 +53,33 @@ def check_iterable(data: Any, what: str) -> None:
         )
 
 
-class GlobalBatches:
-    """Epochs of global batches from ``data`` with a saveable position."""
+def distributed(strategy: Strategy, data: Any) -> Any:
+    """``data`` as this replica's batches: through ``experimental_distribute_dataset`` unless it
+    already is a distributed dataset."""
+    return data if is_distributed(data) else strategy.experimental_distribute_dataset(data)
 
-    def __init__(self, data: Any, steps_per_epoch: int | None) -> None:
+
+def check_finite(data: Any, steps: int | None, what: str, steps_name: str) -> None:
+    """An infinite stratagem Dataset needs a step count (Keras raises the same)."""
+    if steps is None and isinstance(data, Dataset) and data.cardinality() == INFINITE_CARDINALITY:
+        raise ValueError(
+            f"{what} is an infinite dataset (e.g. .repeat() without a count) and {steps_name} is "
+            f"not set; pass {steps_name}=N or make the dataset finite"
+        )
+
+
+class GlobalBatches:
+    """Epochs of this replica's batches from ``data`` (via ``strategy``) with a saveable position."""
+
+    def __init__(self, strategy: Strategy, data: Any, steps_per_epoch: int | None) -> None:
         check_iterable(data, "data")
         if steps_per_epoch is not None and steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be a positive number of steps or None, got {steps_per_epoch}")
+        check_finite(data, steps_per_epoch, "data", "steps_per_epoch")
         self.data = data
+        self.dist = distributed(strategy, data)
         self.steps_per_epoch = steps_per_epoch
-        self.resumable = isinstance(data, Dataset)
+        self.resumable = bool(self.dist.resumable)
         self._it: Iterator[Any] | None = None
         self._pass = -1
         self._consumed = 0  # batches taken from the current pass
@@ -75,10 +95,7 @@ class GlobalBatches:
     def _new_pass(self) -> None:
         self._pass += 1
         self._consumed = 0
-        if isinstance(self.data, Dataset):
-            self._it = self.data.iterator(epoch=self._pass)
-        else:
-            self._it = iter(self.data)
+        self._it = self.dist.iterator(epoch=self._pass)
 
     def begin_epoch(self) -> None:
         """Start an epoch: a fresh pass, or (with steps_per_epoch) go on with the current one."""
@@ -124,10 +141,10 @@ class GlobalBatches:
         if state.get("exhausted") or self._pass < 0:
             self._it = None
             return
-        if isinstance(self.data, Dataset) and "iterator" in state:
-            self._it = self.data.iterator_from_state(state["iterator"])
+        if self.resumable and "iterator" in state:
+            self._it = self.dist.iterator_from_state(state["iterator"])
             return
-        self._it = self.data.iterator(epoch=self._pass) if isinstance(self.data, Dataset) else iter(self.data)
+        self._it = self.dist.iterator(epoch=self._pass)
         for _ in range(self._consumed):
             if next(self._it, _END) is _END:
                 raise RuntimeError(

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.comm import nest
+from stratagem.core import tree
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -73,7 +73,7 @@ def _no_reduction(loss_fn: LossFn) -> Iterator[None]:
 
 def _zero_connected(outputs: Any, n: int) -> torch.Tensor:
     """A zero loss per example (``n`` of them, 0 when the batch is empty) that depends on outputs."""
-    leaves = [t for t in nest.flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    leaves = [t for t in tree.flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not leaves:
         return torch.zeros(n)
     anchor = sum((t.sum() * 0.0 for t in leaves), torch.zeros((), dtype=leaves[0].dtype, device=leaves[0].device))
@@ -83,12 +83,12 @@ def _zero_connected(outputs: Any, n: int) -> torch.Tensor:
 def batch_size(y: Any, outputs: Any) -> int:
     """The batch size of this replica's slice: the leading dimension of ``y`` (or the outputs)."""
     for value in (y, outputs):
-        leaves = [t for t in nest.flatten(value)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+        leaves = [t for t in tree.flatten(value)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
         if leaves:
             return int(leaves[0].shape[0])
     raise ValueError(
-        f"cannot tell the batch size: y is {nest.signature(y)} and the outputs are "
-        f"{nest.signature(outputs)}; give them a leading batch dimension"
+        f"cannot tell the batch size: y is {tree.signature(y)} and the outputs are "
+        f"{tree.signature(outputs)}; give them a leading batch dimension"
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from stratagem.distribute import context
+from stratagem.distribute import current
 from stratagem.distribute.strategy import Strategy
 
 __all__ = [
@@ -125,10 +125,10 @@ class Metric(abc.ABC):
 
 
 def _sum_across_replicas(totals: torch.Tensor) -> torch.Tensor:
-    ctx = context.get_replica_context()
+    ctx = current.get_replica_context()
     if ctx is not None:
         return ctx.all_reduce("sum", totals) if ctx.num_replicas_in_sync > 1 else totals
-    return context.get_strategy().reduce("sum", totals)  # type: ignore[no-any-return]
+    return current.get_strategy().reduce("sum", totals)  # type: ignore[no-any-return]
 
 
 def sync_metrics(strategy: Strategy, metrics: Sequence[Metric], extra: Sequence[float] = ()) -> list[float]:

@@ -36,13 +36,6 @@ from stratagem.train.steps import unpack
 _PIPES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
-def is_pipeline(strategy: Strategy) -> bool:
-    """Whether ``strategy`` is a PipelineStrategy."""
-    from stratagem.distribute.pipeline_strategy import PipelineStrategy
-
-    return isinstance(strategy, PipelineStrategy)
-
-
 def _mean_loss(loss_fn: LossFn) -> LossFn:
     def loss(outputs: Any, y: Any) -> torch.Tensor:
         return per_example_loss(loss_fn, outputs, y).mean()
@@ -92,7 +85,9 @@ def _pipe_for(strategy: Strategy, model: Any, optimizer: torch.optim.Optimizer |
             "first, or pass the Pipe returned by strategy.pipeline(model, loss_fn)"
         )
     names = {id(p): n for n, p in model.named_parameters()}
-    pipe = strategy.pipeline(model, _mean_loss(loss_fn), loss_reduction="mean", verbose=False)  # type: ignore[attr-defined]
+    pipe = strategy.extended.build_pipe(  # type: ignore[attr-defined]
+        model, _mean_loss(loss_fn), "mean", None, False
+    )
     _PIPES[model] = pipe
     if optimizer is not None:
         _rebind(optimizer, names, pipe)
@@ -108,9 +103,8 @@ class PipelineSteps:
         self.module: nn.Module = self.pipe.model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        ext: Any = strategy.extended
-        self._world = ext.world
-        self.is_chief = ext.copy == 0 and ext.stage == 0
+        self._world = strategy.extended.world
+        self.is_chief = strategy.extended.should_log
 
     def set_training(self, mode: bool) -> None:
         self.pipe.train(mode)

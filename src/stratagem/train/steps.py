@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem.core.batches import detach
 from stratagem.distribute.loss import compute_average_loss
 from stratagem.distribute.strategy import Strategy
 from stratagem.train.losses import LossFn, per_example_loss
@@ -51,7 +52,7 @@ class DataParallelSteps:
         self.module = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.is_chief = bool(strategy.extended.should_checkpoint)
+        self.is_chief = bool(strategy.extended.should_log)
 
     def set_training(self, mode: bool) -> None:
         self.model.train(mode)
@@ -76,7 +77,7 @@ class DataParallelSteps:
             optimizer.step()
             with torch.no_grad():
                 loss_metric.update_state(losses.detach())
-                _update(metrics, y, _detach(outputs), sw)
+                _update(metrics, y, detach(outputs), sw)
 
         x, y, sw = unpack(batch)
         self.strategy.run(train_step, args=(x, y, sw))
@@ -107,9 +108,3 @@ class DataParallelSteps:
         x, _, _ = unpack(batch, need_y=False)
         outputs = self.strategy.run(predict_step, args=(x,))
         return self.strategy.gather(outputs, axis=0)
-
-
-def _detach(value: Any) -> Any:
-    from stratagem.comm import nest
-
-    return nest.map_structure(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)

@@ -19,9 +19,8 @@ from stratagem.distribute.bootstrap import (
     default_device,
     local_facts,
 )
-from stratagem.distribute.data_parallel import DataParallelExtended
+from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.replicas import share_cpu
 from stratagem.distribute.strategy import Strategy
 
 __all__ = ["CommunicationOptions", "MultiWorkerMirroredStrategy"]
@@ -53,7 +52,6 @@ class MultiWorkerMirroredStrategy(Strategy):
         spec = resolver.cluster_spec()
         options = communication_options or CommunicationOptions()
         device = default_device(spec)
-        share_cpu(device, spec.local_world_size)
         comm = connect_to_cluster(resolver, options, device=device)
         op = ReduceOp.of(gradient_reduction)
         config = {"strategy": "MultiWorkerMirroredStrategy", "gradient_reduction": op.value,

@@ -1,6 +1,6 @@
 """Distributed input: global batches split across replicas, per-replica pipelines, InputContext.
 
-``split_sizes`` is the plan (tf.distribute's rebatching: a batch of B over N replicas gives the
+``core.batches.split_sizes`` is the plan (tf.distribute's rebatching: a batch of B over N replicas gives the
 first B mod N replicas one element more than the others, so ``range(6).batch(4)`` on 2 replicas
 gives [0,1]/[2,3] then [4]/[5], and a replica left without data gets a zero-size batch). The
 iterators run it: every step the replicas agree (one tiny all-reduce) whether anyone still has
@@ -9,15 +9,15 @@ data, so an uneven end never hangs and the loop stops on every replica at once.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from stratagem.comm import Communicator, nest
+from stratagem.comm import Communicator
+from stratagem.core import tree
+from stratagem.core.batches import batch_size_of, place, slice_batch, split_sizes, to_tensors
 
 
 @dataclass(frozen=True)
@@ -39,67 +39,26 @@ class InputContext:
         return global_batch_size // self.num_replicas_in_sync
 
 
-def split_sizes(batch_size: int, num_replicas: int) -> list[int]:
-    """How many elements of a global batch each replica gets (tf.distribute's rebatching)."""
-    base, extra = divmod(batch_size, num_replicas)
-    return [base + (1 if r < extra else 0) for r in range(num_replicas)]
-
-
-def to_tensors(batch: Any) -> Any:
-    """A batch with numpy arrays and lists of numbers turned into tensors."""
-    if isinstance(batch, (list, tuple)) and batch and not hasattr(batch, "_fields") and all(
-        isinstance(x, numbers.Number) for x in batch
-    ):
-        return torch.tensor(batch)
-    if isinstance(batch, dict):
-        return {k: to_tensors(v) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_tensors(v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_tensors(v) for v in batch)
-    if isinstance(batch, np.ndarray):
-        return torch.from_numpy(batch)
-    return batch
-
-
-def batch_size_of(batch: Any) -> int:
-    """The common leading dimension of a batch's tensors; a clear error when they disagree."""
-    leaves, _ = nest.flatten(batch)
-    sizes = []
-    for x in leaves:
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
-            raise ValueError(
-                f"a global batch must hold tensors with a batch dimension; got a leaf "
-                f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ()'} "
-                f"in {nest.signature(batch)}"
-            )
-        sizes.append(int(x.shape[0]))
-    if not sizes:
-        raise ValueError("a global batch must hold at least one tensor")
-    if len(set(sizes)) > 1:
-        raise ValueError(
-            f"the tensors of a batch have different batch sizes {sizes} ({nest.signature(batch)}); "
-            "every tensor must have the same first dimension"
-        )
-    return sizes[0]
-
-
-def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    return nest.map_structure(lambda t: t[start:stop], batch)
-
-
-def place(value: Any, device: torch.device | None) -> Any:
-    """``value`` with its tensors moved to ``device`` (None leaves them)."""
-    if device is None:
-        return value
-    return nest.map_structure(
-        lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, value
-    )
-
-
 def _fingerprint(batch: Any) -> list[float]:
-    leaves, _ = nest.flatten(batch)
+    leaves, _ = tree.flatten(batch)
     return [float(t.double().sum()) if t.numel() else 0.0 for t in leaves]
+
+
+def _source(dataset: Iterable[Any], epoch: int | None) -> Iterator[Any]:
+    """A fresh iterator over ``dataset``: pass ``epoch`` of a stratagem Dataset (its shuffles
+    are reseeded per epoch), else ``iter(dataset)``."""
+    if epoch is not None and hasattr(dataset, "iterator_from_state"):
+        return dataset.iterator(epoch=epoch)  # type: ignore[attr-defined, no-any-return]
+    return iter(dataset)
+
+
+def _restored(dataset: Iterable[Any], state: dict[str, Any]) -> Iterator[Any]:
+    if not hasattr(dataset, "iterator_from_state"):
+        raise TypeError(
+            f"{type(dataset).__name__} cannot restore a position; use a stratagem.data Dataset "
+            "to resume input exactly"
+        )
+    return dataset.iterator_from_state(state["source"])  # type: ignore[attr-defined, no-any-return]
 
 
 class _Agreement:
@@ -124,8 +83,23 @@ class DistributedDataset:
         self.comm = comm
         self.device = device
 
+    @property
+    def resumable(self) -> bool:
+        """Whether iterators over this dataset can save and restore their position."""
+        return hasattr(self.dataset, "iterator_from_state")
+
     def __iter__(self) -> Iterator[Any]:
         return DistributedIterator(iter(self.dataset), self.comm, self.device)
+
+    def iterator(self, epoch: int | None = None) -> DistributedIterator:
+        """An iterator over pass ``epoch`` of the dataset."""
+        return DistributedIterator(_source(self.dataset, epoch), self.comm, self.device)
+
+    def iterator_from_state(self, state: dict[str, Any]) -> DistributedIterator:
+        """An iterator resumed from ``DistributedIterator.state_dict()``."""
+        it = DistributedIterator(_restored(self.dataset, state), self.comm, self.device)
+        it._checked = bool(state.get("checked", False))
+        return it
 
 
 class DistributedIterator:
@@ -206,8 +180,18 @@ class PerReplicaDatasets:
         ctx = InputContext(comm.world_size, comm.rank, num_replicas_in_sync)
         self.dataset = dataset_fn(ctx)
 
+    @property
+    def resumable(self) -> bool:
+        return hasattr(self.dataset, "iterator_from_state")
+
     def __iter__(self) -> Iterator[Any]:
         return PerReplicaIterator(iter(self.dataset), self.comm, self.device)
+
+    def iterator(self, epoch: int | None = None) -> PerReplicaIterator:
+        return PerReplicaIterator(_source(self.dataset, epoch), self.comm, self.device)
+
+    def iterator_from_state(self, state: dict[str, Any]) -> PerReplicaIterator:
+        return PerReplicaIterator(_restored(self.dataset, state), self.comm, self.device)
 
 
 class ShardedDataset:
@@ -224,8 +208,22 @@ class ShardedDataset:
         self.device = device
         self.drop_remainder = drop_remainder
 
+    @property
+    def resumable(self) -> bool:
+        return hasattr(self.dataset, "iterator_from_state")
+
     def __iter__(self) -> Iterator[Any]:
-        return PerReplicaIterator(iter(self.dataset), self.comm, self.device, stop_when_uneven=self.drop_remainder)
+        return self.iterator()
+
+    def iterator(self, epoch: int | None = None) -> PerReplicaIterator:
+        return PerReplicaIterator(
+            _source(self.dataset, epoch), self.comm, self.device, stop_when_uneven=self.drop_remainder
+        )
+
+    def iterator_from_state(self, state: dict[str, Any]) -> PerReplicaIterator:
+        return PerReplicaIterator(
+            _restored(self.dataset, state), self.comm, self.device, stop_when_uneven=self.drop_remainder
+        )
 
 
 class PerReplicaIterator:

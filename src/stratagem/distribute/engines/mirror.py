@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +21,9 @@ from torch import nn
 
 from stratagem.comm import Communicator
 from stratagem.comm.reducer import GradientReducer
+from stratagem.distribute import ownership
+from stratagem.distribute.ownership import OutsideScopeError
+from stratagem.distribute.strategy import Strategy
 
 
 class _IdSet:
@@ -41,10 +44,6 @@ class _IdSet:
     def __contains__(self, t: object) -> bool:
         r = self._refs.get(id(t))
         return r is not None and r() is t
-
-
-class OutsideScopeError(ValueError):
-    """A module or optimizer used under a strategy was not created in its scope."""
 
 
 # The registry whose ``strategy.run`` is executing. The hooks that consult it are installed
@@ -92,8 +91,10 @@ class MirrorRegistry:
         first_bucket_bytes: int | None = None,
         bucket_bytes: int | None = None,
         strategy_name: str = "strategy",
+        owner: Callable[[], Strategy] | None = None,
     ) -> None:
         self.comm = comm
+        self.owner = owner
         self.device = device
         self.gradient_op = gradient_op
         self.bucket_kw = {"first_bucket_bytes": first_bucket_bytes, "bucket_bytes": bucket_bytes}
@@ -105,6 +106,7 @@ class MirrorRegistry:
         self._checked_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.reducer: GradientReducer | None = None
+        self.armed = False  # inside this strategy's run: backward may reduce gradients
         self._depth = 0
 
     # --- capture --------------------------------------------------------------------------
@@ -160,6 +162,8 @@ class MirrorRegistry:
         if t in self._mirrored:
             return
         self._mirrored.add(t)
+        if self.owner is not None:
+            ownership.claim(t, self.owner())
         (self._params if is_param else self._buffers).append((weakref.ref(t), name))
         self._new.append((t, name))
 
@@ -206,8 +210,19 @@ class MirrorRegistry:
                 [p for p, _ in params],  # type: ignore[misc]
                 [n for _, n in params],
                 op=self.gradient_op,
+                armed=self._is_armed,
                 **{k: v for k, v in self.bucket_kw.items() if v is not None},
             )
+
+    def _is_armed(self) -> bool:
+        if not self.armed:
+            raise RuntimeError(
+                f"gradients of a model mirrored by {self.strategy_name} were computed outside "
+                "strategy.run(...); compute the loss and call backward() inside the function "
+                "you pass to strategy.run (or use stratagem.fit), so gradients are reduced "
+                "across replicas exactly once"
+            )
+        return True
 
     def sync_buffers(self) -> None:
         """Broadcast rank 0's buffers (BatchNorm statistics) before a step, as DDP does."""
@@ -220,12 +235,15 @@ class MirrorRegistry:
     # --- checks -----------------------------------------------------------------------------
     @contextlib.contextmanager
     def checking(self) -> Iterator[None]:
-        """Inside ``strategy.run``: modules called and optimizers stepped must be mirrored."""
+        """Inside ``strategy.run``: modules called and optimizers stepped must be mirrored, and
+        backward passes reduce the gradients (the reducer is armed)."""
         _install_hooks()
         token = _checking.set(self)
+        was, self.armed = self.armed, True
         try:
             yield
         finally:
+            self.armed = was
             _checking.reset(token)
 
     def is_mirrored(self, t: torch.Tensor) -> bool:

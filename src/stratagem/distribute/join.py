@@ -1,4 +1,11 @@
-"""join_group: turn a ProcessEnv into the Communicator of every replica of the job (once per process)."""
+"""join: the one way a strategy meets its peers: a ClusterSpec in, the job's Communicator out.
+
+Every strategy constructor (Mirrored, MultiWorkerMirrored, Pipeline) and ``connect_to_cluster``
+hand the ClusterSpec they got (from a resolver, a launcher, or the self-launch of
+``cluster.launch.ensure_replicas``) to :func:`join`. The process group is formed once per process
+and reused by later strategies; a FailureMonitor (heartbeats in the store, a watchdog) explains
+failed collectives by rank (``comm.failure.job_probe``).
+"""
 
 from __future__ import annotations
 
@@ -10,32 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.cluster import ProcessEnv
-from stratagem.cluster.launch import children
+from stratagem.cluster import ClusterSpec
 from stratagem.comm import (
     Communicator,
     LocalCommunicator,
     ProcessGroupCommunicator,
     init_process_group,
 )
-from stratagem.comm.failure import FailureMonitor, FailureOptions
+from stratagem.comm.failure import FailureMonitor, FailureOptions, job_probe
 
 _joined: dict[str, Any] = {}
-
-
-def _probe(exc: BaseException) -> tuple[int | None, str]:
-    """Which replica failed, as far as the launcher of this process knows."""
-    kids = children()
-    if kids is not None:
-        import time
-
-        deadline = time.monotonic() + 2.0
-        while kids.failed is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if kids.failed is not None:
-            rank, code = kids.failed
-            return rank, f"it exited with code {code}"
-    return None, ""
 
 
 def local_device(local_rank: int, devices: Sequence[torch.device] | None = None) -> torch.device:
@@ -54,51 +45,45 @@ def share_cpu(device: torch.device, local_world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
-def join_group(
-    env: ProcessEnv,
+def join(
+    spec: ClusterSpec,
     device: torch.device,
     *,
     timeout: float,
     failure: FailureOptions | None = None,
 ) -> Communicator:
-    """The communicator of this job; the process group is formed on first use and reused.
-
-    A FailureMonitor (heartbeats in the store, a watchdog) explains failed collectives by rank.
-    """
-    if env.world_size == 1:
+    """The communicator of every process of the job ``spec`` describes (formed on first use)."""
+    share_cpu(device, spec.local_world_size)
+    if spec.world_size == 1:
         return LocalCommunicator(device)
-    if dist.is_initialized():
-        existing = _joined.get("comm")
-        if existing is not None:
-            return existing  # type: ignore[no-any-return]
-        return ProcessGroupCommunicator(dist.group.WORLD, device, probe=_probe)
+    existing = _joined.get("comm")
+    if existing is not None:
+        return existing  # type: ignore[no-any-return]
+    if dist.is_initialized():  # a process group the user made: use it as it is
+        comm = ProcessGroupCommunicator(dist.group.WORLD, device, probe=job_probe(None))
+        _joined["comm"] = comm
+        return comm
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     options = failure or FailureOptions()
     monitor = FailureMonitor(
-        env.rank, env.world_size, env.master_addr, env.master_port,
-        store_host_rank=None if agent_store else 0,
-        prefix=f"stratagem/failure/{env.restart_count}/",
+        spec.rank, spec.world_size, spec.master_addr, spec.master_port,
+        store_host_rank=None if spec.agent_store else 0,
+        prefix=f"stratagem/failure/{spec.restart_count}/",
         options=options,
         shutdown_wait=timeout,
-    )
-
-    def probe(exc: BaseException) -> tuple[int | None, str]:
-        rank, why = monitor.probe(exc) if options.enabled else (None, "")
-        return (rank, why) if rank is not None else _probe(exc)
-
+    )  # fmt: skip
     comm, store = init_process_group(
-        env.rank,
-        env.world_size,
-        env.master_addr,
-        env.master_port,
+        spec.rank,
+        spec.world_size,
+        spec.master_addr,
+        spec.master_port,
         backend=backend,
         device=device,
         timeout=timeout,
-        is_store_server=env.rank == 0 and not agent_store,
-        probe=probe,
+        is_store_server=spec.rank == 0 and not spec.agent_store,
+        probe=job_probe(monitor if options.enabled else None),
     )
     _joined["comm"] = comm
     _joined["store"] = store
@@ -112,12 +97,12 @@ def join_group(
 
 
 def joined_store() -> Any:
-    """The rendezvous store of the job this process joined (None before ``join_group``)."""
+    """The rendezvous store of the job this process joined (None before ``join``)."""
     return _joined.get("store")
 
 
 def failure_monitor() -> FailureMonitor | None:
-    """The FailureMonitor of this process (None before ``join_group`` or when disabled)."""
+    """The FailureMonitor of this process (None before ``join`` or when disabled)."""
     return _joined.get("monitor")
 
 

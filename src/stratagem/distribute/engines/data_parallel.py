@@ -8,6 +8,7 @@ the scope created); the strategies differ only in how they build these.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -15,18 +16,18 @@ import torch
 from torch import nn
 
 from stratagem import data
-from stratagem.comm import Communicator, nest
+from stratagem.comm import Communicator
+from stratagem.core import tree
+from stratagem.core.batches import place, to_tensors
 from stratagem.distribute import context
-from stratagem.distribute.input import (
+from stratagem.distribute.engines.input import (
     DistributedDataset,
     PerReplicaDatasets,
     ShardedDataset,
-    place,
-    to_tensors,
 )
-from stratagem.distribute.mirror import MirrorRegistry
+from stratagem.distribute.engines.mirror import MirrorRegistry
 from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.strategy import StrategyExtended
+from stratagem.distribute.strategy import ReplicaContext, StrategyExtended
 
 
 def _leaf_tensor(x: Any) -> torch.Tensor:
@@ -34,6 +35,20 @@ def _leaf_tensor(x: Any) -> torch.Tensor:
     if isinstance(t, torch.Tensor):
         return t
     return torch.as_tensor(t)
+
+
+_OURS = ("stratagem.distribute", "stratagem.comm", "stratagem.core")
+
+
+def call_site() -> tuple[str, int]:
+    """The file and line that called into the Strategy API (the first frame outside it): the
+    same on every replica of an SPMD program, so checks keyed by it are decided alike."""
+    frame = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(_OURS):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return ("?", 0)
+    return (frame.f_code.co_filename, frame.f_lineno)
 
 
 def _masked(tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]:
@@ -70,6 +85,7 @@ class DataParallelExtended(StrategyExtended):
                 first_bucket_bytes=first_bucket_bytes,
                 bucket_bytes=bucket_bytes,
                 strategy_name=name,
+                owner=self.owner,
             )
             if mirror
             else None
@@ -92,6 +108,14 @@ class DataParallelExtended(StrategyExtended):
     def should_checkpoint(self) -> bool:
         return self.comm.rank == 0
 
+    @property
+    def world(self) -> Communicator:
+        return self.comm
+
+    @property
+    def requires_scope(self) -> bool:
+        return self.registry is not None
+
     def barrier(self) -> None:
         self.comm.barrier()
 
@@ -110,7 +134,7 @@ class DataParallelExtended(StrategyExtended):
                     reg.check_module(v)
             if self.sync_buffers:
                 reg.sync_buffers()
-        ctx = context.ReplicaContext(owner, self.comm.rank)
+        ctx = ReplicaContext(owner, self.comm.rank)
         with context.replica_scope(ctx), self._run_checks():
             return fn(*args, **kwargs)
 
@@ -120,15 +144,16 @@ class DataParallelExtended(StrategyExtended):
 
     # --- reductions -------------------------------------------------------------------------
     def all_reduce(self, op: ReduceOp, value: Any) -> Any:
-        return self.comm.all_reduce(value, op.value, check=True)
+        return self.comm.all_reduce(value, op.value, check=True, site=call_site())
 
     def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
-        leaves, treedef = nest.flatten(value)
+        leaves, treedef = tree.flatten(value)
         tensors = [_leaf_tensor(x).to(self._device) if self._device else _leaf_tensor(x) for x in leaves]
+        site = call_site()
         if axis is None:
-            out = self.comm.all_reduce(tensors, op.value, check=True)
-            return nest.unflatten(treedef, out)
-        self.comm.check_same("reduce", _masked(tensors, axis))
+            out = self.comm.all_reduce(tensors, op.value, check=True, site=site)
+            return tree.unflatten(treedef, out)
+        self.comm.check_same_once("reduce", _masked(tensors, axis), site)
         sums = []
         counts = []
         for t in tensors:
@@ -138,21 +163,21 @@ class DataParallelExtended(StrategyExtended):
             counts.append(torch.tensor(t.shape[axis], dtype=torch.int64, device=t.device))
         total_sums, total_counts = self.comm.all_reduce((sums, counts), "sum", check=False)
         if op is ReduceOp.SUM:
-            return nest.unflatten(treedef, total_sums)
+            return tree.unflatten(treedef, total_sums)
         means = [
             s / c.clamp(min=1) if s.is_floating_point() else torch.div(s, c.clamp(min=1), rounding_mode="floor")
             for s, c in zip(total_sums, total_counts)
         ]
-        return nest.unflatten(treedef, means)
+        return tree.unflatten(treedef, means)
 
     def gather(self, value: Any, axis: int) -> Any:
-        leaves, treedef = nest.flatten(value)
+        leaves, treedef = tree.flatten(value)
         tensors = [_leaf_tensor(x) for x in leaves]
         self.comm.check_same("gather", _masked(tensors, axis))
         for t in tensors:
             if t.dim() == 0:
                 raise ValueError("gather needs tensors with at least one dimension")
-        return nest.unflatten(treedef, [self.comm.gather_varlen(t, axis % t.dim()) for t in tensors])
+        return tree.unflatten(treedef, [self.comm.gather_varlen(t, axis % t.dim()) for t in tensors])
 
     # --- input ------------------------------------------------------------------------------
     def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]:

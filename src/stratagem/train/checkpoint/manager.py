@@ -1,4 +1,4 @@
-"""Checkpoints: collective, atomic, safetensors + JSON with a sha256 per file, never pickle.
+"""Checkpoint and CheckpointManager: collective, atomic, safetensors + JSON with a sha256 per file, never pickle.
 
 ``Checkpoint(**objects)`` names what to save: modules, optimizers, data iterators (anything with
 ``state_dict``/``load_state_dict`` whose state is tensors, numbers, strings, lists and dicts),
@@ -18,35 +18,31 @@ optimizer, a tensor or a number (data iterators: each replica may read its own s
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import os
 import random
 import re
 import shutil
-import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors.torch
 import torch
 from torch import nn
 
-FORMAT = "stratagem.checkpoint/1"
+from stratagem.distribute import current, ownership
+from stratagem.distribute.strategy import Strategy
+from stratagem.train.checkpoint.codec import CheckpointCorruptError, encode_value
+from stratagem.train.checkpoint.files import (
+    _payload,
+    read_metadata,
+    read_part,
+    verify,
+    write_checkpoint,
+)
+
 _CKPT = re.compile(r"^ckpt-(\d+)$")
-
-
-class CheckpointCorruptError(RuntimeError):
-    """A checkpoint file is missing, truncated, altered or not in our format."""
-
-    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
-        super().__init__(f"checkpoint file {os.fspath(path)} is unusable: {problem}")
-        self.path = os.fspath(path)
-        self.problem = problem
 
 
 class RNGState:
@@ -69,64 +65,6 @@ class RNGState:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# --- encoding: nested values <-> (JSON structure, flat tensors) ------------------------------------
-def _encode(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        key = f"t{len(tensors)}"
-        tensors[key] = value.detach().to("cpu", copy=True).contiguous()
-        return {"__tensor__": key}
-    if isinstance(value, np.ndarray):
-        return {"__ndarray__": {"dtype": value.dtype.str, "shape": list(value.shape),
-                                "data": value.reshape(-1).tolist()}}
-    if isinstance(value, np.generic):
-        return _encode(value.item(), tensors, path)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, bytes):
-        return {"__bytes__": base64.b64encode(value).decode()}
-    if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        return {"__dict__": [[_encode(k, tensors, path), _encode(v, tensors, f"{path}.{k}")]
-                             for k, v in value.items()]}
-    if isinstance(value, torch.dtype):
-        return {"__dtype__": str(value).replace("torch.", "")}
-    raise TypeError(
-        f"cannot checkpoint {path}: a {type(value).__name__}; states may hold tensors, numpy "
-        "arrays, numbers, strings, bytes, lists, tuples and dicts"
-    )
-
-
-def _decode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
-    if isinstance(value, list):
-        return [_decode(v, tensors, where) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if len(value) != 1:
-        raise CheckpointCorruptError(where, f"unexpected object with keys {sorted(value)[:5]}")
-    (tag, body), = value.items()
-    if tag == "__tensor__":
-        if body not in tensors:
-            raise CheckpointCorruptError(where, f"tensor {body!r} is missing from its .safetensors")
-        return tensors[body]
-    if tag == "__ndarray__":
-        return np.asarray(body["data"], dtype=np.dtype(body["dtype"])).reshape(body["shape"])
-    if tag == "__bytes__":
-        return base64.b64decode(body)
-    if tag == "__tuple__":
-        return tuple(_decode(v, tensors, where) for v in body)
-    if tag == "__dict__":
-        return {_decode(k, tensors, where): _decode(v, tensors, where) for k, v in body}
-    if tag == "__dtype__":
-        dt = getattr(torch, str(body), None)
-        if not isinstance(dt, torch.dtype):
-            raise CheckpointCorruptError(where, f"unknown dtype {body!r}")
-        return dt
-    raise CheckpointCorruptError(where, f"unknown tag {tag!r}")
 
 
 def _is_shared(obj: Any) -> bool:
@@ -174,7 +112,7 @@ class Checkpoint:
         and flat tensors."""
         tensors: dict[str, torch.Tensor] = {}
         struct = {
-            name: _encode(_state_of(name, obj), tensors, name)
+            name: encode_value(_state_of(name, obj), tensors, name)
             for name, obj in self._objects.items()
             if shared is None or _is_shared(obj) == shared
         }
@@ -208,152 +146,15 @@ class Checkpoint:
                 obj.load_state_dict(state)
 
 
-# --- files ----------------------------------------------------------------------------------------
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _payload(struct: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[bytes, bytes]:
-    return _canonical(struct), safetensors.torch.save(tensors)
-
-
-def read_metadata(ckpt: Path) -> dict[str, Any]:
-    """``metadata.json`` of a checkpoint, checked against its own sha256."""
-    path = ckpt / "metadata.json"
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointCorruptError(path, "it is missing (the checkpoint was never committed)") from None
-    try:
-        meta = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(path, f"not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointCorruptError(path, f"not a {FORMAT} metadata file")
-    body = {k: v for k, v in meta.items() if k != "sha256"}
-    if meta.get("sha256") != _sha256(_canonical(body)):
-        raise CheckpointCorruptError(path, "its sha256 does not match its content (altered or truncated)")
-    return meta
-
-
-def _read_verified(ckpt: Path, name: str, meta: dict[str, Any]) -> bytes:
-    info = meta["files"].get(name)
-    path = ckpt / name
-    if info is None:
-        raise CheckpointCorruptError(path, "it is not listed in metadata.json")
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointCorruptError(path, "it is missing") from None
-    if len(data) != info["size"]:
-        raise CheckpointCorruptError(path, f"it has {len(data)} bytes, metadata.json says {info['size']} (truncated?)")
-    if _sha256(data) != info["sha256"]:
-        raise CheckpointCorruptError(path, "its sha256 does not match metadata.json (corrupted)")
-    return data
-
-
-def read_part(ckpt: Path, part: str, meta: dict[str, Any]) -> dict[str, Any]:
-    """One part (``shared`` or ``rank-<r>``): verified, decoded to CPU values."""
-    struct_raw = _read_verified(ckpt, f"{part}.json", meta)
-    tensor_raw = _read_verified(ckpt, f"{part}.safetensors", meta)
-    try:
-        struct = json.loads(struct_raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(ckpt / f"{part}.json", f"not valid JSON ({e})") from None
-    try:
-        tensors = safetensors.torch.load(tensor_raw)
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise CheckpointCorruptError(ckpt / f"{part}.safetensors", f"not a safetensors file ({e})") from None
-    if not isinstance(struct, dict):
-        raise CheckpointCorruptError(ckpt / f"{part}.json", "expected a JSON object")
-    return {k: _decode(v, tensors, str(ckpt / f"{part}.json")) for k, v in struct.items()}
-
-
-def verify(ckpt: str | os.PathLike[str]) -> dict[str, Any]:
-    """Check every file of a checkpoint against metadata.json; its metadata, or CheckpointCorruptError."""
-    path = Path(ckpt)
-    meta = read_metadata(path)
-    for name in meta["files"]:
-        _read_verified(path, name, meta)
-    return meta
-
-
-def write_checkpoint(
-    directory: Path,
-    step: int,
-    shared: tuple[bytes, bytes],
-    per_rank: list[tuple[bytes, bytes]],
-    *,
-    on_file_written: Callable[[str], None] | None = None,
-) -> Path:
-    """Write a checkpoint atomically (temporary directory, fsync, rename); returns its path."""
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"ckpt-{step}"
-    tmp = directory / f".tmp-ckpt-{step}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    files: dict[str, dict[str, Any]] = {}
-    parts = [("shared", shared)] + [(f"rank-{r}", p) for r, p in enumerate(per_rank)]
-    for part, (struct, tensors) in parts:
-        for name, data in ((f"{part}.json", struct), (f"{part}.safetensors", tensors)):
-            _write(tmp / name, data)
-            files[name] = {"size": len(data), "sha256": _sha256(data)}
-            if on_file_written is not None:
-                on_file_written(name)
-    body = {"format": FORMAT, "step": step, "world_size": len(per_rank), "files": files}
-    _write(tmp / "metadata.json", json.dumps({**body, "sha256": _sha256(_canonical(body))}, indent=1).encode())
-    _fsync_dir(tmp)
-    old = None
-    if final.exists():  # re-saving a step: move the old one aside, delete it once replaced
-        old = directory / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(directory)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
 # --- the manager ----------------------------------------------------------------------------------
-def _strategy_parts(strategy: Any) -> tuple[Any, bool]:
-    """The communicator of every process of ``strategy``, and whether every object is per-rank
-    (pipeline stages hold different parameters; data-parallel replicas hold the same ones)."""
-    from stratagem.distribute.data_parallel import DataParallelExtended
-    from stratagem.distribute.pipeline_strategy import PipelineExtended
-
-    ext = strategy.extended
-    if isinstance(ext, DataParallelExtended):
-        return ext.comm, False
-    if isinstance(ext, PipelineExtended):
-        return ext.world, True
-    raise TypeError(f"CheckpointManager does not know {type(strategy).__name__}")
-
-
 class CheckpointManager:
     """Saves ``checkpoint`` as ``directory/ckpt-<step>``, keeping the newest ``max_to_keep``.
 
     Every replica calls ``save``/``restore``/``restore_or_initialize`` (they are collective); the
-    chief writes. ``strategy`` defaults to the strategy whose scope is open at construction (or
-    the default strategy when none is and no process group exists). Restoring needs the
-    directory on storage every worker can read.
+    chief writes. ``strategy`` defaults to the strategy that created the checkpoint's modules and
+    optimizers, else the strategy whose scope is open at construction, else (when no process
+    group exists) the default strategy; a different ``strategy=`` than the one that created them
+    is an error. Restoring needs the directory on storage every worker can read.
     """
 
     def __init__(
@@ -362,30 +163,33 @@ class CheckpointManager:
         directory: str | os.PathLike[str],
         max_to_keep: int | None = 5,
         *,
-        strategy: Any = None,
+        strategy: Strategy | None = None,
     ) -> None:
-        from stratagem.distribute import context
-
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
-        if strategy is None:
-            if context.has_strategy():
-                strategy = context.get_strategy()
-            else:
-                import torch.distributed as dist
+        models = {
+            name: obj
+            for name, obj in checkpoint.objects.items()
+            if isinstance(obj, (nn.Module, torch.optim.Optimizer))
+        }
+        open_scope = current.get_strategy() if current.has_strategy() else None
+        chosen = ownership.resolve(models, strategy, open_scope, "CheckpointManager")
+        if chosen is None:
+            import torch.distributed as dist
 
-                if dist.is_initialized() and dist.get_world_size() > 1:
-                    raise ValueError(
-                        "CheckpointManager: this process is one of a job of "
-                        f"{dist.get_world_size()}; pass strategy=... or create the manager "
-                        "inside strategy.scope()"
-                    )
-                strategy = context.get_strategy()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                raise ValueError(
+                    "CheckpointManager: this process is one of a job of "
+                    f"{dist.get_world_size()}; pass strategy=... or create the manager "
+                    "inside strategy.scope()"
+                )
+            chosen = current.get_strategy()
         self.checkpoint = checkpoint
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
-        self.strategy = strategy
-        self._comm, self._all_per_rank = _strategy_parts(strategy)
+        self.strategy = chosen
+        self._comm = chosen.extended.world
+        self._all_per_rank = chosen.extended.state_is_per_rank
         self._on_file_written: Callable[[str], None] | None = None  # tests: fail mid-write
 
     # --- listing ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import final
 import torch
 
 from stratagem.comm import LocalCommunicator
-from stratagem.distribute.data_parallel import DataParallelExtended
+from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.strategy import Strategy
 
 

@@ -12,14 +12,14 @@ from typing import final
 
 import torch
 
-from stratagem.cluster import ProcessEnv, ensure_replicas
-from stratagem.distribute.data_parallel import DataParallelExtended
+from stratagem.cluster import ClusterSpec, ensure_replicas
+from stratagem.distribute.engines.data_parallel import DataParallelExtended
+from stratagem.distribute.join import join, local_device
 from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.replicas import join_group, local_device, share_cpu
 from stratagem.distribute.strategy import Strategy
 
 
-def _resolve_devices(devices: Sequence[str] | None, num_replicas: int | None, env: ProcessEnv | None) -> list[torch.device] | None:
+def _resolve_devices(devices: Sequence[str] | None, num_replicas: int | None) -> list[torch.device] | None:
     if devices is not None:
         devs = [torch.device(d) for d in devices]
         if not devs:
@@ -55,8 +55,8 @@ class MirroredStrategy(Strategy):
     ) -> None:
         if num_replicas is not None and num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        devs = _resolve_devices(devices, num_replicas, None)
-        launched = ProcessEnv.from_environ()
+        devs = _resolve_devices(devices, num_replicas)
+        launched = ClusterSpec.from_environ()
         if devs is not None:
             count: int | None = len(devs)
         elif num_replicas is not None:
@@ -71,12 +71,11 @@ class MirroredStrategy(Strategy):
                 if count > gpus:
                     raise ValueError(f"num_replicas={count} but this machine has {gpus} GPUs")
                 devs = [torch.device("cuda", i) for i in range(count)]
-        env = ensure_replicas(count)
-        device = local_device(env.local_rank, devs)
-        share_cpu(device, env.local_world_size)
-        self.env = env
+        spec = ensure_replicas(count)
+        device = local_device(spec.local_rank, devs)
+        self.cluster_spec = spec
         self.device = device
-        comm = join_group(env, device, timeout=timeout)
+        comm = join(spec, device, timeout=timeout)
         op = ReduceOp.of(gradient_reduction).value
         super().__init__(
             DataParallelExtended(

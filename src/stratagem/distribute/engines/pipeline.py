@@ -1,30 +1,20 @@
-"""PipelineStrategy: a model split into stages, one process each (times data-parallel copies),
-trained with GPipe or 1F1B over point-to-point messages.
-
-Launch works as for MirroredStrategy: a plain ``python train.py`` re-runs itself to start the
-other ``num_stages x data_parallel - 1`` processes; under torchrun or ``stratagem run`` it joins
-the job. Rank ``r`` runs stage ``r % num_stages`` of copy ``r // num_stages``. A "replica" in the
-tf.distribute sense is one copy of the whole pipeline: ``num_replicas_in_sync == data_parallel``,
-and ``reduce``/``gather``/``experimental_distribute_dataset`` work across copies (every stage of a
-copy sees the same slice of the global batch).
-"""
+"""PipelineExtended: the engine of PipelineStrategy: stages over a pipeline communicator, copies
+of the pipeline over a replica communicator (a DataParallelExtended without mirroring)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, final
+from typing import Any
 
 import torch
 from torch import nn
 
-from stratagem.cluster import ProcessEnv, ensure_replicas
-from stratagem.comm import Communicator, LocalCommunicator
-from stratagem.distribute import context
-from stratagem.distribute.data_parallel import DataParallelExtended
+from stratagem.comm import Communicator
+from stratagem.distribute import context, ownership
+from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.replicas import join_group, local_device, share_cpu
-from stratagem.distribute.strategy import Strategy, StrategyExtended
+from stratagem.distribute.strategy import ReplicaContext, StrategyExtended
 from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.errors import PipelineConfigError
 from stratagem.pipeline.materialize import flatten, materialize
@@ -35,9 +25,6 @@ from stratagem.pipeline.pipe import Pipe
 from stratagem.pipeline.profile import param_costs, time_costs
 from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.stage import Stage, describe
-
-#: the job this process joined (a second strategy in the same script reuses it)
-_launched: dict[str, ProcessEnv] = {}
 
 
 class PipelineExtended(StrategyExtended):
@@ -52,7 +39,7 @@ class PipelineExtended(StrategyExtended):
         device: torch.device,
     ) -> None:
         self.config = config
-        self.world = world
+        self._world = world
         self.pipeline_comm = pipeline
         self.replicas = replicas
         self._device = device
@@ -82,8 +69,20 @@ class PipelineExtended(StrategyExtended):
         """Copy 0 of every stage writes (each stage holds different parameters)."""
         return self.copy == 0
 
+    @property
+    def world(self) -> Communicator:
+        return self._world
+
+    @property
+    def state_is_per_rank(self) -> bool:
+        return True
+
+    @property
+    def is_pipeline(self) -> bool:
+        return True
+
     def barrier(self) -> None:
-        self.world.barrier()
+        self._world.barrier()
 
     # --- scope: modules built here keep their parameters on the meta device -------------------------
     @contextlib.contextmanager
@@ -100,7 +99,9 @@ class PipelineExtended(StrategyExtended):
                 return None
             if self._rng_state is None:
                 self._rng_state = torch.get_rng_state()
-            return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            ownership.claim(meta, self.owner())
+            return meta
 
         handle = module_mod.register_module_parameter_registration_hook(on_parameter)
         self._capture = 1
@@ -120,7 +121,7 @@ class PipelineExtended(StrategyExtended):
 
     # --- run and reductions (across data-parallel copies) ------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        ctx = context.ReplicaContext(self.owner(), self.copy)
+        ctx = ReplicaContext(self.owner(), self.copy)
         with context.replica_scope(ctx):
             return fn(*args, **kwargs)
 
@@ -161,8 +162,8 @@ class PipelineExtended(StrategyExtended):
                     "balance='time' profiles every layer on a sample input; pass "
                     "strategy.pipeline(model, loss_fn, sample_input=x[:micro_batch_size])"
                 )
-            mine = time_costs(layers, sample_input) if self.world.rank == 0 else None
-            costs = self.world.broadcast_object(mine, src=0)
+            mine = time_costs(layers, sample_input) if self._world.rank == 0 else None
+            costs = self._world.broadcast_object(mine, src=0)
         balance = block_partition(costs, cfg.num_stages)
         return Partition(tuple(balance), cfg.balance, names, tuple(costs))
 
@@ -202,110 +203,11 @@ class PipelineExtended(StrategyExtended):
             channel = Channel(self.pipeline_comm) if cfg.num_stages > 1 else None
             pipe = Pipe(
                 model, stage, channel, self.schedule, partition,
-                checkpoint=cfg.checkpoint, loss_reduction=reduction, replicas=self.replicas,
+                rematerialize=cfg.rematerialize, loss_reduction=reduction, replicas=self.replicas,
             )  # fmt: skip
+        for t in (*stage.module.parameters(), *stage.module.buffers()):
+            ownership.claim(t, self.owner())
         self.partition = partition
-        if verbose and self.world.rank == 0:
+        if verbose and self._world.rank == 0:
             print(f"stratagem PipelineStrategy: {partition}", flush=True)
         return pipe
-
-
-@final
-class PipelineStrategy(Strategy):
-    """GPipe pipeline parallelism: ``num_stages`` processes, each holding consecutive layers of an
-    ``nn.Sequential``, times ``data_parallel`` copies of the pipeline.
-
-    ``schedule``: ``"gpipe"`` or ``"1f1b"``; ``checkpoint``: ``"always"``, ``"except_last"``
-    (default) or ``"never"`` (torchgpipe's re-materialization modes); ``balance``: a list of
-    layer counts per stage, ``"params"`` (default) or ``"time"``. ``timeout`` bounds every
-    communication (seconds). See docs/PIPELINE.md.
-    """
-
-    def __init__(
-        self,
-        num_stages: int,
-        num_microbatches: int,
-        *,
-        schedule: str = "gpipe",
-        checkpoint: str = "except_last",
-        balance: Sequence[int] | str | None = None,
-        data_parallel: int = 1,
-        timeout: float = 120.0,
-    ) -> None:
-        config = PipelineConfig.build(
-            num_stages, num_microbatches, schedule=schedule, checkpoint=checkpoint,
-            balance=balance, data_parallel=data_parallel,
-        )  # fmt: skip
-        launched = ProcessEnv.from_environ()
-        if launched is not None:
-            config.check_world(launched.world_size)
-        env = _launched.get("env")
-        if env is None or env.world_size != config.world_size:
-            env = ensure_replicas(config.world_size)
-            _launched["env"] = env
-        device = local_device(env.local_rank)
-        share_cpu(device, env.local_world_size)
-        world = join_group(env, device, timeout=timeout)
-        config.check_world(world.world_size)
-        pipeline_comm: Communicator
-        replicas: Communicator
-        if config.data_parallel == 1:
-            pipeline_comm, replicas = world, LocalCommunicator(device)
-        else:
-            pipeline_comm = world.split(config.pipeline_groups())
-            replicas = world.split(config.replica_groups())
-        self.env = env
-        self.config = config
-        self.device = device
-        self._pipeline_ext = PipelineExtended(config, world, pipeline_comm, replicas, device)
-        super().__init__(self._pipeline_ext)
-
-    # --- pipeline facts -----------------------------------------------------------------------------
-    @property
-    def num_stages(self) -> int:
-        return self.config.num_stages
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.config.num_microbatches
-
-    @property
-    def stage(self) -> int:
-        """The stage this process runs."""
-        return self._pipeline_ext.stage
-
-    @property
-    def schedule(self) -> Schedule:
-        """The plan every stage carries out (``print(strategy.schedule)``)."""
-        return self._pipeline_ext.schedule
-
-    @property
-    def partition(self) -> Partition | None:
-        """The layers of each stage, once ``pipeline()`` has chosen them."""
-        return self._pipeline_ext.partition
-
-    def pipeline(
-        self,
-        model: nn.Module,
-        loss_fn: Callable[..., torch.Tensor],
-        *,
-        loss_reduction: str | None = None,
-        sample_input: Any = None,
-        verbose: bool = True,
-    ) -> Pipe:
-        """This process's stage of ``model`` (an ``nn.Sequential``; nested ones are flattened).
-
-        Call it on every process. Layers built in ``strategy.scope()`` have their parameters on
-        the meta device; each stage materializes only its own, initialised exactly as the unsplit
-        model built from the same RNG state. ``loss_reduction`` (``"mean"``/``"sum"``) defaults to
-        ``loss_fn.reduction``; ``sample_input`` (a micro-batch) is needed for ``balance="time"``.
-        The partition is printed once (rank 0) unless ``verbose=False``.
-        """
-        return self._pipeline_ext.build_pipe(model, loss_fn, loss_reduction, sample_input, verbose)
-
-    def __repr__(self) -> str:
-        c = self.config
-        return (
-            f"PipelineStrategy(num_stages={c.num_stages}, num_microbatches={c.num_microbatches}, "
-            f"schedule={c.schedule!r}, checkpoint={c.checkpoint!r}, data_parallel={c.data_parallel})"
-        )

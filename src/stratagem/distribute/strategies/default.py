@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import final
 
 from stratagem.comm import LocalCommunicator
-from stratagem.distribute.data_parallel import DataParallelExtended
+from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.strategy import Strategy
 
 

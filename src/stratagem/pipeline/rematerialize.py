@@ -13,19 +13,19 @@ from torch import nn
 MODES = ("always", "except_last", "never")
 
 
-def checkpoint_stop(mode: str, num_microbatches: int) -> int:
-    """Micro-batches ``i < stop`` are recomputed in backward (torchgpipe's ``checkpoint_stop``)."""
+def rematerialize_stop(mode: str, num_microbatches: int) -> int:
+    """Micro-batches ``i < stop`` are recomputed in backward (torchgpipe's ``rematerialize_stop``)."""
     if mode == "always":
         return num_microbatches
     if mode == "except_last":
         return num_microbatches - 1
     if mode == "never":
         return 0
-    raise ValueError(f"checkpoint must be one of {MODES}, got {mode!r}")
+    raise ValueError(f"rematerialize must be one of {MODES}, got {mode!r}")
 
 
 @dataclass(frozen=True)
-class RNGState:
+class RNGSnapshot:
     """The CPU generator state, and the CUDA one of ``device`` when it is a GPU."""
 
     cpu: torch.Tensor
@@ -33,13 +33,13 @@ class RNGState:
     device: torch.device
 
     @classmethod
-    def capture(cls, device: torch.device) -> RNGState:
+    def capture(cls, device: torch.device) -> RNGSnapshot:
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         return cls(torch.get_rng_state(), cuda, device)
 
 
 @contextlib.contextmanager
-def replay_rng(state: RNGState) -> Iterator[None]:
+def replay_rng(state: RNGSnapshot) -> Iterator[None]:
     """Run the body with the RNG as it was at ``state``; restore the current state afterwards
     (like torch.utils.checkpoint's ``preserve_rng_state``)."""
     devices = [state.device] if state.device.type == "cuda" else []

@@ -1,0 +1,70 @@
+"""Nested values (tensors in tuples, lists, dicts, namedtuples): flatten, rebuild, map, describe.
+
+One walker for the whole package, over ``torch.utils._pytree`` (the tree torch itself uses, so
+``torch.compile`` and FSDP see the same leaves): dicts keep their insertion order, None is a
+leaf, tensors and anything not a container are leaves. ``stratagem.data`` keeps tf.data's own
+element structure (dict keys sorted, lists are values) in ``data/structure.py``, where tf.data's
+semantics differ from this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+TreeDef = pytree.TreeSpec
+
+
+def flatten(value: Any) -> tuple[list[Any], TreeDef]:
+    """The leaves of ``value`` in a fixed order and the definition that rebuilds it."""
+    return pytree.tree_flatten(value)
+
+
+def unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
+    """Rebuild the value ``flatten`` took apart, with ``leaves`` in its places."""
+    return pytree.tree_unflatten(list(leaves), treedef)
+
+
+def leaves(value: Any) -> list[Any]:
+    """The leaves of ``value`` (``flatten(value)[0]``)."""
+    return pytree.tree_leaves(value)
+
+
+def map_structure(
+    fn: Callable[..., Any], value: Any, *others: Any, is_leaf: Callable[[Any], bool] | None = None
+) -> Any:
+    """``value`` with ``fn`` applied to every leaf (leaf-wise over ``others`` of the same
+    structure); ``is_leaf`` marks containers to hand to ``fn`` whole."""
+    if not others:
+        return pytree.tree_map(fn, value, is_leaf=is_leaf)
+    flat, spec = flatten(value)
+    rest = [flatten(o) for o in others]
+    for r, (_, s) in enumerate(rest):
+        if s != spec:
+            raise ValueError(
+                f"values have different structures: {signature(value)} and {signature(others[r])}"
+            )
+    return unflatten(spec, [fn(*xs) for xs in zip(flat, *(f for f, _ in rest))])
+
+
+class _Shown(str):
+    """A leaf's description, shown without quotes inside a container's repr."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _describe_leaf(x: Any) -> _Shown:
+    if isinstance(x, torch.Tensor):
+        dt = str(x.dtype).replace("torch.", "")
+        return _Shown(f"{dt}[{','.join(str(s) for s in x.shape)}]")
+    return _Shown(type(x).__name__)
+
+
+def signature(value: Any) -> str:
+    """A compact description of structure, shapes and dtypes: ``(float32[4,3], {'a': int64[]})``."""
+    flat, spec = flatten(value)
+    return repr(unflatten(spec, [_describe_leaf(x) for x in flat]))

@@ -1,0 +1,15 @@
+"""strategies: the final strategy classes (default, one device, mirrored, multi-worker, pipeline)."""
+
+from stratagem.distribute.strategies.default import DefaultStrategy
+from stratagem.distribute.strategies.mirrored import MirroredStrategy
+from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
+from stratagem.distribute.strategies.one_device import OneDeviceStrategy
+from stratagem.distribute.strategies.pipeline import PipelineStrategy
+
+__all__ = [
+    "DefaultStrategy",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "OneDeviceStrategy",
+    "PipelineStrategy",
+]

@@ -1,0 +1,141 @@
+"""PipelineStrategy: a model split into stages, one process each (times data-parallel copies),
+trained with GPipe or 1F1B over point-to-point messages.
+
+Launch works as for MirroredStrategy: a plain ``python train.py`` re-runs itself to start the
+other ``num_stages x data_parallel - 1`` processes; under torchrun or ``stratagem run`` it joins
+the job. Rank ``r`` runs stage ``r % num_stages`` of copy ``r // num_stages``. A "replica" in the
+tf.distribute sense is one copy of the whole pipeline: ``num_replicas_in_sync == data_parallel``,
+and ``reduce``/``gather``/``experimental_distribute_dataset`` work across copies (every stage of a
+copy sees the same slice of the global batch).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, final
+
+import torch
+from torch import nn
+
+from stratagem.cluster import ClusterSpec, ensure_replicas
+from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.distribute.engines.pipeline import PipelineExtended
+from stratagem.distribute.join import join, local_device
+from stratagem.distribute.strategy import Strategy
+from stratagem.pipeline.config import PipelineConfig
+from stratagem.pipeline.partition import Partition
+from stratagem.pipeline.pipe import Pipe
+from stratagem.pipeline.schedule import Schedule
+
+#: the job this process joined (a second strategy in the same script reuses it)
+_launched: dict[str, ClusterSpec] = {}
+
+
+@final
+class PipelineStrategy(Strategy):
+    """GPipe pipeline parallelism: ``num_stages`` processes, each holding consecutive layers of an
+    ``nn.Sequential``, times ``data_parallel`` copies of the pipeline.
+
+    ``schedule``: ``"gpipe"`` or ``"1f1b"``; ``rematerialize``: ``"always"``, ``"except_last"``
+    (default) or ``"never"`` (torchgpipe's re-materialization modes); ``balance``: a list of
+    layer counts per stage, ``"params"`` (default) or ``"time"``. ``timeout`` bounds every
+    communication (seconds). See docs/PIPELINE.md.
+    """
+
+    def __init__(
+        self,
+        num_stages: int,
+        num_microbatches: int,
+        *,
+        schedule: str = "gpipe",
+        rematerialize: str = "except_last",
+        balance: Sequence[int] | str | None = None,
+        data_parallel: int = 1,
+        timeout: float = 120.0,
+        checkpoint: str | None = None,
+    ) -> None:
+        if checkpoint is not None:
+            warnings.warn(
+                "PipelineStrategy(checkpoint=...) is now rematerialize=... (activation "
+                "recomputation; checkpoints saved to disk are stratagem.Checkpoint)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            rematerialize = checkpoint
+        config = PipelineConfig.build(
+            num_stages, num_microbatches, schedule=schedule, rematerialize=rematerialize,
+            balance=balance, data_parallel=data_parallel,
+        )  # fmt: skip
+        launched = ClusterSpec.from_environ()
+        if launched is not None:
+            config.check_world(launched.world_size)
+        env = _launched.get("env")
+        if env is None or env.world_size != config.world_size:
+            env = ensure_replicas(config.world_size)
+            _launched["env"] = env
+        device = local_device(env.local_rank)
+        world = join(env, device, timeout=timeout)
+        config.check_world(world.world_size)
+        pipeline_comm: Communicator
+        replicas: Communicator
+        if config.data_parallel == 1:
+            pipeline_comm, replicas = world, LocalCommunicator(device)
+        else:
+            pipeline_comm = world.split(config.pipeline_groups())
+            replicas = world.split(config.replica_groups())
+        self.cluster_spec = env
+        self.config = config
+        self.device = device
+        self._pipeline_ext = PipelineExtended(config, world, pipeline_comm, replicas, device)
+        super().__init__(self._pipeline_ext)
+
+    # --- pipeline facts -----------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self.config.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.config.num_microbatches
+
+    @property
+    def stage(self) -> int:
+        """The stage this process runs."""
+        return self._pipeline_ext.stage
+
+    @property
+    def schedule(self) -> Schedule:
+        """The plan every stage carries out (``print(strategy.schedule)``)."""
+        return self._pipeline_ext.schedule
+
+    @property
+    def partition(self) -> Partition | None:
+        """The layers of each stage, once ``pipeline()`` has chosen them."""
+        return self._pipeline_ext.partition
+
+    def pipeline(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        loss_reduction: str | None = None,
+        sample_input: Any = None,
+        verbose: bool = True,
+    ) -> Pipe:
+        """This process's stage of ``model`` (an ``nn.Sequential``; nested ones are flattened).
+
+        Call it on every process. Layers built in ``strategy.scope()`` have their parameters on
+        the meta device; each stage materializes only its own, initialised exactly as the unsplit
+        model built from the same RNG state. ``loss_reduction`` (``"mean"``/``"sum"``) defaults to
+        ``loss_fn.reduction``; ``sample_input`` (a micro-batch) is needed for ``balance="time"``.
+        The partition is printed once (rank 0) unless ``verbose=False``.
+        """
+        return self._pipeline_ext.build_pipe(model, loss_fn, loss_reduction, sample_input, verbose)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"PipelineStrategy(num_stages={c.num_stages}, num_microbatches={c.num_microbatches}, "
+            f"schedule={c.schedule!r}, rematerialize={c.rematerialize!r}, data_parallel={c.data_parallel})"
+        )
