@@ -226,6 +226,17 @@ def main():
         "sample infinite": D.sample_from_datasets([D.range(3).repeat(), D.range(3)]),
         "sample finite": D.sample_from_datasets([D.range(3), D.range(4)]),
         "group_by_window": D.range(10).group_by_window(lambda x: x % 2, lambda k, w: w, 2),
+        "filter infinite": D.range(3).repeat().filter(lambda y: y > 0),
+        "take_while infinite": D.range(3).repeat().take_while(lambda z: z < 5),
+        "unique infinite": D.range(3).repeat().unique(),
+        "window infinite": D.range(3).repeat().window(2),
+        "group_by_window infinite": D.range(3).repeat().group_by_window(lambda a: a % 2,
+                                                                        lambda k, w: w, 2),
+        "choose finite selector": D.choose_from_datasets([D.range(3).repeat()] * 2, D.range(2)),
+        "rejection_resample infinite": D.range(3).repeat().rejection_resample(
+            lambda b: tf.cast(b % 2, tf.int32), [0.5, 0.5]),
+        "scan infinite": D.range(3).repeat().scan(np.int64(0), lambda s, c: (s, c)),
+        "ragged_batch infinite": D.range(3).repeat().ragged_batch(2),
     }
     case("cardinality", list(cards), [int(ds.cardinality()) for ds in cards.values()])
     case("cardinality_constants", [], [int(tf.data.INFINITE_CARDINALITY),

@@ -328,6 +328,18 @@ CARDINALITIES = {
     "sample infinite": lambda: D.sample_from_datasets([D.range(3).repeat(), D.range(3)]),
     "sample finite": lambda: D.sample_from_datasets([D.range(3), D.range(4)]),
     "group_by_window": lambda: D.range(10).group_by_window(lambda x: x % 2, lambda k, w: w, 2),
+    "filter infinite": lambda: D.range(3).repeat().filter(lambda y: y > 0),
+    "take_while infinite": lambda: D.range(3).repeat().take_while(lambda z: z < 5),
+    "unique infinite": lambda: D.range(3).repeat().unique(),
+    "window infinite": lambda: D.range(3).repeat().window(2),
+    "group_by_window infinite": lambda: D.range(3).repeat().group_by_window(
+        lambda a: a % 2, lambda k, w: w, 2),
+    "choose finite selector": lambda: D.choose_from_datasets([D.range(3).repeat()] * 2,
+                                                             D.range(2)),
+    "rejection_resample infinite": lambda: D.range(3).repeat().rejection_resample(
+        lambda b: b % 2, [0.5, 0.5]),
+    "scan infinite": lambda: D.range(3).repeat().scan(0, lambda s, c: (s, c)),
+    "ragged_batch infinite": lambda: D.range(3).repeat().ragged_batch(2),
 }
 
 

@@ -10,7 +10,14 @@ import torch
 
 from stratagem.data.dataset import Dataset
 from stratagem.data.iterator import Context, StatefulIterator
-from stratagem.data.structure import describe, flatten, pack_as, shape_of
+from stratagem.data.structure import (
+    describe,
+    flatten,
+    flatten_up_to,
+    pack_as,
+    shape_of,
+    text_array,
+)
 
 
 def _as_tensor(leaf: Any) -> torch.Tensor:
@@ -53,7 +60,7 @@ def stack(
     ``alloc(shape, dtype)`` may provide the output tensor (a shared-memory region), or None.
     """
     if _is_text(leaves[0]):
-        return np.asarray([np.asarray(x).item() if np.ndim(x) == 0 else x for x in leaves])
+        return text_array(leaves)
     tensors = [_as_tensor(x) for x in leaves]
     shapes = [tuple(t.shape) for t in tensors]
     if not padded:
@@ -148,13 +155,11 @@ class BatchDataset(Dataset):
         values: list[Any] = [None] * n
         if self._padded:
             if self._padded_shapes is not None:
-                shapes = (
-                    [self._padded_shapes] if n == 1 and not isinstance(example, tuple | dict)
-                    else flatten(self._padded_shapes)
-                )
+                shapes = flatten_up_to(example, self._padded_shapes, "padded_batch: padded_shapes")
             if self._padding_values is not None:
                 pv = self._padding_values
-                values = flatten(pv) if isinstance(pv, tuple | dict) else [pv] * n
+                values = (flatten_up_to(example, pv, "padded_batch: padding_values")
+                          if isinstance(pv, tuple | dict) else [pv] * n)
         return pack_as(example, [
             stack(
                 [f[j] for f in flats], component=j, example=example, padded=self._padded,

@@ -145,14 +145,18 @@ def _delimited(field: int, body: bytes) -> bytes:
 
 def encode_example(features: Mapping[str, Any]) -> bytes:
     """A serialized tf.train.Example of {name: values}: bytes/str values become a BytesList,
-    floats a FloatList, ints an Int64List (lists, arrays or tensors; packed, as TF writes)."""
+    floats a FloatList, ints an Int64List (lists, arrays or tensors; packed, as TF writes).
+    An empty Python list sets no list (it parses as missing: empty for VarLenFeature, the
+    default for FixedLenFeature); pass an empty typed array for an empty typed list."""
     entries = []
     for name in sorted(features):
         value = features[name]
         if isinstance(value, torch.Tensor):
             value = value.numpy()
         arr = np.asarray(value, dtype=object if _is_text(value) else None).reshape(-1)
-        if arr.dtype == object or arr.dtype.kind in "SU":
+        if isinstance(value, list | tuple) and not value:
+            body = b""  # an empty Python list has no type: a Feature with no list set
+        elif arr.dtype == object or arr.dtype.kind in "SU":
             items = [v.encode() if isinstance(v, str) else bytes(v) for v in arr]
             body = _delimited(1, b"".join(_delimited(1, v) for v in items))
         elif arr.dtype.kind == "f":

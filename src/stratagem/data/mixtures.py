@@ -62,10 +62,9 @@ class DirectedInterleaveDataset(Dataset):
         self._stop = bool(stop_on_empty_dataset)
 
     def _cardinality(self) -> int:
+        # tf.data's rule: infinite as soon as one input is (whatever the selector)
         ns = [d.cardinality() for d in self._inputs[1:]]
-        if INFINITE_CARDINALITY in ns and self._inputs[0].cardinality() == INFINITE_CARDINALITY:
-            return INFINITE_CARDINALITY
-        return UNKNOWN_CARDINALITY
+        return INFINITE_CARDINALITY if INFINITE_CARDINALITY in ns else UNKNOWN_CARDINALITY
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _DirectedIterator(self, ctx)

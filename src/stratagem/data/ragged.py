@@ -142,7 +142,8 @@ class Ragged:
         cols = torch.arange(len(self.values)) - torch.repeat_interleave(self.row_splits[:-1], lengths)
         width = int(lengths.max()) if self.nrows else 0
         return torch.sparse_coo_tensor(
-            torch.stack([self.value_rowids(), cols]), self.values, (self.nrows, width)
+            torch.stack([self.value_rowids(), cols]), self.values, (self.nrows, width),
+            check_invariants=True,
         )
 
     # -- comparison, printing, state -------------------------------------------------

@@ -89,8 +89,7 @@ class TakeWhileDataset(Dataset):
         self._predicate = predicate
 
     def _cardinality(self) -> int:
-        n = self._inputs[0].cardinality()
-        return 0 if n == 0 else UNKNOWN_CARDINALITY
+        return UNKNOWN_CARDINALITY  # as tf.data, even for an infinite input
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _TakeWhileIterator(self._inputs[0]._make_iterator(ctx.child(0)), self._predicate)
@@ -141,8 +140,7 @@ class UniqueDataset(Dataset):
         self._inputs = (input_ds,)
 
     def _cardinality(self) -> int:
-        n = self._inputs[0].cardinality()
-        return n if n in (0, INFINITE_CARDINALITY) else UNKNOWN_CARDINALITY
+        return UNKNOWN_CARDINALITY  # as tf.data, even for an infinite input
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _UniqueIterator(self._inputs[0]._make_iterator(ctx.child(0)))

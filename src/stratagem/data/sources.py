@@ -57,6 +57,10 @@ def _to_storage(leaf: Any) -> tuple[Any, bool]:
     if isinstance(leaf, torch.Tensor | np.ndarray):
         return leaf, False
     if isinstance(leaf, list):
+        if leaf and all(isinstance(x, bytes) for x in leaf):
+            arr = np.empty(len(leaf), dtype=object)  # an "S" array would drop trailing NULs
+            arr[:] = leaf
+            return arr, True
         arr = np.asarray(leaf)
         if arr.dtype == object:
             raise TypeError(

@@ -144,3 +144,41 @@ def from_json(obj: Any) -> Any:
 
         return Ragged.from_state(obj["r"])
     raise ValueError(f"not a stored value: {obj!r}")
+
+
+def flatten_up_to(template: Any, value: Any, what: str) -> list[Any]:
+    """``value``'s entries at the leaves of ``template``'s structure (tf.data's
+    ``flatten_up_to``): an entry may itself be a list or tuple (a shape). A ValueError names
+    both structures when they differ."""
+
+    def walk(t: Any, v: Any) -> list[Any]:
+        if isinstance(t, tuple):
+            if not isinstance(v, tuple | list) or len(v) != len(t):
+                raise _mismatch(template, value, what)
+            return [leaf for ti, vi in zip(t, v) for leaf in walk(ti, vi)]
+        if isinstance(t, dict):
+            if not isinstance(v, dict) or sorted(v) != sorted(t):
+                raise _mismatch(template, value, what)
+            return [leaf for k in sorted(t) for leaf in walk(t[k], v[k])]
+        return [v]
+
+    return walk(template, value)
+
+
+def _mismatch(template: Any, value: Any, what: str) -> ValueError:
+    return ValueError(
+        f"{what} {value!r} does not match the structure of the elements "
+        f"{describe(template)}; give one entry per component, in the same tuple/dict structure"
+    )
+
+
+def text_array(leaves: list[Any]) -> np.ndarray:
+    """A batch of text leaves: ``str`` as a numpy unicode array, ``bytes`` as an object array
+    (a fixed-width ``S`` array would drop trailing zero bytes, e.g. of serialized records)."""
+    items = [x if isinstance(x, str | bytes) else np.asarray(x).item() if np.ndim(x) == 0
+             else x for x in leaves]
+    if any(isinstance(x, bytes) for x in items):
+        out = np.empty(len(items), dtype=object)
+        out[:] = items
+        return out
+    return np.asarray(items)
