@@ -66,6 +66,17 @@ class DirectedInterleaveDataset(Dataset):
         ns = [d.cardinality() for d in self._inputs[1:]]
         return INFINITE_CARDINALITY if INFINITE_CARDINALITY in ns else UNKNOWN_CARDINALITY
 
+    def _spec(self) -> Any:
+        from stratagem.data.spec import generalize, static_spec
+
+        specs = [static_spec(d) for d in self._inputs[1:]]
+        if any(s is None for s in specs):
+            return None
+        out = specs[0]
+        for s in specs[1:]:
+            out = generalize(out, s)
+        return out
+
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _DirectedIterator(self, ctx)
 
@@ -193,6 +204,11 @@ class _SameEveryEpoch(Dataset):
 
     def _cardinality(self) -> int:
         return self._inputs[0].cardinality()
+
+    def _spec(self) -> Any:
+        from stratagem.data.spec import static_spec
+
+        return static_spec(self._inputs[0])
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         import dataclasses

@@ -128,8 +128,10 @@ class Ragged:
         return out
 
     def to_nested(self) -> torch.Tensor:
-        """A torch nested tensor of the rows (numeric values only)."""
-        return torch.nested.nested_tensor(self.rows())
+        """A torch nested tensor (jagged layout) of the rows (numeric values only)."""
+        if _is_text_array(self.values):
+            raise TypeError("to_nested() needs numeric values; use rows() for strings")
+        return torch.nested.nested_tensor_from_jagged(self.values, offsets=self.row_splits)
 
     def to_sparse(self) -> torch.Tensor:
         """A sparse COO tensor ``[nrows, max_len, *inner]`` (tf's SparseTensor of a

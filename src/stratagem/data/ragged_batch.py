@@ -49,6 +49,23 @@ class RaggedBatchDataset(Dataset):
                 for s in flatten(spec)
             ]
 
+    def _spec(self) -> Any:
+        from stratagem.data.spec import RaggedSpec, TensorSpec, static_spec
+
+        spec = static_spec(self._inputs[0])
+        if spec is None:
+            return None
+        rows = self._batch_size if self._drop else None
+        out: list[Any] = []
+        for s, dense in zip(flatten(spec), self._dense or []):
+            if s.shape is None:
+                return None
+            if dense or not s.shape:
+                out.append(TensorSpec((rows, *s.shape), s.dtype))
+            else:
+                out.append(RaggedSpec((rows, None, *s.shape[1:]), s.dtype))
+        return pack_as(spec, out)
+
     def _cardinality(self) -> int:
         n = self._inputs[0].cardinality()
         if n < 0:

@@ -334,6 +334,11 @@ class SnapshotDataset(Dataset):
     def _cardinality(self) -> int:
         return self._inputs[0].cardinality()
 
+    def _spec(self) -> Any:
+        from stratagem.data.spec import static_spec
+
+        return static_spec(self._inputs[0])
+
     def directory(self) -> str:
         return os.path.join(self._path, fingerprint(self._inputs[0]))
 

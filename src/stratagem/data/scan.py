@@ -91,6 +91,11 @@ class TakeWhileDataset(Dataset):
     def _cardinality(self) -> int:
         return UNKNOWN_CARDINALITY  # as tf.data, even for an infinite input
 
+    def _spec(self) -> Any:
+        from stratagem.data.spec import static_spec
+
+        return static_spec(self._inputs[0])
+
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _TakeWhileIterator(self._inputs[0]._make_iterator(ctx.child(0)), self._predicate)
 
@@ -141,6 +146,11 @@ class UniqueDataset(Dataset):
 
     def _cardinality(self) -> int:
         return UNKNOWN_CARDINALITY  # as tf.data, even for an infinite input
+
+    def _spec(self) -> Any:
+        from stratagem.data.spec import static_spec
+
+        return static_spec(self._inputs[0])
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _UniqueIterator(self._inputs[0]._make_iterator(ctx.child(0)))

@@ -252,6 +252,11 @@ class RandomDataset(Dataset):
     def _cardinality(self) -> int:
         return -1
 
+    def _spec(self) -> Any:
+        from stratagem.data.spec import TensorSpec
+
+        return TensorSpec((), "int64")
+
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         import dataclasses
 

@@ -363,6 +363,11 @@ class AssertCardinalityDataset(Dataset):
     def _cardinality(self) -> int:
         return self._expected
 
+    def _spec(self) -> Any:
+        from stratagem.data.spec import static_spec
+
+        return static_spec(self._inputs[0])
+
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _AssertCardinalityIterator(self._inputs[0]._make_iterator(ctx.child(0)),
                                           self._expected)
