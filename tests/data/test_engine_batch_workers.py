@@ -142,3 +142,16 @@ def test_autotune_picks_processes_for_python_and_threads_for_gil_free(caplog):
     assert len(lines) == 2, lines  # once per map, not per iterator
     assert "map(py_work): AUTOTUNE runs it on processes" in lines[0]
     assert "map(sleepy): AUTOTUNE runs it on threads" in lines[1]
+
+
+@pytest.mark.timeout(60)
+def test_dropped_batches_give_their_shared_memory_back_for_the_next_epoch():
+    ds = eh.images(True, batch=4)
+    first = _plain(ds)
+    pool = ds._arena_pool
+    pooled = list(pool.free)
+    assert pooled, "the first epoch's arenas are kept for the next one"
+    kept = next(iter(ds.iterator(epoch=0, seed=5)))  # held by the test: not reusable
+    assert to_plain(kept) == first[0]
+    assert _plain(ds) == first  # the next workers write into the inherited arenas
+    assert not multiprocessing.active_children()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import pickle
 import threading
@@ -103,7 +104,7 @@ def _send(conn: Any, msg: Any) -> None:
 
 def _worker_main(
     conn: Any, stages: list[Stage], batch: BatchDataset, sources: sharedmem.Sources,
-    close: list[int],
+    initial: list[sharedmem.Arena], close: list[int],
 ) -> None:
     from stratagem.data.parallel import _portable_error
 
@@ -113,9 +114,9 @@ def _worker_main(
         except OSError:
             pass
     inputs: dict[int, sharedmem.Arena] = {}
-    outputs: dict[int, sharedmem.Arena] = {}
-    free: set[int] = set()
-    ids = [0]  # the next output arena id (never reused)
+    outputs: dict[int, sharedmem.Arena] = dict(enumerate(initial))  # mapped before the fork
+    free: set[int] = set(outputs)
+    ids = [len(initial)]  # the next output arena id (never reused)
     while True:
         try:
             msg = pickle.loads(conn.recv_bytes())
@@ -224,14 +225,58 @@ class _Task:
         self.collate = True
 
 
+class ArenaPool:
+    """Free output arenas kept between iterators of one ``batch`` (its epochs): the next
+    workers inherit them at fork, pages already in memory, instead of faulting in fresh
+    zeroed pages for every batch (which costs as much as stacking the batch)."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap, self.lock = cap_bytes, threading.Lock()
+        self.free: list[sharedmem.Arena] = []
+
+    def put(self, arena: sharedmem.Arena) -> None:
+        with self.lock:
+            if sum(a.size for a in self.free) + arena.size <= self.cap:
+                self.free.append(arena)
+
+    def take_all(self) -> list[sharedmem.Arena]:
+        with self.lock:
+            free, self.free = self.free, []
+            return free
+
+
 class _Worker:
-    def __init__(self, index: int, proc: Any, conn: Any) -> None:
-        self.index, self.proc, self.conn = index, proc, conn
+    def __init__(self, index: int, proc: Any, conn: Any, pool: ArenaPool,
+                 initial: list[sharedmem.Arena]) -> None:
+        self.index, self.proc, self.conn, self.pool = index, proc, conn, pool
         self.inputs: dict[int, sharedmem.Arena] = {}
         self.free_inputs: list[int] = []
-        self.outputs: dict[int, sharedmem.Arena] = {}
-        self.released: collections.deque[int] = collections.deque()  # appended by finalizers
+        self.outputs: dict[int, sharedmem.Arena] = dict(enumerate(initial))
+        self.busy: set[int] = set()  # arenas viewed by batches handed out
+        self.released: collections.deque[int] = collections.deque()  # to send to the worker
         self.tasks = 0
+        self.stopped = False
+        self.lock = threading.Lock()
+
+    def handed_out(self, arena_id: int) -> None:
+        with self.lock:
+            self.busy.add(arena_id)
+
+    def on_release(self, arena_id: int) -> None:
+        """A batch viewing this arena is gone (a finalizer, in any thread)."""
+        with self.lock:
+            self.busy.discard(arena_id)
+            if not self.stopped:
+                self.released.append(arena_id)
+            elif arena_id in self.outputs:
+                self.pool.put(self.outputs.pop(arena_id))
+
+    def stop(self) -> None:
+        """After the process ended: its free arenas go to the pool, the busy ones later."""
+        with self.lock:
+            self.stopped = True
+            for aid in [a for a in self.outputs if a not in self.busy]:
+                self.pool.put(self.outputs.pop(aid))
 
 
 class BatchWorkersIterator(StatefulIterator):
@@ -259,6 +304,8 @@ class BatchWorkersIterator(StatefulIterator):
         self.in_order = deterministic or bool(segment.steps)
         self.nworkers = max(1, workers)
         self.budget = options.resolved_ram_budget // STAGE_SHARE
+        self.pool: ArenaPool = segment.batch.__dict__.setdefault(
+            "_arena_pool", ArenaPool(options.resolved_ram_budget // 2))
         self.batch_bytes = 0
         self.workers: list[_Worker] = []
         self.sources: sharedmem.Sources | None = None
@@ -276,15 +323,18 @@ class BatchWorkersIterator(StatefulIterator):
         procs.check_can_start(self.seg.describe())
         mine = [w.conn.fileno() for w in self.workers]
         self.sources = sharedmem.Sources(self.seg.pm._inputs[0]) if procs.forks() else None
+        inherited = self.pool.take_all() if procs.forks() else []
         for i in range(self.nworkers):
             parent, child = procs.process_context().Pipe(duplex=True)
+            initial = inherited[i::self.nworkers]
             proc = procs.start(
                 _worker_main,
-                (child, self.stages, self.seg.batch, self.sources, [*mine, parent.fileno()]),
+                (child, self.stages, self.seg.batch, self.sources, initial,
+                 [*mine, parent.fileno()]),
                 name=f"stratagem-batch-{i}",
             )
             child.close()
-            self.workers.append(_Worker(i, proc, parent))
+            self.workers.append(_Worker(i, proc, parent, self.pool, initial))
             mine.append(parent.fileno())
 
     def _target(self) -> int:
@@ -385,8 +435,9 @@ class BatchWorkersIterator(StatefulIterator):
         if msg[0] == "done" and msg[3] is not None:  # a new output arena: its fd follows
             w.outputs[msg[2]] = sharedmem.Arena(msg[3], recv_handle(w.conn))
         if msg[0] == "done":
-            for a in msg[5]:
-                w.outputs.pop(a, None)
+            with w.lock:
+                for a in msg[5]:
+                    w.outputs.pop(a, None)
         task.result = msg
         w.tasks -= 1
         if task.arena is not None:
@@ -466,8 +517,8 @@ class BatchWorkersIterator(StatefulIterator):
             self.batch_bytes = sum(
                 d[1].itemsize * max(1, _numel(d[2])) for d in descs if d[0] == "T"
             )
-        released = w.released
-        return sharedmem.read_batch(skel, descs, arena, lambda: released.append(arena_id))
+        w.handed_out(arena_id)
+        return sharedmem.read_batch(skel, descs, arena, functools.partial(w.on_release, arena_id))
 
     def __next__(self) -> Any:
         with self.lock:
@@ -552,6 +603,8 @@ class BatchWorkersIterator(StatefulIterator):
                 w.proc.kill()
                 w.proc.join(2.0)
             w.conn.close()
+            if not w.proc.is_alive():
+                w.stop()
 
     def close(self) -> None:
         with self.lock:
