@@ -237,6 +237,14 @@ def main():
             lambda b: tf.cast(b % 2, tf.int32), [0.5, 0.5]),
         "scan infinite": D.range(3).repeat().scan(np.int64(0), lambda s, c: (s, c)),
         "ragged_batch infinite": D.range(3).repeat().ragged_batch(2),
+        "filter repeat": D.range(3).filter(lambda d: d > 0).repeat(),
+        "filter repeat 2": D.range(3).filter(lambda e: e > 1).repeat(2),
+        "empty repeat": D.range(0).repeat(),
+        "zip infinite unknown": D.zip((D.range(3).repeat(), D.range(2).filter(lambda f: f > 0))),
+        "concatenate unknown infinite": D.range(2).filter(lambda g: g > 0).concatenate(
+            D.range(3).repeat()),
+        "unbatch infinite": D.range(3).batch(2).repeat().unbatch(),
+        "flat_map infinite": D.range(3).repeat().flat_map(lambda h: D.range(2)),
     }
     case("cardinality", list(cards), [int(ds.cardinality()) for ds in cards.values()])
     case("cardinality_constants", [], [int(tf.data.INFINITE_CARDINALITY),

@@ -340,6 +340,14 @@ CARDINALITIES = {
         lambda b: b % 2, [0.5, 0.5]),
     "scan infinite": lambda: D.range(3).repeat().scan(0, lambda s, c: (s, c)),
     "ragged_batch infinite": lambda: D.range(3).repeat().ragged_batch(2),
+    "filter repeat": lambda: D.range(3).filter(lambda d: d > 0).repeat(),
+    "filter repeat 2": lambda: D.range(3).filter(lambda e: e > 1).repeat(2),
+    "empty repeat": lambda: D.range(0).repeat(),
+    "zip infinite unknown": lambda: D.zip((D.range(3).repeat(), D.range(2).filter(lambda f: f))),
+    "concatenate unknown infinite": lambda: D.range(2).filter(lambda g: g > 0).concatenate(
+        D.range(3).repeat()),
+    "unbatch infinite": lambda: D.range(3).batch(2).repeat().unbatch(),
+    "flat_map infinite": lambda: D.range(3).repeat().flat_map(lambda h: D.range(2)),
 }
 
 

@@ -10,6 +10,7 @@ import torch
 
 from stratagem.data.dataset import Dataset
 from stratagem.data.iterator import Context, StatefulIterator
+from stratagem.data.options import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from stratagem.data.structure import (
     describe,
     flatten,
@@ -197,6 +198,10 @@ class UnbatchDataset(Dataset):
 
     def __init__(self, input_ds: Dataset) -> None:
         self._inputs = (input_ds,)
+
+    def _cardinality(self) -> int:
+        n = self._inputs[0].cardinality()  # infinite stays infinite (as tf.data)
+        return INFINITE_CARDINALITY if n == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _UnbatchIterator(self._inputs[0]._make_iterator(ctx.child(0)))

@@ -92,8 +92,8 @@ class RepeatDataset(Dataset):
         n = self._inputs[0].cardinality()
         if self._count == 0 or n == 0:
             return 0
-        if self._count < 0:
-            return INFINITE_CARDINALITY if n != UNKNOWN_CARDINALITY else UNKNOWN_CARDINALITY
+        if self._count < 0:  # tf.data: repeating an unknown-length input forever is infinite
+            return INFINITE_CARDINALITY
         return n * self._count if n >= 0 else n
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
