@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="for both (DDP's default)")
     args = parser.parse_args()
 
-    strategy = sg.MirroredStrategy(num_replicas=args.replicas, bucket_cap_mb=args.bucket_cap_mb)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=args.replicas, bucket_cap_mb=args.bucket_cap_mb)
     torch.set_num_threads(1)
     n = strategy.num_replicas_in_sync
     per_replica = args.global_batch // n

@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     args = ap.parse_args()
 
-    first = PipelineStrategy(K, 1, rematerialize="never")  # starts the second process, joins the job
+    first = PipelineStrategy(K, 1, rematerialize="never", devices="cpu")  # starts the second process, joins the job
     torch.set_num_threads(1)
     rank = first.stage
     world = first._pipeline_ext.world
@@ -122,7 +122,7 @@ def main() -> None:
         mems: dict[str, list[int]] = {}
         for sched in ("gpipe", "1f1b"):
             for ck in ("never", "except_last"):
-                s = PipelineStrategy(K, m, schedule=sched, rematerialize=ck, balance=balance)
+                s = PipelineStrategy(K, m, schedule=sched, rematerialize=ck, balance=balance, devices="cpu")
                 with s.scope():
                     torch.manual_seed(0)
                     pipe = s.pipeline(build(args.width, args.layers), loss_fn, verbose=False)

@@ -5,7 +5,7 @@ from torch import nn
 
 import stratagem as sg
 
-strategy = sg.MirroredStrategy(num_replicas=2)        # a plain `python train.py` starts replica 1 itself
+strategy = sg.MirroredStrategy("cpu", num_replicas=2)  # 2 CPU replicas ("cuda": one per GPU); starts replica 1 itself
 with strategy.scope():                                 # what is created here is mirrored
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

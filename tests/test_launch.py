@@ -44,7 +44,7 @@ def test_a_failing_replica_stops_the_command_with_an_error(flag, rank):
 
 
 def test_interactive_session_cannot_self_launch():
-    r = run_script(["-c", "import stratagem as sg; sg.MirroredStrategy(num_replicas=2)"], timeout=60)
+    r = run_script(["-c", "import stratagem as sg; sg.MirroredStrategy(devices='cpu', num_replicas=2)"], timeout=60)
     assert r.returncode != 0
     assert "stratagem run -n N script.py" in r.stderr
     assert sys.executable

@@ -30,7 +30,7 @@ def global_batches(sizes):
 
 
 def parity_worker(n: int) -> str:
-    strategy = sg.MirroredStrategy(num_replicas=n)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=n)
     # 3 steps: two full global batches of 8, then a partial batch of 3 (on 4 replicas one is empty)
     assert_matches_single_device(strategy, make_model, make_sgd, per_example, global_batches([8, 8, 3]))
     return "ok"
@@ -71,7 +71,7 @@ DATASET_CASES = [
 
 
 def semantics_worker() -> dict:
-    strategy = sg.MirroredStrategy(num_replicas=2)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
     rank = strategy.extended.replica_id
     out: dict = {"reduce": [], "gather": [], "dataset": [], "nested": None}
     for op, axis, values, _ in REDUCE_CASES:
@@ -129,7 +129,7 @@ def test_reduce_gather_and_input_semantics():
 
 
 def compiled_worker() -> str:
-    strategy = sg.MirroredStrategy(num_replicas=2)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
     batches = global_batches([8, 8, 5])
     eager = assert_matches_single_device(strategy, make_model, make_sgd, per_example, batches)
     compiled = assert_matches_single_device(
@@ -142,7 +142,7 @@ def compiled_worker() -> str:
 
 
 def mean_reduction_worker() -> list[float]:
-    strategy = sg.MirroredStrategy(num_replicas=2, gradient_reduction=sg.ReduceOp.MEAN)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2, gradient_reduction=sg.ReduceOp.MEAN)
     torch.manual_seed(0)
     with strategy.scope():
         model = nn.Linear(3, 1, bias=False)
@@ -171,7 +171,7 @@ def test_mean_gradient_reduction_opt_in():
 
 
 def errors_worker() -> dict:
-    strategy = sg.MirroredStrategy(num_replicas=2)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
     rank = strategy.extended.replica_id
     out = {}
     outside = nn.Linear(2, 2)
@@ -250,7 +250,7 @@ def data_pipeline_worker(tmp: str) -> dict:
 
     from stratagem import data
 
-    strategy = sg.MirroredStrategy(num_replicas=2)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
     out = {}
     shuffled = data.Dataset.range(10).shuffle(10, seed=1).batch(4)
     out["global"] = [b.tolist() for b in shuffled]
@@ -291,7 +291,7 @@ def test_stratagem_datasets_are_rebatched_and_sharded(tmp_path):
 
 
 def accumulation_worker() -> list[list[float]]:
-    strategy = sg.MirroredStrategy(num_replicas=2)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
     rank = strategy.extended.replica_id
     torch.manual_seed(0)
     with strategy.scope():
@@ -334,7 +334,7 @@ def test_gradient_accumulation_matches_single_device():
 def stuck_peer_worker() -> str:
     import time
 
-    strategy = sg.MirroredStrategy(num_replicas=2, timeout=4)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2, timeout=4)
     if strategy.extended.replica_id == 1:
         time.sleep(10)  # alive (heartbeats go on) but never joins the collective
         return "slept"

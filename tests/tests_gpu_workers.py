@@ -10,7 +10,7 @@ from stratagem.testing import assert_matches_single_device
 
 
 def nccl_parity_worker() -> str:
-    strategy = sg.MirroredStrategy(num_replicas=2)
+    strategy = sg.MirroredStrategy(devices="cuda", num_replicas=2)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in (8, 8, 3)]
     assert_matches_single_device(

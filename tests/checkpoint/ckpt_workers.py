@@ -54,7 +54,7 @@ def resume_worker(directory: str, total: int, stop_after: int | None) -> dict:
     """Train ``total`` steps (2 replicas, shuffled parallel pipeline, dropout, Adam); with
     ``stop_after`` save there and SIGKILL every process. Resumes from ``directory`` if it holds
     a checkpoint."""
-    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST)
+    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST, devices="cpu")
     rank = strategy.extended.replica_id
     torch.manual_seed(0)
     with strategy.scope():

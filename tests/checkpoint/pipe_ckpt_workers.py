@@ -9,7 +9,7 @@ from stratagem import Checkpoint, CheckpointManager, PipelineStrategy, RNGState
 
 
 def pipeline_checkpoint_worker(directory: str) -> dict:
-    strategy = PipelineStrategy(2, 2)
+    strategy = PipelineStrategy(2, 2, devices="cpu")
     with strategy.scope():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 3))

@@ -16,9 +16,9 @@ from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStra
 def main() -> None:
     fail = sys.argv[1] if len(sys.argv) > 1 else ""
     resolver = detect()
-    connect_to_cluster(resolver)
-    initialize_system(resolver, config={"script": "mw_script"})
-    strategy = MultiWorkerMirroredStrategy(resolver)
+    connect_to_cluster(resolver, device="cpu")
+    initialize_system(resolver, config={"script": "mw_script"}, device="cpu")
+    strategy = MultiWorkerMirroredStrategy(resolver, devices="cpu")
     torch.manual_seed(0)
     with strategy.scope():
         model = nn.Linear(4, 2)

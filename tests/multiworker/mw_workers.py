@@ -48,19 +48,19 @@ def _train_until(strategy, fail_rank: int, how: str, fail_at: int = 3) -> None:
 
 
 def fail_worker(fail_rank: int, how: str) -> str:
-    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST)
+    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST, devices="cpu")
     _train_until(strategy, fail_rank, how)
     return "unreachable"
 
 
 def bootstrap_worker(config_rank1: dict, fake_torch_rank1: str | None) -> str:
     resolver = TorchrunClusterResolver()
-    connect_to_cluster(resolver, FAST)
+    connect_to_cluster(resolver, FAST, device="cpu")
     rank = resolver.cluster_spec().rank
     config = {"global_batch": 64}
     if rank == 1:
         config.update(config_rank1)
         if fake_torch_rank1:
             torch.__version__ = fake_torch_rank1  # type: ignore[assignment]
-    initialize_system(resolver, FAST, config=config)
+    initialize_system(resolver, FAST, config=config, device="cpu")
     return "initialized"

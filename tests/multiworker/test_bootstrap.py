@@ -37,5 +37,5 @@ def test_connect_names_the_unreachable_address():
     resolver = SimpleClusterResolver(f"127.0.0.1:{port}", 2, 1)  # nobody hosts the store
     start = time.monotonic()
     with pytest.raises(CollectiveError, match=f"could not reach the rendezvous at 127.0.0.1:{port}"):
-        connect_to_cluster(resolver, CommunicationOptions(timeout_seconds=2, failure=FAST.failure))
+        connect_to_cluster(resolver, CommunicationOptions(timeout_seconds=2, failure=FAST.failure), device="cpu")
     assert time.monotonic() - start < 30

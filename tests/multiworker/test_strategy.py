@@ -37,7 +37,7 @@ def _xy(i):
 
 
 def parity_worker() -> list:
-    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver())
+    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), devices="cpu")
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in (8, 8, 3)]
     assert_matches_single_device(strategy, _model, _sgd, _per_example, batches)

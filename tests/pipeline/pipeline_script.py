@@ -5,7 +5,7 @@ from torch import nn
 
 from stratagem.distribute.strategies.pipeline import PipelineStrategy
 
-strategy = PipelineStrategy(num_stages=2, num_microbatches=4, schedule="1f1b")
+strategy = PipelineStrategy(num_stages=2, num_microbatches=4, schedule="1f1b", devices="cpu")
 with strategy.scope():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))

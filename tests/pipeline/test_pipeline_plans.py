@@ -166,7 +166,7 @@ def test_strategy_validates_before_launching():
     from stratagem.distribute.strategies.pipeline import PipelineStrategy
 
     with pytest.raises(PipelineConfigError, match="num_microbatches must be an integer >= 1, got 0"):
-        PipelineStrategy(2, 0)
+        PipelineStrategy(2, 0, devices="cpu")
 
 
 def _model():

@@ -74,7 +74,7 @@ def matrix_worker() -> dict:
             for m in (1, 2, 8):
                 for reduction in ("mean", "sum"):
                     what = f"{schedule}/{checkpoint}/M={m}/{reduction}"
-                    s = PipelineStrategy(2, m, schedule=schedule, rematerialize=checkpoint)
+                    s = PipelineStrategy(2, m, schedule=schedule, rematerialize=checkpoint, devices="cpu")
                     loss_fn = nn.CrossEntropyLoss(reduction=reduction)
                     pipe, opt = make_pipe(s, build, loss_fn)
                     ref, ref_opt = reference(build)
@@ -110,7 +110,7 @@ def dropout_checks() -> dict:
     results = {}
     for schedule in ("gpipe", "1f1b"):
         for checkpoint in ("always", "except_last", "never"):
-            s = PipelineStrategy(2, 4, schedule=schedule, rematerialize=checkpoint, balance=[3, 3])
+            s = PipelineStrategy(2, 4, schedule=schedule, rematerialize=checkpoint, balance=[3, 3], devices="cpu")
             pipe, _ = make_pipe(s, lambda: build(0.5), nn.CrossEntropyLoss())
             torch.manual_seed(7)
             loss = s.run(pipe.train_step, args=(x, y))
@@ -127,7 +127,7 @@ def dropout_checks() -> dict:
         and all(torch.equal(results[(sch, ck)][1][n], results[(sch, "never")][1][n]) for n in base)
         for sch in ("gpipe", "1f1b") for ck in ("always", "except_last")
     )
-    s = PipelineStrategy(2, 4, balance=[3, 3])
+    s = PipelineStrategy(2, 4, balance=[3, 3], devices="cpu")
     pipe, _ = make_pipe(s, lambda: build(0.5), nn.CrossEntropyLoss())
     pipe.eval()
     eval_loss = float(s.run(pipe.train_step, args=(x, y)))
@@ -141,7 +141,7 @@ def batchnorm_checks(errors) -> bool:
     loss_fn = nn.CrossEntropyLoss()
     for m in (1, 3):
         for checkpoint in ("always", "never"):
-            s = PipelineStrategy(2, m, rematerialize=checkpoint, balance=[3, 3])
+            s = PipelineStrategy(2, m, rematerialize=checkpoint, balance=[3, 3], devices="cpu")
             pipe, _ = make_pipe(s, build_bn, loss_fn)
             s.run(pipe.train_step, args=(x, y))
             ref, _ = reference(build_bn)
@@ -157,25 +157,25 @@ def batchnorm_checks(errors) -> bool:
 
 
 def balance_checks() -> dict:
-    s = PipelineStrategy(2, 2, balance="time")
+    s = PipelineStrategy(2, 2, balance="time", devices="cpu")
     heavy = lambda: nn.Sequential(nn.Linear(5, 512), nn.Linear(512, 512), nn.Linear(512, 512),  # noqa: E731
                                   nn.Linear(512, 3))  # fmt: skip
     x = torch.randn(64, 5)
     make_pipe(s, heavy, nn.CrossEntropyLoss(), sample_input=x)
     timed = list(s.partition.balance)
-    s = PipelineStrategy(2, 2, balance=[2, 2])
+    s = PipelineStrategy(2, 2, balance=[2, 2], devices="cpu")
     try:
         make_pipe(s, build, nn.CrossEntropyLoss())
         bad = "no error"
     except PipelineConfigError as e:
         bad = str(e)
     try:
-        PipelineStrategy(3, 2)
+        PipelineStrategy(3, 2, devices="cpu")
         world = "no error"
     except PipelineConfigError as e:
         world = str(e)
     try:
-        s = PipelineStrategy(2, 2)
+        s = PipelineStrategy(2, 2, devices="cpu")
         make_pipe(s, build, nn.functional.cross_entropy)
         reduction = "no error"
     except ValueError as e:
@@ -204,7 +204,7 @@ def test_two_stage_matrix():
 
 # --- launch 2: a shape the next stage does not accept ----------------------------------------------
 def shape_worker() -> tuple[str, str, float]:
-    s = PipelineStrategy(2, 2, balance=[1, 1])
+    s = PipelineStrategy(2, 2, balance=[1, 1], devices="cpu")
     pipe, _ = make_pipe(s, lambda: nn.Sequential(nn.Linear(5, 7), nn.Linear(8, 3)), nn.CrossEntropyLoss())
     x, y = batches([8])[0]
     t0 = time.monotonic()
@@ -250,7 +250,7 @@ class Boom(nn.Module):
 
 
 def failure_worker(schedule: str, mode: str, position: int) -> tuple[str, float]:
-    s = PipelineStrategy(2, 4, schedule=schedule, balance=[2, 2])
+    s = PipelineStrategy(2, 4, schedule=schedule, balance=[2, 2], devices="cpu")
     boom = Boom()
     layers = [nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 3)]
     layers.insert(position, boom)  # position 1: stage 0, position 2: stage 1
@@ -284,7 +284,7 @@ def test_exception_in_one_stage_reaches_every_process(schedule, mode, position):
 def hybrid_worker() -> list[str]:
     errors: list[str] = []
     for schedule, reduction in (("gpipe", "mean"), ("1f1b", "sum")):
-        s = PipelineStrategy(2, 2, schedule=schedule, data_parallel=2)
+        s = PipelineStrategy(2, 2, schedule=schedule, data_parallel=2, devices="cpu")
         assert s.num_replicas_in_sync == 2
         loss_fn = nn.CrossEntropyLoss(reduction=reduction)
         pipe, opt = make_pipe(s, build, loss_fn)

@@ -16,7 +16,7 @@ parser.add_argument("--kill-rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=3)
 args = parser.parse_args()
 
-strategy = sg.MirroredStrategy(num_replicas=args.replicas)
+strategy = sg.MirroredStrategy(devices="cpu", num_replicas=args.replicas)
 rank = strategy.extended.replica_id
 torch.manual_seed(0)
 with strategy.scope():

@@ -95,12 +95,12 @@ def backup_run(strategy: Any, backup_dir: str, kill_at: int | None) -> dict[str,
 
 
 def backup_worker(backup_dir: str, kill_at: int | None) -> dict[str, Any]:
-    return backup_run(sg.MirroredStrategy(num_replicas=2, timeout=60), backup_dir, kill_at)
+    return backup_run(sg.MirroredStrategy(devices="cpu", num_replicas=2, timeout=60), backup_dir, kill_at)
 
 
 def parity_worker(ref_backup_dir: str) -> dict[str, Any]:
     """Everything that needs 2 replicas except the kill test, in one launch (torch imports once)."""
-    mirrored = sg.MirroredStrategy(num_replicas=2, timeout=60)
+    mirrored = sg.MirroredStrategy(devices="cpu", num_replicas=2, timeout=60)
     one = sg.OneDeviceStrategy()
     rank = mirrored.extended.replica_id
     out: dict[str, Any] = {}
@@ -144,10 +144,10 @@ def parity_worker(ref_backup_dir: str) -> dict[str, Any]:
 
 
 def pipeline_worker() -> dict[str, Any]:
-    """fit/evaluate/predict under PipelineStrategy(2 stages) vs OneDevice, in both usages."""
+    """fit/evaluate/predict under PipelineStrategy(2 stages, devices="cpu") vs OneDevice, in both usages."""
     from stratagem.distribute.strategies.pipeline import PipelineStrategy
 
-    pipe_strategy = PipelineStrategy(2, 2)
+    pipe_strategy = PipelineStrategy(2, 2, devices="cpu")
     one = sg.OneDeviceStrategy()
     data, val = global_batches([8, 8, 5]), global_batches([6, 4], seed=2)
     kw: dict[str, Any] = {"epochs": 2, "validation_data": val, "metrics": ["sparse_categorical_accuracy"]}
@@ -193,7 +193,7 @@ def multi_worker_worker() -> dict[str, Any]:
     """fit under MultiWorkerMirroredStrategy (list and stratagem Dataset input) vs OneDevice."""
     from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
 
-    mw = MultiWorkerMirroredStrategy()
+    mw = MultiWorkerMirroredStrategy(devices="cpu")
     one = sg.OneDeviceStrategy()
     data = global_batches([8, 8, 5, 1])
     x, y = torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])

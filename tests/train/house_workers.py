@@ -39,7 +39,7 @@ def readme_fit_worker() -> dict[str, Any]:
     """The README's fit call shape exactly: model made in the scope, fit called outside it with
     no strategy=; then the mismatches, which must raise on every replica."""
     x, y = _data()
-    strategy = sg.MirroredStrategy(num_replicas=2)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
     torch.manual_seed(0)
     with strategy.scope():
         model = _model()
@@ -94,7 +94,7 @@ def _count(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def sharded_fit_worker() -> dict[str, Any]:
     """fit with a stratagem Dataset: each replica's pipeline maps only its own elements."""
     x, y = _data(44)
-    strategy = sg.MirroredStrategy(num_replicas=2)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
     torch.manual_seed(1)
     with strategy.scope():
         model = _model()
@@ -160,7 +160,7 @@ def collectives_worker() -> dict[str, Any]:
     """Collectives per steady-state step: the custom loop (run + compute_average_loss + reduce of
     the loss) and fit with one metric; gradient buckets counted apart (all_reduce_async)."""
     x, y = _data(64)
-    strategy = sg.MirroredStrategy(num_replicas=2)
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
     with strategy.scope():
         model = _model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

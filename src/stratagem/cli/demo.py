@@ -1,4 +1,5 @@
-"""The main job: a small convnet on scikit-learn's digits, MirroredStrategy on 2 CPU replicas."""
+"""The main job: a small convnet on scikit-learn's digits, MirroredStrategy on 2 replicas (one per GPU
+when the machine has 2, else on the CPU; ``--devices`` chooses)."""
 
 from __future__ import annotations
 
@@ -40,11 +41,20 @@ def global_batches(x: torch.Tensor, y: torch.Tensor, batch: int, epoch: int) -> 
     return [(x[order[i : i + batch]], y[order[i : i + batch]]) for i in range(0, len(y), batch)]
 
 
+def demo_devices(replicas: int, devices: str | None) -> str:
+    """The demo's choice: one replica per GPU when the machine has a GPU for each, else CPU
+    replicas (a laptop or a one-GPU workstation runs the 2-replica demo on its CPU cores)."""
+    if devices is not None:
+        return devices
+    return "cuda" if torch.cuda.device_count() >= replicas else "cpu"
+
+
 def run_demo(
-    replicas: int = 2, epochs: int = 12, batch_size: int = 64, plot: str | None = None, custom_loop: bool = False
+    replicas: int = 2, epochs: int = 12, batch_size: int = 64, plot: str | None = None,
+    custom_loop: bool = False, devices: str | None = None,
 ) -> int:
     """Train on 80% of the digits, report held-out accuracy; exit code 0 when it is above 95%."""
-    strategy = sg.MirroredStrategy(num_replicas=replicas)
+    strategy = sg.MirroredStrategy(demo_devices(replicas, devices), num_replicas=replicas)
     chief = strategy.extended.should_checkpoint
     x_train, y_train, x_test, y_test = load_digits_split()
     torch.manual_seed(0)
@@ -53,7 +63,7 @@ def run_demo(
         optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     if chief:
         print(f"stratagem demo: digits ({len(y_train)} train / {len(y_test)} held out), "
-              f"{strategy.num_replicas_in_sync} replicas, global batch {batch_size}"
+              f"{strategy.num_replicas_in_sync} replicas on {', '.join(strategy.devices)}, global batch {batch_size}"
               f"{', custom loop' if custom_loop else ''}", flush=True)
     if custom_loop:
         accuracy = _custom_loop(strategy, model, optimizer, (x_train, y_train, x_test, y_test), epochs, batch_size)

@@ -13,12 +13,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stratagem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="train a convnet on scikit-learn's digits on 2 CPU replicas")
+    demo = sub.add_parser("demo", help="train a convnet on scikit-learn's digits on 2 replicas")
     demo.add_argument("--replicas", type=int, default=2, help="number of replicas (processes)")
     demo.add_argument("--epochs", type=int, default=12)
     demo.add_argument("--batch-size", type=int, default=64, help="global batch size")
     demo.add_argument("--plot", default="demo_history.png", help="where to write the training plot")
     demo.add_argument("--custom-loop", action="store_true", help="the hand-written loop instead of fit")
+    demo.add_argument("--devices", choices=["cpu", "cuda"], default=None,
+                      help="where the replicas run (default: one per GPU if there are enough, else CPU)")
 
     try:
         run_cmd: Any = importlib.import_module("stratagem.cli.run")
@@ -31,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from stratagem.cli.demo import run_demo
 
-        return run_demo(args.replicas, args.epochs, args.batch_size, args.plot, args.custom_loop)
+        return run_demo(args.replicas, args.epochs, args.batch_size, args.plot, args.custom_loop, args.devices)
     if args.command == "run" and run_cmd is not None:
         return int(run_cmd.main(args))
     parser.error(f"unknown command {args.command}")

@@ -20,7 +20,8 @@ from stratagem._version import __version__
 from stratagem.cluster.resolvers import ClusterResolver, ClusterSpec, detect
 from stratagem.comm import Communicator
 from stratagem.comm.failure import FailureOptions
-from stratagem.distribute.join import join, local_device
+from stratagem.distribute.devices import plan_devices
+from stratagem.distribute.join import join
 
 
 class ClusterConfigurationError(RuntimeError):
@@ -47,9 +48,12 @@ def _spec(resolver: ClusterResolver | None) -> ClusterSpec:
     return (resolver if resolver is not None else detect()).cluster_spec()
 
 
-def default_device(spec: ClusterSpec) -> torch.device:
-    """This process's device: GPU ``local_rank`` (mod the count) when there are GPUs, else CPU."""
-    return local_device(spec.local_rank)
+def default_device(spec: ClusterSpec, devices: str | None = None) -> torch.device:
+    """This process's device by ``plan_devices``: GPU ``local_rank`` when this machine has a GPU
+    for each of its processes, the CPU when it has none or ``devices="cpu"``; an error naming
+    ``devices="cpu"`` when there are GPUs, but fewer than processes."""
+    plan = plan_devices(devices, spec.local_world_size, torch.cuda.device_count(), what="this worker")
+    return torch.device(plan[spec.local_rank % len(plan)])
 
 
 def connect_to_cluster(
@@ -113,6 +117,7 @@ def initialize_system(
     communication_options: CommunicationOptions | None = None,
     *,
     config: Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
 ) -> ClusterSpec:
     """Check every worker agrees (versions, world size, options, ``config``); name any that differs.
 
@@ -121,7 +126,7 @@ def initialize_system(
     """
     spec = _spec(resolver)
     options = communication_options or CommunicationOptions()
-    comm = connect_to_cluster(resolver, options)
+    comm = connect_to_cluster(resolver, options, device=device)
     facts = local_facts(spec, {**asdict(options), **dict(config or {})})
     if comm.world_size != spec.world_size:
         raise ClusterConfigurationError(

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from stratagem.core import tree
+from stratagem.core import batches
 
 
 def split_sizes(batch_size: int, num_microbatches: int) -> list[int]:
@@ -18,38 +18,22 @@ def split_sizes(batch_size: int, num_microbatches: int) -> list[int]:
             f"micro-batches; use a batch of at least {num_microbatches} examples or fewer "
             "micro-batches (num_microbatches)"
         )
-    base, extra = divmod(batch_size, num_microbatches)
-    return [base + (1 if i < extra else 0) for i in range(num_microbatches)]
+    return batches.split_sizes(batch_size, num_microbatches)
 
 
 def batch_size(batch: Any) -> int:
     """The leading dimension shared by every tensor of ``batch``."""
-    leaves, _ = tree.flatten(batch)
-    sizes = {int(t.shape[0]) for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"the tensors of a mini-batch must share their first dimension; got {tree.signature(batch)}"
-        )
-    return sizes.pop()
+    return batches.batch_size_of(batch, "a mini-batch")
 
 
 def scatter(batch: Any, sizes: list[int]) -> list[Any]:
     """``batch`` (a tensor or nested tensors) cut along dimension 0 into pieces of ``sizes``."""
-    out = []
-    start = 0
-    for n in sizes:
-        out.append(_slice(batch, start, start + n))
-        start += n
-    return out
-
-
-def _slice(batch: Any, start: int, stop: int) -> Any:
-    return tree.map_structure(lambda t: t[start:stop], batch)
+    return batches.split_batch(batch, sizes)
 
 
 def gather(outputs: list[torch.Tensor]) -> torch.Tensor:
     """The micro-batch outputs joined along dimension 0."""
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    return batches.concat(outputs)  # type: ignore[no-any-return]
 
 
 REDUCTIONS = ("mean", "sum")

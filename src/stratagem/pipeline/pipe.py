@@ -13,6 +13,7 @@ from torch import nn
 from stratagem.comm import Communicator
 from stratagem.comm.reducer import GradientReducer
 from stratagem.core import tree
+from stratagem.core.batches import place
 from stratagem.pipeline.microbatch import batch_size, loss_scales, scatter, split_sizes
 from stratagem.pipeline.p2p import Channel
 from stratagem.pipeline.partition import Partition
@@ -107,10 +108,7 @@ class Pipe:
         return split_sizes(n, self.num_microbatches), n
 
     def _place(self, value: Any) -> Any:
-        dev = self.stage.device
-        return tree.map_structure(
-            lambda t: t.to(dev, non_blocking=True) if isinstance(t, torch.Tensor) else t, value
-        )
+        return place(value, self.stage.device)
 
     def train_step(self, x: Any, y: Any) -> torch.Tensor:
         """Forward and backward of the mini-batch ``(x, y)`` through every stage (call it with the

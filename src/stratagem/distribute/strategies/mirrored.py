@@ -13,31 +13,21 @@ from typing import final
 import torch
 
 from stratagem.cluster import ClusterSpec, ensure_replicas
+from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
-from stratagem.distribute.join import join, local_device
+from stratagem.distribute.join import join
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.strategy import Strategy
-
-
-def _resolve_devices(devices: Sequence[str] | None, num_replicas: int | None) -> list[torch.device] | None:
-    if devices is not None:
-        devs = [torch.device(d) for d in devices]
-        if not devs:
-            raise ValueError("MirroredStrategy(devices=[]) needs at least one device")
-        if num_replicas is not None and num_replicas != len(devs):
-            raise ValueError(f"devices={list(devices)} gives {len(devs)} replicas but num_replicas={num_replicas}")
-        for d in devs:
-            if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
-                raise ValueError(
-                    f"device {d} is not available (this machine has {torch.cuda.device_count()} GPUs)"
-                )
-        return devs
-    return None
 
 
 @final
 class MirroredStrategy(Strategy):
     """Synchronous data parallelism over ``devices`` or ``num_replicas`` processes on this machine.
+
+    ``devices``: None (every visible GPU, one replica each, else one CPU replica), ``"cpu"``
+    (``num_replicas`` CPU replicas, gloo), ``"cuda"`` (one replica per GPU, NCCL) or a list
+    (``["cuda:0", "cuda:1"]``, ``["cpu"] * 4``). More replicas than GPUs is an error naming
+    ``devices="cpu"``: two replicas never share one GPU.
 
     ``gradient_reduction=ReduceOp.SUM`` (tf.distribute's contract: scale the loss with
     ``compute_average_loss``); ``ReduceOp.MEAN`` opts in to DDP's averaging of gradients, for
@@ -46,35 +36,25 @@ class MirroredStrategy(Strategy):
 
     def __init__(
         self,
-        devices: Sequence[str] | None = None,
+        devices: str | Sequence[str] | None = None,
         *,
         num_replicas: int | None = None,
         gradient_reduction: ReduceOp | str = ReduceOp.SUM,
         timeout: float = 120.0,
         bucket_cap_mb: float = 25.0,
     ) -> None:
-        if num_replicas is not None and num_replicas < 1:
-            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        devs = _resolve_devices(devices, num_replicas)
         launched = ClusterSpec.from_environ()
-        if devs is not None:
-            count: int | None = len(devs)
-        elif num_replicas is not None:
-            count = num_replicas
-        elif launched is not None:
-            count = launched.world_size
-        else:
-            count = max(torch.cuda.device_count(), 1)
-        if devs is None and launched is None and count is not None:
-            gpus = torch.cuda.device_count()
-            if gpus:
-                if count > gpus:
-                    raise ValueError(f"num_replicas={count} but this machine has {gpus} GPUs")
-                devs = [torch.device("cuda", i) for i in range(count)]
-        spec = ensure_replicas(count)
-        device = local_device(spec.local_rank, devs)
+        if launched is None:
+            plan = plan_devices(devices, num_replicas, torch.cuda.device_count(), what="MirroredStrategy")
+            spec = ensure_replicas(len(plan))
+        else:  # torchrun / stratagem run made the processes: plan this machine's
+            spec = ensure_replicas(num_replicas)
+            local = None if isinstance(devices, (list, tuple)) else spec.local_world_size
+            plan = plan_devices(devices, local, torch.cuda.device_count(), what="MirroredStrategy")
+        device = torch.device(plan[spec.local_rank % len(plan)])
         self.cluster_spec = spec
         self.device = device
+        self.devices = tuple(plan)
         comm = join(spec, device, timeout=timeout)
         op = ReduceOp.of(gradient_reduction).value
         super().__init__(

@@ -34,7 +34,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     else a job of one process). ``communication_options`` bounds every collective and sets the
     gradient bucket size. ``gradient_reduction`` as in MirroredStrategy (SUM: scale the loss with
     ``compute_average_loss``). Workers started with different options stop here with an error
-    naming the worker.
+    naming the worker. ``devices``: None (a GPU per process when the machine has one for each,
+    else the CPU), ``"cpu"`` or ``"cuda"``.
 
     ``experimental_distribute_dataset`` takes global batches. A stratagem Dataset that ends in
     ``batch(B)`` is rebatched to ``B / replicas`` and auto-sharded (FILE or DATA policy), so each
@@ -47,11 +48,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         communication_options: CommunicationOptions | None = None,
         *,
         gradient_reduction: ReduceOp | str = ReduceOp.SUM,
+        devices: str | None = None,
     ) -> None:
         resolver = cluster_resolver if cluster_resolver is not None else detect()
         spec = resolver.cluster_spec()
         options = communication_options or CommunicationOptions()
-        device = default_device(spec)
+        device = default_device(spec, devices)
         comm = connect_to_cluster(resolver, options, device=device)
         op = ReduceOp.of(gradient_reduction)
         config = {"strategy": "MultiWorkerMirroredStrategy", "gradient_reduction": op.value,

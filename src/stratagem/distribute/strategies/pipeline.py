@@ -20,8 +20,9 @@ from torch import nn
 
 from stratagem.cluster import ClusterSpec, ensure_replicas
 from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.engines.pipeline import PipelineExtended
-from stratagem.distribute.join import join, local_device
+from stratagem.distribute.join import join
 from stratagem.distribute.strategy import Strategy
 from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.partition import Partition
@@ -39,7 +40,8 @@ class PipelineStrategy(Strategy):
 
     ``schedule``: ``"gpipe"`` or ``"1f1b"``; ``rematerialize``: ``"always"``, ``"except_last"``
     (default) or ``"never"`` (torchgpipe's re-materialization modes); ``balance``: a list of
-    layer counts per stage, ``"params"`` (default) or ``"time"``. ``timeout`` bounds every
+    layer counts per stage, ``"params"`` (default) or ``"time"``. ``devices``: as for
+    MirroredStrategy (None: a GPU per process when there are enough, else the CPU; ``"cpu"``). ``timeout`` bounds every
     communication (seconds). See docs/PIPELINE.md.
     """
 
@@ -53,6 +55,7 @@ class PipelineStrategy(Strategy):
         balance: Sequence[int] | str | None = None,
         data_parallel: int = 1,
         timeout: float = 120.0,
+        devices: str | Sequence[str] | None = None,
         checkpoint: str | None = None,
     ) -> None:
         if checkpoint is not None:
@@ -74,7 +77,9 @@ class PipelineStrategy(Strategy):
         if env is None or env.world_size != config.world_size:
             env = ensure_replicas(config.world_size)
             _launched["env"] = env
-        device = local_device(env.local_rank)
+        local = None if isinstance(devices, (list, tuple)) else env.local_world_size
+        plan = plan_devices(devices, local, torch.cuda.device_count(), what="PipelineStrategy")
+        device = torch.device(plan[env.local_rank % len(plan)])
         world = join(env, device, timeout=timeout)
         config.check_world(world.world_size)
         pipeline_comm: Communicator
