@@ -42,6 +42,7 @@ from stratagem.data.structure import flatten, map_structure, nbytes, pack_as
 
 CHUNK_SECONDS = 0.02  # target work per process-pool task
 MAX_CHUNK = 64  # most elements per process-pool task
+SNAP_EVERY = 16  # input state saved before every 16th element (a restore replays <= 15)
 
 
 def usable_cpus() -> int:
@@ -224,6 +225,8 @@ class _ParallelMapIterator(StatefulIterator):
         self.npending = 0  # entries in self.inflight not yet yielded
         self.pos = 0
         self.skip: set[int] = set()
+        self.since_snap = SNAP_EVERY  # elements read since the last input snapshot
+        self.anchor: tuple[Any, int] = (None, 0)  # the last snapshot of a purged entry
         self.input_done = False
         self.last_return: float | None = None
         self.closed = False
@@ -280,7 +283,10 @@ class _ParallelMapIterator(StatefulIterator):
         batch: list[tuple[_Entry, Any]] = []
         try:
             while not self.input_done and self.npending < target:
-                snap = self.child.state_dict()
+                snap = None
+                if self.since_snap >= SNAP_EVERY:  # state_dict may cost O(buffer) (shuffle)
+                    snap, self.since_snap = self.child.state_dict(), 0
+                self.since_snap += 1
                 try:
                     x = next(self.child)
                 except StopIteration:
@@ -305,7 +311,9 @@ class _ParallelMapIterator(StatefulIterator):
 
     def _purge(self) -> None:
         while self.inflight and self.inflight[0].yielded:
-            self.inflight.popleft()
+            e = self.inflight.popleft()
+            if e.snap is not None:
+                self.anchor = (e.snap, e.pos)
 
     def _fail(self, entry: _Entry, e: BaseException) -> Exception:
         self.close()
@@ -364,8 +372,12 @@ class _ParallelMapIterator(StatefulIterator):
         pending = [e for e in self.inflight if not e.yielded]
         if pending:
             base = pending[0]
-            done = {e.pos for e in self.inflight if e.yielded and e.pos > base.pos} | self.skip
-            return {"input": base.snap, "pos": base.pos, "skip": sorted(done)}
+            before = [e for e in self.inflight if e.pos <= base.pos and e.snap is not None]
+            snap, start = (before[-1].snap, before[-1].pos) if before else self.anchor
+            # everything from the snapshot to the oldest pending element was consumed
+            done = set(range(start, base.pos)) | self.skip
+            done |= {e.pos for e in self.inflight if e.yielded and e.pos > base.pos}
+            return {"input": snap, "pos": start, "skip": sorted(done)}
         return {"input": self.child.state_dict(), "pos": self.pos, "skip": sorted(self.skip)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

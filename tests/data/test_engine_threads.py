@@ -1,0 +1,42 @@
+"""The thread engine snapshots its input every SNAP_EVERY elements, not every element (a
+shuffle's state costs O(buffer)), and still resumes exactly from any position."""
+
+import itertools
+import json
+
+import helpers
+import pytest
+
+from stratagem.data import Dataset, assert_resumes_exactly, parallel, shuffle
+
+
+def make(deterministic=None):
+    return (Dataset.range(100).shuffle(50, seed=1)
+            .map(helpers.noisy, num_parallel_calls=3, with_rng=True, seed=2,
+                 use_processes=False, deterministic=deterministic))
+
+
+@pytest.mark.timeout(60)
+def test_resumes_exactly_between_snapshots(monkeypatch):
+    assert_resumes_exactly(make, ks=[0, 1, 15, 16, 17, 50, 99])
+    calls = []
+    original = shuffle._ShuffleIterator.state_dict
+
+    def counting(self):
+        calls.append(1)
+        return original(self)
+
+    monkeypatch.setattr(shuffle._ShuffleIterator, "state_dict", counting)
+    assert len(list(make())) == 100
+    assert len(calls) <= 100 // parallel.SNAP_EVERY + 2
+
+
+@pytest.mark.timeout(60)
+def test_nondeterministic_resume_between_snapshots():
+    with make(False).iterator(epoch=0, seed=1) as it:
+        head = [float(x[0]) for x in itertools.islice(it, 37)]
+        state = json.loads(json.dumps(it.state_dict()))
+    with make(False).iterator_from_state(state) as it:
+        rest = [float(x[0]) for x in it]
+    assert sorted(head + rest) == [float(i) for i in range(100)]
+
