@@ -253,3 +253,20 @@ def test_save_is_atomic_and_load_names_what_is_missing(tmp_path):
     assert list(D.load(str(tmp_path / "out"))) == [0, 1, 2]
     with pytest.raises(ValueError, match="saved with compression 'ZLIB'"):
         D.load(str(tmp_path / "out"), compression="GZIP")
+
+
+def test_data_sharding_refuses_unseeded_mixtures():
+    o = Options()
+    o.distribute.auto_shard_policy = AutoShardPolicy.DATA
+    unseeded = D.sample_from_datasets([D.range(4), D.range(10, 14)]).with_options(o)
+    with pytest.raises(ValueError, match="unseeded DirectedInterleaveDataset"):
+        auto_shard(unseeded, 2, 0)
+    for target in ([0.9, 0.1], [1.0, 0.0]):  # a mixture; a filter alone
+        with pytest.raises(ValueError, match="unseeded"):
+            auto_shard(D.range(8).rejection_resample(lambda x: x % 2, target, [0.5, 0.5])
+                       .with_options(o), 2, 0)
+    same = D.range(8).rejection_resample(lambda x: x % 2, [0.5, 0.5], [0.5, 0.5])
+    assert list(auto_shard(same.with_options(o), 2, 1)) == [(1, 1), (1, 3), (1, 5), (1, 7)]
+    seeded = D.sample_from_datasets([D.range(4), D.range(10, 14)], seed=3).with_options(o)
+    both = sorted(list(auto_shard(seeded, 2, 0)) + list(auto_shard(seeded, 2, 1)))
+    assert both == [0, 1, 2, 3, 10, 11, 12, 13]

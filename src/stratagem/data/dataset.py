@@ -319,6 +319,11 @@ class Dataset:
         return (to_numpy(e) for e in self)
 
     # -- tf.data entry points added for issue 15 (see docs/TFDATA_COVERAGE.md) ----------
+    def _random_order(self) -> bool:
+        """True when this node's element order comes from an unseeded random choice (DATA
+        auto-sharding then needs a seed, or workers would disagree on the order)."""
+        return False
+
     def _spec(self) -> Any:
         """The element spec this node knows without running (None: not known)."""
         return None

@@ -60,6 +60,10 @@ class DirectedInterleaveDataset(Dataset):
             )
         self._inputs = (selector, *datasets)
         self._stop = bool(stop_on_empty_dataset)
+        self._unseeded = False  # set by sample_from_datasets without a seed
+
+    def _random_order(self) -> bool:
+        return self._unseeded
 
     def _cardinality(self) -> int:
         # tf.data's rule: infinite as soon as one input is (whatever the selector)
@@ -193,7 +197,9 @@ def sample_from_datasets(
         selector = MapDataset(CounterDataset(0, 1), _Draw(n, p), with_rng=True, seed=seed)
     if rerandomize_each_iteration is False:
         selector = _SameEveryEpoch(selector)
-    return DirectedInterleaveDataset(selector, datasets, stop_on_empty_dataset)
+    out = DirectedInterleaveDataset(selector, datasets, stop_on_empty_dataset)
+    out._unseeded = seed is None
+    return out
 
 
 class _SameEveryEpoch(Dataset):
@@ -214,6 +220,19 @@ class _SameEveryEpoch(Dataset):
         import dataclasses
 
         return self._inputs[0]._make_iterator(dataclasses.replace(ctx.child(0), epoch=()))
+
+
+class _RandomlyFiltered(Dataset):
+    """Marks an unseeded random filter (for DATA auto-sharding's order check)."""
+
+    def __init__(self, input_ds: Dataset) -> None:
+        self._inputs = (input_ds,)
+
+    def _random_order(self) -> bool:
+        return True
+
+    def _make_iterator(self, ctx: Context) -> StatefulIterator:
+        return self._inputs[0]._make_iterator(ctx.child(0))
 
 
 # -- rejection_resample ------------------------------------------------------------------
@@ -327,7 +346,7 @@ def rejection_resample(
     if static_original is not None and static_original == 1:
         return original
     if static_original is not None and static_original == 0:
-        return filtered
+        return _RandomlyFiltered(filtered) if seed is None else filtered
     weights = original_ds.map(lambda m: (float(m), 1.0 - float(m)))
     return sample_from_datasets(
         [original, filtered], weights=weights, seed=_subseed(seed, 2), stop_on_empty_dataset=True

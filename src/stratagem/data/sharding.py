@@ -62,7 +62,7 @@ def _check_same_order(upstream: Dataset) -> None:
     if upstream.options().seed is not None:
         return
     for d in _walk(upstream):
-        unseeded = (isinstance(d, ShuffleDataset) and d._seed is None) or (
+        unseeded = d._random_order() or (isinstance(d, ShuffleDataset) and d._seed is None) or (
             isinstance(d, ListFilesDataset) and d._shuffle and d._seed is None
         )
         if unseeded:
