@@ -73,12 +73,33 @@ def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
     return out
 
 
-def _packed_varints(buf: bytes) -> list[int]:
+def _packed_varints(buf: bytes) -> list[int] | np.ndarray:
+    """The values of a packed varint list (a numpy uint64 array for long lists)."""
+    if len(buf) > 24:
+        return _packed_varints_np(buf)
     out, i = [], 0
     while i < len(buf):
         v, i = _varint(buf, i)
         out.append(v)
     return out
+
+
+def _packed_varints_np(buf: bytes) -> np.ndarray:
+    """Vectorized varint decoding: a value ends at each byte below 0x80; its bytes carry 7
+    bits each, least significant first (bits past 64 drop, as in two's complement)."""
+    b = np.frombuffer(buf, dtype=np.uint8)
+    ends = np.flatnonzero(b < 0x80)
+    if len(ends) == 0 or ends[-1] != len(b) - 1:
+        raise ExampleParseError("truncated varint in a serialized Example")
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if int(lengths.max()) > 10:
+        raise ExampleParseError("varint longer than 10 bytes in a serialized Example")
+    shift = (np.arange(len(b)) - np.repeat(starts, lengths)) * 7
+    parts = (b & 0x7F).astype(np.uint64) << shift.astype(np.uint64)
+    return np.bitwise_or.reduceat(parts, starts)
 
 
 def _decode_feature(buf: bytes) -> tuple[str, Any]:
@@ -91,13 +112,13 @@ def _decode_feature(buf: bytes) -> tuple[str, Any]:
             parts = [np.frombuffer(v, dtype="<f4") for f, _, v in _fields(body) if f == 1]
             return "float", np.concatenate(parts) if parts else np.zeros(0, np.float32)
         if field == 3:
-            ints: list[int] = []
+            chunks: list[Any] = []
             for f, w, v in _fields(body):
                 if f != 1:
                     continue
-                ints.extend(_packed_varints(v) if w == 2 else [v])
-            arr = np.array(ints, dtype=np.uint64).view(np.int64)
-            return "int64", arr
+                chunks.append(np.asarray(_packed_varints(v) if w == 2 else [v], dtype=np.uint64))
+            arr = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint64)
+            return "int64", arr.view(np.int64)
     return "none", []
 
 
