@@ -123,7 +123,7 @@ def _worker_main(
         except (EOFError, OSError):
             return
         if msg[0] == "stop":
-            return
+            os._exit(0)  # nothing to flush or finalize: skip the interpreter's teardown
         if msg[0] == "arena":
             inputs[msg[1]] = sharedmem.Arena(msg[2], recv_handle(conn))
             continue
@@ -549,7 +549,19 @@ class BatchWorkersIterator(StatefulIterator):
             raise
 
     def _finish(self) -> None:
-        self._stop_workers()
+        """End of input, every result received: no worker touches an arena any more, so
+        they go to the pool now; the processes are joined on a thread (their exit takes tens
+        of milliseconds: the kernel unmaps what they inherited), not on the consumer's time."""
+        workers, self.workers = self.workers, []
+        for w in workers:
+            try:
+                _send(w.conn, ("stop",))
+            except OSError:
+                pass
+            w.stop()
+        if workers:
+            threading.Thread(target=_reap, args=(workers,), name="stratagem-reaper",
+                             daemon=True).start()
 
     # -- state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -594,17 +606,7 @@ class BatchWorkersIterator(StatefulIterator):
                 _send(w.conn, ("stop",))
             except OSError:
                 pass
-        for w in workers:
-            w.proc.join(0.2)
-            if w.proc.is_alive():
-                w.proc.terminate()
-                w.proc.join(2.0)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(2.0)
-            w.conn.close()
-            if not w.proc.is_alive():
-                w.stop()
+        _reap(workers)
 
     def close(self) -> None:
         with self.lock:
@@ -613,6 +615,22 @@ class BatchWorkersIterator(StatefulIterator):
             self.closed = True
         self._stop_workers()
         self.child.close()
+
+
+def _reap(workers: list[_Worker]) -> None:
+    """Join stopped workers (terminate, then kill, the ones that do not end); their free
+    arenas go to the pool once they can no longer write into them."""
+    for w in workers:
+        w.proc.join(0.5)
+        if w.proc.is_alive():
+            w.proc.terminate()
+            w.proc.join(2.0)
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join(2.0)
+        w.conn.close()
+        if not w.proc.is_alive():
+            w.stop()
 
 
 def _numel(shape: tuple[int, ...]) -> int:
