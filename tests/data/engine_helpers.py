@@ -73,3 +73,14 @@ def sleepy(x: int) -> int:
 
     time.sleep(0.002)
     return x
+
+
+def fresh_tensor(x: int) -> tuple:
+    """Elements made after the workers were forked (they travel through a shared arena)."""
+    return torch.full((2, 3), float(x)), np.arange(4, dtype=np.int16) * x, np.arange(x % 3), x
+
+
+def combine(t: torch.Tensor, a: np.ndarray, ragged: np.ndarray, x: int,
+            rng: np.random.Generator) -> dict:
+    return {"t": t * float(rng.random()), "a": torch.from_numpy(a + 1), "n": int(ragged.sum()),
+            "x": x}

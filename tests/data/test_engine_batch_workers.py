@@ -54,6 +54,17 @@ def test_batches_equal_the_sequential_pipeline_bit_for_bit():
 
 
 @pytest.mark.timeout(60)
+def test_elements_made_after_the_fork_travel_through_shared_memory():
+    def make(p):
+        return (D.range(30).map(eh.fresh_tensor)
+                .map(eh.combine, num_parallel_calls=2 if p else None, use_processes=p,
+                     with_rng=True, seed=4)
+                .batch(7))
+    assert _uses_batch_workers(make(True))
+    assert _plain(make(True)) == _plain(make(None))
+
+
+@pytest.mark.timeout(60)
 def test_padded_batch_and_plain_python_elements():
     def make(p):
         return D.range(23).map(eh.ragged, num_parallel_calls=2 if p else None,

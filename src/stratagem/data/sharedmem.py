@@ -129,7 +129,8 @@ class Sources:
             self.tensors[v.untyped_storage().data_ptr()] = v
         elif isinstance(v, np.ndarray) and v.dtype.kind in "biufc":
             owner = _owner(v)
-            self.arrays[id(owner)] = owner
+            if owner.flags.c_contiguous:  # it must export its buffer in the worker
+                self.arrays[id(owner)] = owner
 
     def find(self, leaf: Any) -> Desc | None:
         """("R", kind, key, offset, shape, strides, dtype) when ``leaf`` views a source."""
