@@ -277,6 +277,35 @@ def main():
         assert got == records
         case("tfrecord", [fname, comp], [r.hex() for r in records])
 
+    # FixedLengthRecordDataset ---------------------------------------------------------------
+    body = bytes(range(30))
+    with open(os.path.join(OUT, "fixed.bin"), "wb") as fh:
+        fh.write(body)
+    import gzip
+
+    with gzip.open(os.path.join(OUT, "fixed.bin.gz"), "wb") as fh:
+        fh.write(body)
+    for fname, rec, head, foot, comp in [("fixed.bin", 3, 0, 0, ""), ("fixed.bin", 4, 2, 0, ""),
+                                         ("fixed.bin", 5, 3, 2, ""), ("fixed.bin", 1, 10, 10, ""),
+                                         ("fixed.bin.gz", 7, 2, 0, "GZIP"),
+                                         ("fixed.bin.gz", 5, 0, 5, "GZIP")]:
+        ds = tf.data.FixedLengthRecordDataset(os.path.join(OUT, fname), rec, head, foot,
+                                              compression_type=comp)
+        case("FixedLengthRecordDataset", [fname, rec, head, foot, comp],
+             [bytes(r).hex() for r in ds.as_numpy_iterator()])
+
+    # decode_csv ----------------------------------------------------------------------------
+    for records, defaults, select in [
+        (["1,a,2.5", "3,b,"], [[0], [""], [1.5]], None),
+        (["7"], [[tf.constant(0, tf.int64)]], None),
+        (['"x,y",2', '"q""r",', ",5"], [["z"], [-1]], None),
+        (["1,2,3,4", "5,6,7,8"], [[0.0], [0]], [1, 3]),
+        (["a;b", "c;d"], [[""], [""]], None),
+    ]:
+        delim = ";" if ";" in records[0] else ","
+        out = tf.io.decode_csv(records, defaults, field_delim=delim, select_cols=select)
+        case("decode_csv", [records, delim, select], [plain(c) for c in out])
+
     # tf.train.Example in GZIP TFRecord + tf.io.parse_example outputs -----------------------
     def feature(v):
         if isinstance(v, list) and v and isinstance(v[0], bytes):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stratagem.data import Dataset as D
-from stratagem.data.csv import CsvDataset, make_csv_dataset
+from stratagem.data.csv import CsvDataset, decode_csv, make_csv_dataset
 from stratagem.data.example import (
     FixedLenFeature,
     FixedLenSequenceFeature,
@@ -21,6 +21,7 @@ from stratagem.data.example import (
     parse_example,
     parse_single_example,
 )
+from stratagem.data.fixed_length import FixedLengthRecordDataset
 from stratagem.data.options import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from stratagem.data.ragged import Ragged
 from stratagem.data.spec import RaggedSpec, TensorSpec
@@ -429,7 +430,26 @@ def test_parse_single_example_matches_tf():
     assert [_as_tf(parse_single_example(r, spec), False) for r in records] == case["output"]
 
 
+@pytest.mark.parametrize("case", cases("FixedLengthRecordDataset"),
+                         ids=ids("FixedLengthRecordDataset"))
+def test_fixed_length_records(case):
+    fname, rec, head, foot, comp = case["params"]
+    ds = FixedLengthRecordDataset(os.path.join(DIR, fname), rec, head, foot, compression_type=comp)
+    assert [r.hex() for r in ds] == case["output"]
+
+
 # -- CSV --------------------------------------------------------------------------------------
+
+DECODE_DEFAULTS = [[[0], [""], [1.5]], [[torch.tensor(0)]], [["z"], [-1]], [[0.0], [0]],
+                   [[""], [""]]]
+
+
+@pytest.mark.parametrize("case,defaults", list(zip(cases("decode_csv"), DECODE_DEFAULTS)),
+                         ids=ids("decode_csv"))
+def test_decode_csv(case, defaults):
+    records, delim, select = case["params"]
+    got = decode_csv(records, defaults, field_delim=delim, select_cols=select)
+    assert [plain(c) for c in got] == case["output"]
 
 CSV_FILES = [os.path.join(DIR, "a.csv"), os.path.join(DIR, "b.csv")]
 CSV_CASES = {

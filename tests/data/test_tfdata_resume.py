@@ -13,6 +13,7 @@ import torch
 from stratagem.data import (
     Dataset,
     FixedLenFeature,
+    FixedLengthRecordDataset,
     TFRecordDataset,
     TFRecordWriter,
     VarLenFeature,
@@ -87,6 +88,9 @@ PIPELINES = {
         os.path.join(REF, "*.csv"), 2, num_epochs=2, shuffle_seed=5, shuffle_buffer_size=3,
         na_value="NA", label_name="id"),
     "tfrecord gzip": lambda: TFRecordDataset(os.path.join(REF, "records.tfrecord.gz"), "GZIP"),
+    "fixed length gzip footer": lambda: FixedLengthRecordDataset(
+        [os.path.join(REF, "fixed.bin.gz")] * 2, 5, 0, 5, compression_type="GZIP"),
+    "fixed length header": lambda: FixedLengthRecordDataset(os.path.join(REF, "fixed.bin"), 4, 2),
     "tfrecord zlib": lambda: TFRecordDataset(os.path.join(REF, "records.tfrecord.zlib"), "ZLIB"),
 }
 

@@ -2,7 +2,7 @@
 
 from stratagem.data.batching import BatchDataset, UnbatchDataset
 from stratagem.data.cache import CacheDataset
-from stratagem.data.csv import CsvDataset, CsvParseError, make_csv_dataset
+from stratagem.data.csv import CsvDataset, CsvParseError, decode_csv, make_csv_dataset
 from stratagem.data.dataset import Dataset
 from stratagem.data.example import (
     ExampleParseError,
@@ -13,6 +13,7 @@ from stratagem.data.example import (
     parse_example,
     parse_single_example,
 )
+from stratagem.data.fixed_length import FixedLengthRecordDataset
 from stratagem.data.functions import MapFunctionError, element_rng
 from stratagem.data.iterator import DatasetIterator
 from stratagem.data.mixtures import choose_from_datasets, sample_from_datasets
@@ -66,6 +67,7 @@ __all__ = [
     "ExampleParseError",
     "FixedLenFeature",
     "FixedLenSequenceFeature",
+    "FixedLengthRecordDataset",
     "MapFunctionError",
     "Options",
     "PipelineClosed",
@@ -82,6 +84,7 @@ __all__ = [
     "auto_shard",
     "choose_from_datasets",
     "crc32c",
+    "decode_csv",
     "element_rng",
     "encode_example",
     "file_sources",

@@ -136,7 +136,8 @@ class CsvDataset(FileSource):
         exclude_cols: Sequence[int] | None = None,
     ) -> None:
         del buffer_size
-        self._files = _as_file_array(filenames, "CsvDataset")
+        self._files = (_as_file_array(filenames, "CsvDataset") if len(filenames) else
+                       np.zeros(0, dtype=str))
         self._columns = [_column(d, i) for i, d in enumerate(record_defaults)]
         if not self._columns:
             raise ValueError("CsvDataset: record_defaults must name at least one column")
@@ -414,3 +415,38 @@ def make_csv_dataset(
     if prefetch_buffer_size is not None and prefetch_buffer_size != 0:
         ds = ds.prefetch(prefetch_buffer_size)
     return ds
+
+
+def decode_csv(
+    records: Any,
+    record_defaults: Sequence[Any],
+    field_delim: str = ",",
+    use_quote_delim: bool = True,
+    na_value: str = "",
+    select_cols: Sequence[int] | None = None,
+) -> list[Any]:
+    """``tf.io.decode_csv``: CSV lines -> one value per column. A single line gives 0-d
+    tensors (``str`` for strings); a list/array of lines gives a tensor (a numpy string
+    array) per column, in the lines' shape."""
+    ds = CsvDataset([], record_defaults, field_delim=field_delim,
+                    use_quote_delim=use_quote_delim, na_value=na_value, select_cols=select_cols)
+    single = isinstance(records, str | bytes)
+    arr = np.asarray([records] if single else records, dtype=object)
+    rows = []
+    for i, line in enumerate(arr.reshape(-1)):
+        text = line.decode("utf-8") if isinstance(line, bytes) else str(line)
+        fields, open_quote = split_record(text, field_delim, use_quote_delim)
+        if open_quote:
+            raise CsvParseError(f"decode_csv: record {i} ends inside a quoted field")
+        rows.append(ds.parse(fields, f"decode_csv: record {i}"))
+    if single:
+        return list(rows[0])
+    out: list[Any] = []
+    for j, (dtype, _) in enumerate(ds._columns):
+        column = [r[j] for r in rows]
+        if dtype == STRING:
+            out.append(np.asarray(column, dtype=object).reshape(arr.shape))
+        else:
+            out.append(torch.stack(column).reshape(arr.shape) if column
+                       else torch.zeros(arr.shape, dtype=dtype))
+    return out
