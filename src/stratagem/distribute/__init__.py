@@ -17,6 +17,7 @@ from stratagem.distribute.strategies import (
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     PipelineStrategy,
+    ShardedStrategy,
 )
 from stratagem.distribute.strategy import ReplicaContext, Strategy, StrategyExtended
 
@@ -29,6 +30,7 @@ __all__ = [
     "PipelineStrategy",
     "ReduceOp",
     "ReplicaContext",
+    "ShardedStrategy",
     "Strategy",
     "StrategyExtended",
     "StrategyMismatchError",

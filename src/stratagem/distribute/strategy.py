@@ -72,6 +72,13 @@ class StrategyExtended(abc.ABC):
         return False
 
     @property
+    def shards_state(self) -> bool:
+        """Whether modules' parameters and optimizer state are split across processes (DTensors,
+        as under ShardedStrategy), so checkpoints save them with torch.distributed.checkpoint,
+        every process writing its own part."""
+        return False
+
+    @property
     def requires_scope(self) -> bool:
         """Whether modules must be created in ``scope()`` to be used with this strategy."""
         return False

@@ -5,6 +5,7 @@ from stratagem.distribute.strategies.mirrored import MirroredStrategy
 from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.distribute.strategies.one_device import OneDeviceStrategy
 from stratagem.distribute.strategies.pipeline import PipelineStrategy
+from stratagem.distribute.strategies.sharded import ShardedStrategy
 
 __all__ = [
     "DefaultStrategy",
@@ -12,4 +13,5 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PipelineStrategy",
+    "ShardedStrategy",
 ]

@@ -222,6 +222,10 @@ class CheckpointManager:
         if step is None:
             raise ValueError("save(step): pass the step (or give the Checkpoint a `step` object)")
         step_int = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+        if self.strategy.extended.shards_state:  # issue 14 hook: sharded state (train/checkpoint/sharded.py)
+            from stratagem.train.checkpoint import sharded
+
+            return sharded.save(self, step_int)
         mine = _payload(*self.checkpoint.encode(shared=None if self._all_per_rank else False))
         per_rank = self._comm.gather_object(mine, 0)  # to the writer only, not to everyone
         result: tuple[str, str] = ("", "")
@@ -267,6 +271,10 @@ class CheckpointManager:
 
     def _load_here(self, path: Path) -> None:
         meta = read_metadata(path)
+        if "sharded" in meta:  # issue 14 hook: a sharded checkpoint (train/checkpoint/sharded.py)
+            from stratagem.train.checkpoint import sharded
+
+            return sharded.load(self, path, meta)
         rank, world = self._comm.rank, self._comm.world_size
         if meta["world_size"] != world:
             raise ValueError(

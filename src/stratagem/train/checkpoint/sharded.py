@@ -1,0 +1,212 @@
+"""Sharded checkpoints: modules and optimizers saved with torch.distributed.checkpoint, each rank its part.
+
+Under a strategy whose state is sharded (``extended.shards_state``: ShardedStrategy), a
+checkpoint's modules and optimizers are written by ``torch.distributed.checkpoint`` into
+``ckpt-<step>/sharded/`` (every process writes its own shards, in parallel); per-replica objects
+(RNG, data iterators) go to ``rank-<r>.*``, written by each rank, and the rest (a step) to
+``shared.*``. The checkpoint is the manager's format otherwise: written into a temporary
+directory, listed with sizes and sha256 in ``metadata.json`` (with a ``sharded`` entry), renamed
+into place, verified before loading. Loading reshards: into another number of processes, or a
+plain model in a single process with no process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from stratagem.distribute.engines.sharded import retarget_optimizer
+from stratagem.train.checkpoint.codec import encode_value
+from stratagem.train.checkpoint.files import (
+    FORMAT,
+    _canonical,
+    _fsync_dir,
+    _payload,
+    _sha256,
+    _write,
+    read_part,
+)
+
+if TYPE_CHECKING:
+    from stratagem.train.checkpoint.manager import Checkpoint, CheckpointManager
+
+
+def _split(checkpoint: Checkpoint) -> tuple[dict[str, nn.Module], dict[str, tuple[torch.optim.Optimizer, str]], dict[str, Any]]:
+    """Modules, optimizers (with the name of the module they step) and everything else."""
+    objects = checkpoint.objects
+    modules = {n: o for n, o in objects.items() if isinstance(o, nn.Module)}
+    optims: dict[str, tuple[torch.optim.Optimizer, str]] = {}
+    for name, o in objects.items():
+        if not isinstance(o, torch.optim.Optimizer):
+            continue
+        retarget_optimizer(o)
+        ids = {id(p) for g in o.param_groups for p in g["params"]}
+        owner = next((mn for mn, m in modules.items() if any(id(p) in ids for p in m.parameters())), None)
+        if owner is None:
+            raise ValueError(
+                f"Checkpoint({name}=optimizer): a sharded checkpoint saves an optimizer's state by "
+                "its module's parameter names; put the module it steps in the same Checkpoint"
+            )
+        optims[name] = (o, owner)
+    rest = {n: o for n, o in objects.items() if n not in modules and n not in optims}
+    return modules, optims, rest
+
+
+def _dcp_state(modules: dict[str, nn.Module], optims: dict[str, tuple[torch.optim.Optimizer, str]]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    state: dict[str, Any] = {n: get_model_state_dict(m) for n, m in modules.items()}
+    for n, (o, mn) in optims.items():
+        state[n] = get_optimizer_state_dict(modules[mn], o)
+    return state
+
+
+def _is_per_rank(obj: Any) -> bool:
+    return not isinstance(obj, (torch.Tensor, int, float))
+
+
+def _encode(name_objs: dict[str, Any]) -> tuple[bytes, bytes]:
+    from stratagem.train.checkpoint.manager import _state_of
+
+    tensors: dict[str, torch.Tensor] = {}
+    struct = {n: encode_value(_state_of(n, o), tensors, n) for n, o in name_objs.items()}
+    return _payload(struct, tensors)
+
+
+def _hash(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of each file, read in 4 MB pieces (a shard is never read whole)."""
+    import hashlib
+
+    out = {}
+    for name in names:
+        h = hashlib.sha256()
+        size = 0
+        with open(root / name, "rb") as f:
+            while piece := f.read(4 << 20):
+                h.update(piece)
+                size += len(piece)
+        out[name] = {"size": size, "sha256": h.hexdigest()}
+    return out
+
+
+def save(manager: CheckpointManager, step: int) -> str:
+    """Every process writes its part of ``manager.checkpoint`` at ``step``; returns the path."""
+    import torch.distributed.checkpoint as dcp
+
+    comm = manager._comm
+    rank, world = comm.rank, comm.world_size
+    modules, optims, rest = _split(manager.checkpoint)
+    directory = manager.directory
+    tmp_name = comm.broadcast_object(f".tmp-ckpt-{step}-{uuid.uuid4().hex[:8]}", 0)
+    tmp = directory / tmp_name
+    problem = ""
+    try:
+        if rank == 0:
+            tmp.mkdir(parents=True)
+    except OSError as e:
+        problem = f"{type(e).__name__}: {e}"
+    problems = comm.all_gather_object(problem)
+    if any(problems):
+        raise RuntimeError(f"could not create {tmp}: {next(p for p in problems if p)}")
+    dcp.save(_dcp_state(modules, optims), checkpoint_id=str(tmp / "sharded"))
+    mine = {n: o for n, o in rest.items() if _is_per_rank(o)}
+    struct, tensors = _encode(mine)
+    _write(tmp / f"rank-{rank}.json", struct)
+    _write(tmp / f"rank-{rank}.safetensors", tensors)
+    if rank == 0:
+        struct, tensors = _encode({n: o for n, o in rest.items() if not _is_per_rank(o)})
+        _write(tmp / "shared.json", struct)
+        _write(tmp / "shared.safetensors", tensors)
+    comm.barrier()
+    # every file hashed once, the work split across ranks
+    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    files = comm.all_gather_object(_hash(tmp, names[rank::world]))
+    result = ("", "")
+    if rank == 0:
+        try:
+            listing = {k: v for part in files for k, v in part.items()}
+            body = {
+                "format": FORMAT,
+                "step": step,
+                "world_size": world,
+                "files": listing,
+                "sharded": {"modules": sorted(modules), "optimizers": {n: mn for n, (_, mn) in optims.items()}},
+            }
+            _write(tmp / "metadata.json", json.dumps({**body, "sha256": _sha256(_canonical(body))}, indent=1).encode())
+            _fsync_dir(tmp)
+            _fsync_dir(tmp / "sharded")
+            final = directory / f"ckpt-{step}"
+            old = None
+            if final.exists():
+                old = directory / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(final, old)
+            os.rename(tmp, final)
+            _fsync_dir(directory)
+            if old is not None:
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+            manager._prune()
+            result = (str(final), "")
+        except Exception as e:  # noqa: BLE001 - sent to every replica below
+            result = ("", f"{type(e).__name__}: {e}")
+    result = comm.broadcast_object(result, 0)
+    if result[1]:
+        raise RuntimeError(f"the chief could not commit the sharded checkpoint at step {step}: {result[1]}")
+    return result[0]
+
+
+def load(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> None:
+    """Load a sharded checkpoint into ``manager.checkpoint`` (any number of processes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    modules, optims, rest = _split(manager.checkpoint)
+    saved = meta["sharded"]
+    want = sorted(modules), {n: mn for n, (_, mn) in optims.items()}
+    if (saved["modules"], saved["optimizers"]) != want:
+        raise KeyError(
+            f"the checkpoint holds modules {saved['modules']} and optimizers {saved['optimizers']}; "
+            f"this Checkpoint has modules {want[0]} and optimizers {want[1]}: restore with the same objects"
+        )
+    state = _dcp_state(modules, optims)
+    import torch.distributed as dist
+
+    alone = not (dist.is_available() and dist.is_initialized())  # a plain process: no group
+    dcp.load(state, checkpoint_id=str(path / "sharded"), no_dist=alone)
+    for n, m in modules.items():
+        set_model_state_dict(m, state[n])
+    for n, (o, mn) in optims.items():
+        set_optimizer_state_dict(modules[mn], o, state[n])
+    if not rest:
+        return
+    states = read_part(path, "shared", meta)
+    per_rank = [n for n, o in rest.items() if _is_per_rank(o)]
+    if per_rank:
+        rank, world = manager._comm.rank, manager._comm.world_size
+        if meta["world_size"] != world:
+            raise ValueError(
+                f"checkpoint {path} was written by {meta['world_size']} replicas; this job has {world}. "
+                f"Its sharded modules and optimizers load into any number, but per-replica objects "
+                f"{per_rank} cannot be mapped: leave them out of the Checkpoint, or restore with "
+                f"{meta['world_size']} replicas"
+            )
+        states.update(read_part(path, f"rank-{rank}", meta))
+    from stratagem.train.checkpoint.manager import Checkpoint
+
+    sub = Checkpoint(**rest)
+    sub.apply(states)
+    for n, o in sub.objects.items():
+        manager.checkpoint._objects[n] = o

@@ -1,0 +1,282 @@
+"""Worker functions for the ShardedStrategy tests (run by stratagem.testing.run_workers)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import stratagem
+from stratagem.testing.contracts import train_reference, train_under
+
+LR = 1e-2
+
+
+def make_mlp() -> nn.Module:
+    # uneven first dimensions (33, 9, 3 rows) so some shards are shorter or empty on 2 and 4 ranks
+    return nn.Sequential(nn.Linear(12, 33), nn.Tanh(), nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 9), nn.Tanh(), nn.Linear(9, 3))
+
+
+def make_adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=LR)
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean(dim=1)
+
+
+def global_batches(n: int, size: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 12, generator=g), torch.randn(size, 3, generator=g)) for _ in range(n)]
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return {k: float((a[k] - b[k]).abs().max()) if a[k].numel() else 0.0 for k in a}
+
+
+def local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of this process's storage behind parameters, gradients and optimizer state."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor):
+            return
+        local = t.to_local() if hasattr(t, "to_local") else t
+        st = local.untyped_storage()
+        key = st.data_ptr() or id(st)
+        if key in seen:
+            return
+        seen.add(key)
+        total += st.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for state in opt.state.values():
+        for v in state.values():
+            add(v)
+    return total
+
+
+def reference_bytes(seed: int = 0) -> int:
+    """The same, for plain single-device training (one step, so every state exists)."""
+    torch.manual_seed(seed)
+    m = make_mlp()
+    o = make_adam(m.parameters())
+    x, y = global_batches(1)[0]
+    mse(m(x), y).mean().backward()
+    o.step()
+    return local_bytes(m, o)
+
+
+# --- 2 processes: parity, memory, the Strategy surface, fit, checkpoints, options ---------------
+def two_processes(tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    s = stratagem.ShardedStrategy()
+    n = s.num_replicas_in_sync
+
+    # initial values equal single-device initialisation from the same seed
+    torch.manual_seed(0)
+    with s.scope():
+        model = make_mlp()
+    torch.manual_seed(0)
+    out["init_diff"] = max(max_diff(full_state(model), make_mlp().state_dict()).values())
+    out["plan"] = str(s.extended.plans[-1])
+    out["param_type"] = type(next(model.parameters())).__name__
+
+    # parity: several Adam steps, per parameter, and the memory each rank holds
+    batches = global_batches(4)
+    model, opt = train_sharded(s, batches)
+    want = train_reference(make_mlp, make_adam, mse, batches, seed=0)
+    out["adam_diff"] = max_diff(full_state(model), want)
+    out["bytes"] = local_bytes(model, opt)
+    out["reference_bytes"] = reference_bytes()
+    out["n"] = n
+
+    # gather / reduce / distribute_datasets_from_function
+    def per_replica(ctx: Any) -> list[torch.Tensor]:
+        return [torch.arange(4.0) + 10 * ctx.input_pipeline_id]
+
+    got = [t for t in s.distribute_datasets_from_function(per_replica)]
+    out["dfn_sum"] = float(s.reduce("sum", got[0], axis=0))
+    out["gather"] = s.gather(torch.full((s.extended.replica_id + 1,), float(s.extended.replica_id)), axis=0).tolist()
+
+    # fit / evaluate / predict: the same parameters and metrics as one device
+    data = global_batches(3, size=6, seed=5)
+    torch.manual_seed(0)
+    with s.scope():
+        fm = make_mlp()
+        fo = make_adam(fm.parameters())
+    hist = stratagem.fit(fm, fo, mse, data, epochs=2, metrics=["mae"], verbose=0)
+    ev = stratagem.evaluate(fm, mse, data, metrics=["mae"])
+    pred = stratagem.predict(fm, [x for x, _ in data])
+    torch.manual_seed(0)
+    rm = make_mlp()
+    ro = make_adam(rm.parameters())
+    for _ in range(2):
+        for x, y in data:
+            ro.zero_grad()
+            mse(rm(x), y).mean().backward()
+            ro.step()
+    with torch.no_grad():
+        xs = torch.cat([x for x, _ in data])
+        ys = torch.cat([y for _, y in data])
+        rout = rm(xs)
+        out["fit_eval"] = (ev["loss"], float(mse(rout, ys).mean()), ev["mean_absolute_error"], float((rout - ys).abs().mean()))
+        out["fit_pred_diff"] = float((pred - rout).abs().max())
+    out["fit_diff"] = max(max_diff(full_state(fm), rm.state_dict()).values())
+    out["fit_epochs"] = len(hist.history["loss"])
+
+    # checkpoint: every rank writes its own part; restore into a fresh sharded model; continue
+    ckdir = Path(tmp, "ck2")
+    step = torch.tensor(3)
+    manager = stratagem.CheckpointManager(stratagem.Checkpoint(model=fm, optimizer=fo, step=step, rng=stratagem.RNGState()), ckdir)
+    path = manager.save(3)
+    out["ckpt_files"] = sorted(os.listdir(Path(path, "sharded")))
+    torch.manual_seed(123)
+    with s.scope():
+        fm2 = make_mlp()
+        fo2 = make_adam(fm2.parameters())
+    step2 = torch.tensor(0)
+    m2 = stratagem.CheckpointManager(stratagem.Checkpoint(model=fm2, optimizer=fo2, step=step2, rng=stratagem.RNGState()), ckdir)
+    out["restored_from"] = Path(m2.restore_or_initialize() or "").name
+    out["restored_step"] = int(step2)
+    out["restored_diff"] = max(max_diff(full_state(fm2), full_state(fm)).values())
+    more = global_batches(2, size=6, seed=9)
+    stratagem.fit(fm, fo, mse, more, verbose=0)
+    stratagem.fit(fm2, fo2, mse, more, verbose=0)
+    out["continued_diff"] = max(max_diff(full_state(fm2), full_state(fm)).values())
+
+    # options: no resharding after forward, units by class, mixed precision, CPU offload
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    variants = {
+        "keep_gathered": stratagem.ShardedStrategy(reshard_after_forward=False, units=nn.Linear),
+        "offload": stratagem.ShardedStrategy(offload=True, units=100),
+    }
+    for name, vs in variants.items():
+        vm, _ = train_under(vs, make_mlp, make_adam, mse, batches, seed=0)
+        out[f"{name}_diff"] = max(max_diff(full_state(vm), want).values())
+        out[f"{name}_plan"] = str(vs.extended.plans[-1])
+    mp = stratagem.ShardedStrategy(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    vm, _ = train_under(mp, make_mlp, make_adam, mse, batches, seed=0)
+    out["bf16_diff"] = max(max_diff(full_state(vm), want).values())
+    out["bf16_dtype"] = str(next(vm.parameters()).dtype)
+    return out
+
+
+def train_sharded(s: Any, batches: list[Any], seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """contracts.train_under's loop (scope, distributed data, run), keeping the optimizer."""
+    torch.manual_seed(seed)
+    with s.scope():
+        model = make_mlp()
+        opt = make_adam(model.parameters())
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = stratagem.compute_average_loss(mse(model(x), y))
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    for x, y in s.experimental_distribute_dataset(batches):
+        s.reduce("sum", s.run(step, args=(x, y)))
+    return model, opt
+
+
+# --- 4 processes: parity, a model larger than the budget, a checkpoint for fewer processes -----
+def _rss_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size (VmHWM) to the current one
+
+
+def _rss_peak() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _rss_now() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+BIG_LAYERS, BIG_WIDTH = 16, 1024
+
+
+def make_big() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(BIG_WIDTH, BIG_WIDTH, bias=False) for _ in range(BIG_LAYERS)])
+
+
+def four_processes(tmp: str, steps_before: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    s = stratagem.ShardedStrategy()
+    batches = global_batches(steps_before)
+    model, opt = train_sharded(s, batches)
+    want = train_reference(make_mlp, make_adam, mse, batches, seed=0)
+    out["adam_diff"] = max_diff(full_state(model), want)
+    out["bytes"] = local_bytes(model, opt)
+    manager = stratagem.CheckpointManager(stratagem.Checkpoint(model=model, optimizer=opt), Path(tmp, "ck4"))
+    out["ckpt"] = manager.save(steps_before)
+
+    # a model larger than this process's budget: built, trained a step, checkpointed
+    full = BIG_LAYERS * BIG_WIDTH * BIG_WIDTH * 4
+    out["big_full_bytes"] = full
+    _rss_reset()
+    base = _rss_now()
+    torch.manual_seed(0)
+    with s.scope():
+        big = make_big()
+        bo = torch.optim.SGD(big.parameters(), lr=0.1)
+    out["big_build_peak"] = _rss_peak() - base
+    x = torch.randn(2, BIG_WIDTH)
+
+    def step(x: torch.Tensor) -> None:
+        bo.zero_grad()
+        stratagem.compute_average_loss(big(x).square().mean(dim=1)).backward()
+        bo.step()
+
+    s.run(step, args=(x,))
+    out["big_step_peak"] = _rss_peak() - base  # reported, not asserted (see the test)
+    bm = stratagem.CheckpointManager(stratagem.Checkpoint(model=big), Path(tmp, "big"))
+    _rss_reset()
+    base = _rss_now()
+    bm.save(1)
+    out["big_save_peak"] = _rss_peak() - base
+    out["big_grad_bytes"] = sum(p.grad.to_local().untyped_storage().nbytes() for p in big.parameters() if p.grad is not None)
+    out["big_local_param_bytes"] = sum(p.to_local().untyped_storage().nbytes() for p in big.parameters())
+    return out
+
+
+def fewer_processes(ckpt: str, steps_before: int, steps_after: int) -> dict[str, Any]:
+    """Restore a checkpoint written by more processes and keep training."""
+    s = stratagem.ShardedStrategy()
+    torch.manual_seed(7)  # different initial values: the checkpoint must replace them
+    with s.scope():
+        model = make_mlp()
+        opt = make_adam(model.parameters())
+    stratagem.CheckpointManager(stratagem.Checkpoint(model=model, optimizer=opt), Path(ckpt).parent).restore(ckpt)
+    batches = global_batches(steps_before + steps_after)
+    for x, y in s.experimental_distribute_dataset(batches[steps_before:]):
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            opt.zero_grad()
+            stratagem.compute_average_loss(mse(model(x), y)).backward()
+            opt.step()
+
+        s.run(step, args=(x, y))
+    want = train_reference(make_mlp, make_adam, mse, batches, seed=0)
+    return {"diff": max_diff(full_state(model), want)}
