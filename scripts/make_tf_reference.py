@@ -82,7 +82,7 @@ def main():
                                          (10, 3, 1, 2, False), (5, 2, None, 1, False),
                                          (12, 4, 3, 2, False), (0, 2, 1, 1, False),
                                          (9, 3, 5, 1, True), (11, 4, 4, 1, True)]:
-        ds = D.range(n).window(size, shift, stride, drop).flat_map(lambda w: w.batch(size))
+        ds = D.range(n).window(size, shift, stride, drop).flat_map(lambda w, s=size: w.batch(s))
         case("window", [n, size, shift, stride, drop], run(ds),
              cardinality=int(D.range(n).window(size, shift, stride, drop).cardinality()))
     ds = D.zip((D.range(7), D.range(7).map(lambda x: x * 10))).window(3, 2).flat_map(
@@ -91,11 +91,11 @@ def main():
 
     # group_by_window -------------------------------------------------------------------
     for n, mod, size in [(10, 3, 2), (10, 3, 4), (17, 4, 3), (5, 1, 10), (20, 5, 1), (0, 2, 2)]:
-        ds = D.range(n).group_by_window(lambda x: x % mod, lambda k, w: w.batch(size),
-                                        window_size=size)
+        ds = D.range(n).group_by_window(lambda x, m=mod: x % m,
+                                        lambda k, w, s=size: w.batch(s), window_size=size)
         case("group_by_window", [n, mod, size, None], run(ds))
     for n, mod in [(12, 3), (15, 4)]:
-        ds = D.range(n).group_by_window(lambda x: x % mod, lambda k, w: w.batch(10),
+        ds = D.range(n).group_by_window(lambda x, m=mod: x % m, lambda k, w: w.batch(10),
                                         window_size_func=lambda k: k + 1)
         case("group_by_window", [n, mod, None, "k+1"], run(ds))
 
@@ -205,7 +205,7 @@ def main():
             ds = D.range(n).scan(np.int64(1), lambda s, x: (s * 2, (x, s)))
         case("scan", [n, kind], run(ds))
     for n, k in [(10, 4), (10, 0), (5, 10), (0, 3), (20, 13)]:
-        case("take_while", [n, k], run(D.range(n).take_while(lambda x: x < k)))
+        case("take_while", [n, k], run(D.range(n).take_while(lambda x, k=k: x < k)))
     for values in [[1, 2, 1, 3, 2, 4], [5, 5, 5], [], [3, 1, 2, 1, 3], ["a", "b", "a", "c"]]:
         ds = D.from_tensor_slices(tf.constant(values, tf.string if values and isinstance(
             values[0], str) else tf.int64))
@@ -283,7 +283,8 @@ def main():
         fh.write(body)
     import gzip
 
-    with gzip.open(os.path.join(OUT, "fixed.bin.gz"), "wb") as fh:
+    with open(os.path.join(OUT, "fixed.bin.gz"), "wb") as raw, gzip.GzipFile(
+            fileobj=raw, mode="wb", mtime=0) as fh:
         fh.write(body)
     for fname, rec, head, foot, comp in [("fixed.bin", 3, 0, 0, ""), ("fixed.bin", 4, 2, 0, ""),
                                          ("fixed.bin", 5, 3, 2, ""), ("fixed.bin", 1, 10, 10, ""),
