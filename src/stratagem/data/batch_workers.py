@@ -26,7 +26,7 @@ import pickle
 import threading
 from multiprocessing import connection
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from stratagem.data import procs, sharedmem
 from stratagem.data.autotune import STAGE_SHARE
@@ -406,16 +406,22 @@ class BatchWorkersIterator(StatefulIterator):
                 aid = max(w.inputs, default=-1) + 1
                 arena = sharedmem.Arena(need)
                 w.inputs[aid] = arena
-                _send(w.conn, ("arena", aid, arena.size))
-                assert arena.fd is not None
-                send_handle(w.conn, arena.fd, w.proc.pid)
+                try:
+                    _send(w.conn, ("arena", aid, arena.size))
+                    assert arena.fd is not None
+                    send_handle(w.conn, arena.fd, w.proc.pid)
+                except OSError:  # the worker is gone
+                    self._died(w)
                 arena.close_fd()
         sent = sharedmem.write_inputs(descs, w.inputs[aid] if aid is not None else None)
         released = []
         while w.released:
             released.append(w.released.popleft())
-        _send(w.conn, ("task", task.id, aid, skel, sent, task.positions, task.qs,
-                       task.collate, released))
+        try:
+            _send(w.conn, ("task", task.id, aid, skel, sent, task.positions, task.qs,
+                           task.collate, released))
+        except OSError:
+            self._died(w)
         task.worker, task.arena = w, aid
         w.tasks += 1
 
@@ -475,7 +481,7 @@ class BatchWorkersIterator(StatefulIterator):
                 if s in sentinels and not sentinels[s].conn.poll():
                     self._died(sentinels[s])
 
-    def _died(self, w: _Worker) -> None:
+    def _died(self, w: _Worker) -> NoReturn:
         if self.closed:
             raise PipelineClosed("batch workers were closed")
         w.proc.join(1.0)
