@@ -267,15 +267,27 @@ def main():
     rng = np.random.default_rng(0)
     records = [bytes(rng.integers(0, 256, int(k), dtype=np.uint8)) for k in
                [0, 1, 5, 17, 60, 3, 99, 0, 42, 8]]
-    for comp, fname in [("", "records.tfrecord"), ("GZIP", "records.tfrecord.gz"),
-                        ("ZLIB", "records.tfrecord.zlib")]:
+    more = [bytes([i % 7]) * (i * 13 % 50) for i in range(25)]
+    big = [bytes(range(256)) * 80, b"tail", bytes(3000)]
+    files = {"records.tfrecord": ("", records), "records.tfrecord.gz": ("GZIP", records),
+             "records.tfrecord.zlib": ("ZLIB", records), "empty.tfrecord.gz": ("GZIP", []),
+             "more.tfrecord.gz": ("GZIP", more), "big.tfrecord.zlib": ("ZLIB", big)}
+    for fname, (comp, recs) in files.items():
         with tf.io.TFRecordWriter(os.path.join(OUT, fname), options=comp) as w:
-            for r in records:
+            for r in recs:
                 w.write(r)
-        got = [bytes(r) for r in D.from_tensor_slices([os.path.join(OUT, fname)]).interleave(
-            lambda f, c=comp: tf.data.TFRecordDataset(f, compression_type=c)).as_numpy_iterator()]
-        assert got == records
-        case("tfrecord", [fname, comp], [r.hex() for r in records])
+    import hashlib
+
+    for names, comp in [(["records.tfrecord"], ""), (["records.tfrecord.gz"], "GZIP"),
+                        (["records.tfrecord.zlib"], "ZLIB"), (["empty.tfrecord.gz"], "GZIP"),
+                        (["records.tfrecord.gz", "empty.tfrecord.gz", "more.tfrecord.gz"], "GZIP"),
+                        (["big.tfrecord.zlib"], "ZLIB"),
+                        (["big.tfrecord.zlib", "records.tfrecord.zlib"], "ZLIB")]:
+        ds = tf.data.TFRecordDataset([os.path.join(OUT, n) for n in names], compression_type=comp)
+        got = [bytes(r) for r in ds.as_numpy_iterator()]
+        assert got == [r for n in names for r in files[n][1]]
+        case("tfrecord", [names, comp], [[len(r), hashlib.sha256(r).hexdigest()[:16]]
+                                          for r in got])
 
     # FixedLengthRecordDataset ---------------------------------------------------------------
     body = bytes(range(30))
@@ -341,12 +353,21 @@ def main():
         "words": tf.io.VarLenFeature(tf.string),
         "frames": tf.io.FixedLenSequenceFeature([2], tf.float32, allow_missing=True),
     }
-    batches = [plain(tf.io.parse_example(b, spec)) for b in
-               tf.data.TFRecordDataset(path, compression_type="GZIP").batch(5)]
+    specs = {
+        "full": spec,
+        "varlen only": {k: spec[k] for k in ("tokens", "words")},
+        "fixed with defaults": {k: spec[k] for k in ("id", "label", "score", "tag")},
+        "sequence default": {"frames": tf.io.FixedLenSequenceFeature(
+            [2], tf.float32, allow_missing=True, default_value=-1.0)},
+    }
+    for spec_name, batch in [("full", 5), ("full", 1), ("full", 12), ("varlen only", 4),
+                             ("fixed with defaults", 3), ("sequence default", 5)]:
+        batches = [plain(tf.io.parse_example(b, specs[spec_name])) for b in
+                   tf.data.TFRecordDataset(path, compression_type="GZIP").batch(batch)]
+        case("parse_example", ["examples.tfrecord.gz", batch, spec_name], batches)
     singles_out = [plain(tf.io.parse_single_example(r, {k: v for k, v in spec.items()
                                                         if k != "frames"}))
                    for r in tf.data.TFRecordDataset(path, compression_type="GZIP")]
-    case("parse_example", ["examples.tfrecord.gz", 5], batches)
     case("parse_single_example", ["examples.tfrecord.gz"], singles_out)
 
     # CSV ---------------------------------------------------------------------------------
