@@ -27,6 +27,7 @@ from stratagem.distribute import (
     get_strategy,
     has_strategy,
     in_cross_replica_context,
+    mixed_precision,
     strategy_of,
 )
 from stratagem.distribute.bootstrap import (
@@ -35,6 +36,7 @@ from stratagem.distribute.bootstrap import (
     connect_to_cluster,
     initialize_system,
 )
+from stratagem.distribute.mixed_precision import RunOptions
 from stratagem.train import (
     Callback,
     Checkpoint,
@@ -68,6 +70,7 @@ __all__ = [
     "ReduceOp",
     "ReplicaContext",
     "ReplicaMismatchError",
+    "RunOptions",
     "ShardedStrategy",
     "Strategy",
     "StrategyMismatchError",
@@ -87,6 +90,7 @@ __all__ = [
     "in_cross_replica_context",
     "initialize_system",
     "metrics",
+    "mixed_precision",
     "predict",
     "strategy_of",
 ]

@@ -191,3 +191,53 @@ def collectives_worker() -> dict[str, Any]:
         sg.fit(model, optimizer, nn.CrossEntropyLoss(), train, epochs=1, verbose=0,
                metrics=["sparse_categorical_accuracy"], callbacks=[Probe()])
     return {"loop": per_step, "fit": fit_steps}
+
+
+def _precision_run(strategy: Any, precision: str, spe: Any = "auto") -> dict[str, Any]:
+    x, y = _data(64, seed=9)
+    torch.manual_seed(3)
+    with strategy.scope():
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    train = Dataset.from_tensor_slices((x, y)).batch(16)
+    history = sg.fit(model, optimizer, nn.CrossEntropyLoss(), train, epochs=2, verbose=0,
+                     metrics=["sparse_categorical_accuracy"], precision=precision, steps_per_execution=spe)
+    return {"params": _params(model), "history": dict(history.history)}
+
+
+def precision_worker() -> dict[str, Any]:
+    """fit in bf16 and fp16 (and fp32 with steps_per_execution=3) on 2 replicas; the custom loop
+    with RunOptions(precision=...) and a LossScaler whose state a Checkpoint keeps."""
+    strategy = sg.MirroredStrategy("cpu", num_replicas=2)
+    out = {p: _precision_run(strategy, p) for p in ("bf16", "fp16")}
+    out["spe3"] = _precision_run(strategy, "32", spe=3)
+    # custom loop: autocast through RunOptions, fp16 loss scaling through LossScaler
+    x, y = _data(32, seed=4)
+    torch.manual_seed(5)
+    with strategy.scope():
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = sg.mixed_precision.LossScaler("cpu")
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        logits = model(xb)
+        loss = sg.compute_average_loss(loss_fn(logits.float(), yb))
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        return torch.tensor(float(logits.dtype == torch.float16))
+
+    data = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    dtypes = []
+    for xb, yb in strategy.experimental_distribute_dataset(data):
+        dtypes.append(float(strategy.run(step, args=(xb, yb), options=sg.RunOptions(precision="fp16"))))
+    ckpt = sg.Checkpoint(model=model, scaler=scaler)
+    out["custom"] = {"params": _params(model), "fp16_forward": dtypes, "scale": scaler.get_scale(),
+                     "skipped": scaler.skipped_steps, "encoded": sorted(ckpt.encode(shared=None)[0])}
+    return out
+
+
+def precision_reference() -> dict[str, Any]:
+    one = sg.OneDeviceStrategy("cpu")
+    return {p: _precision_run(one, p) for p in ("bf16", "fp16", "32")}

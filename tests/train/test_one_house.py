@@ -63,3 +63,25 @@ def test_collectives_per_step():
         small = {k: v for k, v in counts.items() if k != "all_reduce_async"}
         # the input vote, the global count, the metric totals
         assert small == {"all_reduce_": 3}, counts
+
+
+@pytest.mark.timeout(240)
+def test_mixed_precision_and_steps_per_execution_match_one_device():
+    from house_workers import precision_reference, precision_worker
+
+    ref = precision_reference()
+    for r in run_workers(precision_worker, 2, timeout=200):
+        v = r.value
+        for p, tol in (("bf16", 3e-2), ("fp16", 3e-3)):  # the tolerance each precision allows
+            for k in ref[p]["params"]:
+                torch.testing.assert_close(v[p]["params"][k], ref[p]["params"][k], rtol=tol, atol=tol, msg=f"{p} {k}")
+            assert v[p]["history"]["loss"] == pytest.approx(ref[p]["history"]["loss"], rel=tol)
+        # bf16 really computed in bf16: it differs from fp32 by more than fp32 rounding
+        assert any(not torch.allclose(v["bf16"]["params"][k], ref["32"]["params"][k], rtol=1e-6, atol=1e-7)
+                   for k in ref["32"]["params"])
+        # steps_per_execution=3: logs read every 3 steps, same training and same epoch logs
+        _same(v["spe3"]["params"], ref["32"]["params"])
+        assert v["spe3"]["history"]["loss"] == pytest.approx(ref["32"]["history"]["loss"], rel=1e-5)
+        c = v["custom"]
+        assert c["fp16_forward"] == [1.0] * 4  # RunOptions(precision="fp16") autocasts the step
+        assert c["encoded"] == ["model", "scaler"] and c["scale"] > 0

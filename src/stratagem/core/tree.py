@@ -30,6 +30,11 @@ def unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
 
 def leaves(value: Any) -> list[Any]:
     """The leaves of ``value`` (``flatten(value)[0]``)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    kind = type(value)
+    if (kind is tuple or kind is list) and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
     return pytree.tree_leaves(value)
 
 
@@ -39,6 +44,12 @@ def map_structure(
     """``value`` with ``fn`` applied to every leaf (leaf-wise over ``others`` of the same
     structure); ``is_leaf`` marks containers to hand to ``fn`` whole."""
     if not others:
+        if is_leaf is None or not is_leaf(value):  # fast paths: a tensor, a flat tuple/list of them
+            if isinstance(value, torch.Tensor):
+                return fn(value)
+            kind = type(value)
+            if (kind is tuple or kind is list) and all(isinstance(v, torch.Tensor) for v in value):
+                return kind(fn(v) for v in value)
         return pytree.tree_map(fn, value, is_leaf=is_leaf)
     flat, spec = flatten(value)
     rest = [flatten(o) for o in others]

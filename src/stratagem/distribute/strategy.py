@@ -17,6 +17,7 @@ import torch
 
 from stratagem.comm import Communicator
 from stratagem.distribute import context
+from stratagem.distribute.mixed_precision import Policy, RunOptions
 from stratagem.distribute.reduce_op import ReduceOp
 
 
@@ -158,8 +159,25 @@ class Strategy:
         with context.strategy_scope(self), self._extended.scope():
             yield
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
-        """Run ``fn(*args, **kwargs)`` on every replica; returns this process's per-replica value."""
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` on every replica; returns this process's per-replica value.
+
+        ``options=RunOptions(precision="bf16")`` runs ``fn`` under autocast on the replica's device."""
+        if options is not None and options.precision is not None:
+            policy = Policy.of(options.precision)
+            if policy.name != "32":
+                inner, device = fn, self._extended.device
+
+                def fn(*a: Any, **k: Any) -> Any:
+                    with policy.autocast(device):
+                        return inner(*a, **k)
+
         return self._extended.call_for_replica(fn, tuple(args), dict(kwargs or {}))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:

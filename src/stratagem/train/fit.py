@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
@@ -26,6 +28,7 @@ from torch import nn
 
 from stratagem.core.batches import concat
 from stratagem.distribute import context, current, ownership
+from stratagem.distribute.mixed_precision import Policy
 from stratagem.distribute.strategy import Strategy
 from stratagem.train.callback import Callback, CallbackList, FitState, Logs
 from stratagem.train.history import History
@@ -57,15 +60,77 @@ def _strategy(
 
 
 def _make_steps(
-    strategy: Strategy, model: Model, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn | None
+    strategy: Strategy,
+    model: Model,
+    optimizer: torch.optim.Optimizer | None,
+    loss_fn: LossFn | None,
+    policy: Policy | None = None,
 ) -> Any:
     from stratagem.train.pipeline_steps import PipelineSteps
 
+    policy = policy or Policy.of(None)
     if strategy.extended.is_pipeline:
+        if policy.name != "32":
+            raise ValueError(f"precision={policy.name!r} is not supported under PipelineStrategy yet; use precision='32'")
         return PipelineSteps(strategy, model, optimizer, loss_fn)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    return DataParallelSteps(strategy, model, optimizer, loss_fn)
+    return DataParallelSteps(strategy, model, optimizer, loss_fn, policy)
+
+
+#: ``steps_per_execution="auto"``: the most steps between two reads of the logs, and the share of
+#: the step time that reading them (a collective and a host read-back) may cost.
+AUTO_MAX_STEPS_PER_EXECUTION = 32
+AUTO_SYNC_SHARE = 0.01
+
+
+def _acts_per_batch(cb: Callback) -> bool:
+    if isinstance(cb, Progress):
+        return False  # the progress bar is fine with a log per execution
+    kind = type(cb)
+    return any(getattr(kind, hook) is not getattr(Callback, hook) for hook in ("on_train_batch_begin", "on_train_batch_end"))
+
+
+class _Cadence:
+    """How many steps each execution runs. A number is used as given; ``"auto"`` is 1 while a
+    callback acts per batch, else measured: the first two executions run one step each and time
+    the step and the sync; then every replica proposes the smallest count that keeps the sync
+    under ``AUTO_SYNC_SHARE`` of the steps (at most ``AUTO_MAX_STEPS_PER_EXECUTION``), and all
+    use the mean of the proposals (summed in the sync they already do, so they agree)."""
+
+    def __init__(self, value: int | str, callbacks: Sequence[Callback]) -> None:
+        if value == "auto":
+            self.size = 1
+            self.measuring = not any(_acts_per_batch(cb) for cb in callbacks)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"steps_per_execution must be a positive number of steps or 'auto', got {value!r}")
+        else:
+            self.size, self.measuring = value, False
+        self.samples: list[tuple[float, float]] = []  # (seconds per step, seconds per sync)
+
+    def proposal(self) -> list[float]:
+        """What this replica adds to the next sync: nothing, or its proposed count."""
+        if not self.measuring or len(self.samples) < 2:
+            return []
+        step = min(t for t, _ in self.samples)
+        sync = min(c for _, c in self.samples)
+        want = math.ceil(sync / max(AUTO_SYNC_SHARE * step, 1e-9))
+        return [float(min(max(want, 1), AUTO_MAX_STEPS_PER_EXECUTION))]
+
+    def agreed(self, total: list[float], replicas: int) -> None:
+        if total:
+            self.size = max(1, min(AUTO_MAX_STEPS_PER_EXECUTION, math.ceil(total[0] / replicas - 1e-9)))
+            self.measuring = False
+
+
+def _end_execution(
+    strategy: Strategy, tracked: Sequence[Metric], state: FitState, cblist: CallbackList, extra: list[float]
+) -> list[float]:
+    """The end of an execution: one collective for every total, then the batch-end logs."""
+    summed = sync_metrics(strategy, tracked, extra)
+    state.samples = int(tracked[0].global_totals()[1])
+    cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
+    return summed
 
 
 def _batches(strategy: Strategy, data: Iterable[Any], steps: int | None) -> Iterable[Any]:
@@ -121,13 +186,24 @@ def fit(
     steps_per_epoch: int | None = None,
     strategy: Strategy | None = None,
     verbose: int | str = "auto",
+    steps_per_execution: int | str = "auto",
+    precision: str | Policy | None = None,
 ) -> History:
     """Train ``model`` for ``epochs`` epochs over ``data``; returns the History of global logs.
 
     ``strategy=None`` uses the strategy that created ``model`` (else the open scope's, else the
     default). Call it on every replica (every process of the job), with the same arguments.
+
+    ``steps_per_execution`` (Keras's name): the loss and metric totals stay on the device and
+    are summed across replicas and read back every that many steps and at the end of each
+    epoch; the progress bar, History and ``on_train_batch_end`` see logs at those points (as in
+    Keras). ``"auto"``: 1 when a callback acts per batch (``on_train_batch_begin/end``), else
+    measured so that the sync costs under 1% of the step time (at most 32 steps). ``precision``: ``"32"`` (default), ``"bf16"``, ``"fp16"``
+    (autocast; fp16 adds a loss scaler whose skipped steps are the same on every replica) or a
+    ``stratagem.mixed_precision.Policy``.
     """
     strategy = _strategy(model, optimizer, strategy, "fit")
+    policy = Policy.of(precision)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
     if epochs < 0:
@@ -140,7 +216,7 @@ def fit(
     if validation_data is not None:
         check_iterable(validation_data, "validation_data")
         check_finite(validation_data, None, "validation_data", "validation_steps")
-    steps = _make_steps(strategy, model, optimizer, loss_fn)
+    steps = _make_steps(strategy, model, optimizer, loss_fn, policy)
     batches = GlobalBatches(strategy, data, steps_per_epoch)
     names = [m.name for m in tracked]
     params: dict[str, Any] = {
@@ -158,6 +234,7 @@ def fit(
     if mode is not None and not any(isinstance(cb, Progress) for cb in cbs):
         cbs.insert(0, Progress(mode))
     cblist = CallbackList(cbs, state)
+    cadence = _Cadence(steps_per_execution, cbs)
 
     def capture(progress: FitProgress, *, epoch_end: bool) -> None:
         progress.capture(
@@ -167,6 +244,7 @@ def fit(
             data=batches.state_dict(),
             metrics=tracked,
             history=history.state_dict(),
+            loss_scale=steps.loss_scale_state(),
         )
 
     def restore(progress: FitProgress) -> None:
@@ -177,6 +255,8 @@ def fit(
             progress.restore_metrics(tracked)
         state.initial_epoch, state.initial_step = int(saved["epoch"]), int(saved["step"])
         state.iterations = int(saved["iterations"])
+        if saved.get("loss_scale") is not None:
+            steps.load_loss_scale_state(saved["loss_scale"])
 
     state.capture = capture
     state.restore = restore
@@ -196,14 +276,22 @@ def fit(
             state.samples = int(tracked[0].global_totals()[1])
             steps.set_training(True)
             cblist.call("on_epoch_begin", epoch, None)
-            for batch in batches.epoch():
+            epoch_batches = batches.epoch()
+            while True:  # an execution: up to cadence.size steps in one strategy.run, then one sync
+                group = list(itertools.islice(epoch_batches, cadence.size))
+                if not group:
+                    break
                 cblist.call("on_train_batch_begin", state.step, None)
-                steps.train(batch, tracked[0], tracked[1:])
-                state.step += 1
-                state.iterations += 1
-                sync_metrics(strategy, tracked)
-                state.samples = int(tracked[0].global_totals()[1])
-                cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
+                t0 = time.perf_counter()
+                steps.train(group, tracked[0], tracked[1:])
+                t1 = time.perf_counter()
+                state.step += len(group)
+                state.iterations += len(group)
+                proposal = cadence.proposal()
+                summed = _end_execution(strategy, tracked, state, cblist, proposal)
+                if cadence.measuring:
+                    cadence.samples.append(((t1 - t0) / len(group), time.perf_counter() - t1))
+                    cadence.agreed(summed, strategy.num_replicas_in_sync)
             logs = _logs(tracked)
             if validation_data is not None:
                 steps.set_training(False)

@@ -69,7 +69,9 @@ class Metric(abc.ABC):
     def __init__(self, name: str | None = None) -> None:
         self.name = name if name is not None else self.default_name
         self._totals = torch.zeros(self.num_totals, dtype=torch.float64)
+        self._pending: torch.Tensor | None = None  # totals added on the batch's device, not read yet
         self._global: torch.Tensor | None = None
+        self._strategy: Strategy | None = None  # the strategy the last update ran under
 
     # --- the per-metric parts --------------------------------------------------------------
     @abc.abstractmethod
@@ -82,26 +84,53 @@ class Metric(abc.ABC):
 
     # --- the streaming API ------------------------------------------------------------------
     def update_state(self, *args: Any, **kwargs: Any) -> None:
-        """Add one batch (this replica's slice of it) to the totals."""
-        self._totals += self.batch_totals(*args, **kwargs).detach().to("cpu", torch.float64)
+        """Add one batch (this replica's slice of it) to the totals.
+
+        The totals stay on the batch's device (no host read-back per step); they are read when
+        a result or a sync needs them."""
+        t = self.batch_totals(*args, **kwargs).detach()
+        if t.dtype != torch.float64:
+            t = t.to(torch.float64)
+        if self._pending is None or self._pending.device != t.device:
+            self._fold()
+            self._pending = t.clone()
+        else:
+            self._pending += t
         self._global = None
+        strategy = current.get_strategy()
+        if strategy.num_replicas_in_sync > 1 or self._strategy is None:
+            self._strategy = strategy
+
+    def _fold(self) -> None:
+        if self._pending is not None:
+            self._totals += self._pending.to("cpu")
+            self._pending = None
 
     def result(self) -> torch.Tensor:
-        """The metric over every example every replica has seen since the last reset."""
-        totals = self._global if self._global is not None else _sum_across_replicas(self._totals)
-        return self.compute(totals)
+        """The metric over every example every replica has seen since the last reset.
+
+        Under a strategy with several replicas this is a collective (every replica calls it),
+        also outside the scope: the totals are summed across the replicas of the strategy the
+        updates ran under, never this replica's alone."""
+        if self._global is not None:
+            return self.compute(self._global)
+        self._fold()
+        return self.compute(_sum_across_replicas(self._totals, self._strategy))
 
     def reset_state(self) -> None:
         """Forget every example seen (on this replica; call it on every replica)."""
         self._totals.zero_()
+        self._pending = None
         self._global = None
 
     def global_totals(self) -> torch.Tensor:
         """The totals cached by the last ``sync_metrics`` (this replica's if none since an update)."""
+        self._fold()
         return (self._global if self._global is not None else self._totals).clone()
 
     def local_totals(self) -> torch.Tensor:
         """This replica's totals (a copy)."""
+        self._fold()
         return self._totals.clone()
 
     def set_global_totals(self, totals: torch.Tensor) -> None:
@@ -113,6 +142,7 @@ class Metric(abc.ABC):
     def load_totals(self, totals: torch.Tensor) -> None:
         """Replace this replica's totals (used to resume a metric from a checkpoint)."""
         self._totals = totals.detach().to("cpu", torch.float64).clone().reshape(self.num_totals)
+        self._pending = None
         self._global = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -124,11 +154,15 @@ class Metric(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-def _sum_across_replicas(totals: torch.Tensor) -> torch.Tensor:
+def _sum_across_replicas(totals: torch.Tensor, updated_under: Strategy | None) -> torch.Tensor:
     ctx = current.get_replica_context()
-    if ctx is not None:
-        return ctx.all_reduce("sum", totals) if ctx.num_replicas_in_sync > 1 else totals
-    return current.get_strategy().reduce("sum", totals)  # type: ignore[no-any-return]
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        return ctx.all_reduce("sum", totals)  # type: ignore[no-any-return]
+    if ctx is None:  # cross-replica context: the open scope's strategy
+        return current.get_strategy().reduce("sum", totals)  # type: ignore[no-any-return]
+    if updated_under is not None and updated_under.num_replicas_in_sync > 1:
+        return updated_under.reduce("sum", totals).to("cpu", torch.float64)  # outside any scope
+    return totals
 
 
 def sync_metrics(strategy: Strategy, metrics: Sequence[Metric], extra: Sequence[float] = ()) -> list[float]:
@@ -162,6 +196,9 @@ class Mean(Metric):
         if v.dim() == 0:
             v = v.reshape(1)
         v = v.flatten(1).mean(dim=1) if v.dim() > 1 else v
+        if sample_weight is None:  # the common case, in two device ops and no host sync
+            total = v.sum()
+            return torch.stack((total, total.new_full((), float(v.shape[0]))))
         w = _weights(sample_weight, v.shape[0], v)
         return torch.stack([(v * w).sum(), w.sum()])
 
@@ -204,6 +241,9 @@ class _PerExample(Metric):
                 f"{yp.shape[0]}; pass the labels and predictions of the same batch"
             )
         scores = self.per_example(yt, yp.to(yt.device)).to(torch.float64)
+        if sample_weight is None:
+            total = scores.sum()
+            return torch.stack((total, total.new_full((), float(scores.shape[0]))))
         w = _weights(sample_weight, scores.shape[0], scores)
         return torch.stack([(scores * w).sum(), w.sum()])
 

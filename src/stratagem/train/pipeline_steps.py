@@ -109,6 +109,12 @@ class PipelineSteps:
     def set_training(self, mode: bool) -> None:
         self.pipe.train(mode)
 
+    def loss_scale_state(self) -> None:
+        return None  # mixed precision is not supported under a pipeline yet
+
+    def load_loss_scale_state(self, state: Any) -> None:
+        return None
+
     def agree(self, flag: bool) -> bool:
         """Whether any process of the job (every stage of every copy) raised ``flag``."""
         t = torch.tensor([int(flag)], dtype=torch.int64, device=self._world.device)
@@ -121,7 +127,12 @@ class PipelineSteps:
             return n
         return int(self.strategy.reduce("sum", torch.tensor(n, dtype=torch.int64)))
 
-    def train(self, batch: Any, loss_metric: Metric, metrics: Sequence[Metric]) -> None:
+    def train(self, group: Sequence[Any], loss_metric: Metric, metrics: Sequence[Metric]) -> None:
+        """Train on each batch of ``group`` in turn (one execution)."""
+        for batch in group:
+            self._train_one(batch, loss_metric, metrics)
+
+    def _train_one(self, batch: Any, loss_metric: Metric, metrics: Sequence[Metric]) -> None:
         x, y, sw = unpack(batch)
         if sw is not None:
             raise ValueError("sample weights are not supported under PipelineStrategy; pass (x, y) batches")

@@ -2,7 +2,7 @@
 
 It records, as JSON: epoch and step, the optimizer step count, the data position
 (GlobalBatches.state_dict, including a stratagem Dataset iterator's state), this replica's totals
-of the epoch's loss and metrics, and the History so far. It is a per-replica object for
+of the epoch's loss and metrics, the History so far, and the fp16 loss scaler's state. It is a per-replica object for
 ``Checkpoint`` (each replica saves and restores its own), so restored metric totals sum across
 replicas exactly as they did before the interruption.
 """
@@ -35,6 +35,7 @@ class FitProgress:
         data: dict[str, Any],
         metrics: Sequence[Metric],
         history: dict[str, Any],
+        loss_scale: dict[str, Any] | None = None,
     ) -> None:
         self.state = {
             "format": FORMAT,
@@ -44,6 +45,7 @@ class FitProgress:
             "data": data,
             "metrics": [[m.name, m.local_totals().tolist()] for m in metrics],
             "history": history,
+            "loss_scale": loss_scale,
         }
 
     def restore_metrics(self, metrics: Sequence[Metric]) -> None:

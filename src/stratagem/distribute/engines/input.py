@@ -143,9 +143,11 @@ class DistributedIterator:
             )
         batch = to_tensors(batch)
         size = batch_size_of(batch)
+        n, r = self.comm.world_size, self.comm.rank
+        if n == 1:
+            return place(batch, self.device)
         if not self._checked:
             self._check_same(batch)
-        n, r = self.comm.world_size, self.comm.rank
         sizes = split_sizes(size, n)
         start = sum(sizes[:r])
         return place(slice_batch(batch, start, start + sizes[r]), self.device)
