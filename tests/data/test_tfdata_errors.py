@@ -270,3 +270,18 @@ def test_data_sharding_refuses_unseeded_mixtures():
     seeded = D.sample_from_datasets([D.range(4), D.range(10, 14)], seed=3).with_options(o)
     both = sorted(list(auto_shard(seeded, 2, 0)) + list(auto_shard(seeded, 2, 1)))
     assert both == [0, 1, 2, 3, 10, 11, 12, 13]
+
+
+def test_from_generator_ragged_signature():
+    from stratagem.data import RaggedSpec
+
+    def gen():
+        for i in range(4):
+            yield [[7] * j for j in range(i)], i
+
+    sig = (RaggedSpec((None, None), torch.int32), TensorSpec((), torch.int64))
+    ds = D.from_generator(gen, output_signature=sig)
+    out = list(ds)
+    assert [r.to_list() for r, _ in out] == [[], [[]], [[], [7]], [[], [7], [7, 7]]]
+    assert all(r.values.dtype == torch.int32 for r, _ in out)
+    assert ds.element_spec == sig

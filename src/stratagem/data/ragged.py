@@ -74,7 +74,9 @@ class Ragged:
             values: Any = np.empty(int(splits[-1]), dtype=object)
             values[:] = [v for r in converted for v in np.asarray(r, dtype=object).reshape(-1)]
         else:
-            values = torch.cat([r.reshape(-1, *r.shape[1:]) if r.ndim else r.reshape(1)
+            # the dtype of the first non-empty row (an empty Python list has no dtype)
+            dtype = next((r.dtype for r in converted if r.numel()), converted[0].dtype)
+            values = torch.cat([(r.reshape(-1, *r.shape[1:]) if r.ndim else r.reshape(1)).to(dtype)
                                 for r in converted])
         return Ragged(values, splits)
 

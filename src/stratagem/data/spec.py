@@ -255,6 +255,8 @@ def convert(value: Any, spec: Any, what: str, position: int) -> Any:
     for leaf, s in zip(leaves, flat_spec):
         if isinstance(s, RaggedSpec):
             converted: Any = leaf if isinstance(leaf, Ragged) else Ragged.from_rows(list(leaf))
+            if isinstance(converted.values, torch.Tensor) and s.dtype != STRING:
+                converted = Ragged(converted.values.to(s.dtype), converted.row_splits)
         elif s.dtype == STRING:
             converted = leaf if isinstance(leaf, str | bytes) else np.asarray(leaf)
             if isinstance(converted, np.ndarray) and converted.ndim == 0:
