@@ -40,3 +40,13 @@ def test_nondeterministic_resume_between_snapshots():
         rest = [float(x[0]) for x in it]
     assert sorted(head + rest) == [float(i) for i in range(100)]
 
+
+
+def test_engine_decision_table():
+    from stratagem.data.autotune import decide
+
+    assert decide(1.9, 2.0, 2) == "threads"  # scales: GIL-free (or I/O)
+    assert decide(1.0, 1.95, 2) == "processes"  # holds the GIL
+    assert decide(1.3, 1.6, 2) == "threads"  # scales as far as the shared machine allows
+    assert decide(1.0, 1.1, 2) == "processes"  # machine too busy to tell: the safe choice
+    assert decide(3.1, 4.0, 4) == "threads" and decide(1.2, 3.9, 4) == "processes"

@@ -18,8 +18,11 @@ The engine of ``map(fn, num_parallel_calls=AUTOTUNE)`` (``use_processes`` unset)
 once per map by :func:`choose_engine`: it computes a small sample of the map's first elements
 (a separate iterator over its input, results discarded) on one thread, then the same sample on
 ``P = min(cores, 4)`` threads at once. Speed-up ``>= SCALES * P`` means the function releases the
-GIL (file reads, numpy, large tensor ops): threads. Below that it holds the GIL (small torch
-ops, pure Python): processes, which run torch with one intra-op thread each. A cheap function
+GIL (file reads, numpy, large tensor ops): threads. Below that, the same is measured for a
+GIL-free reference (hashlib), the scaling the machine offers right now (other jobs may share
+it): a function reaching ``SCALES`` of the reference's speed-up runs on threads, one that does
+not (small torch ops, pure Python) on processes, which run torch with one intra-op thread each;
+a machine too busy to tell means processes (see :func:`decide`). A cheap function
 (under ``CHEAP_SECONDS`` per element), a failing one (the pipeline then reports the error at its
 position) or a single core means threads. The choice is logged once at INFO on the
 ``stratagem.data`` logger.
@@ -27,6 +30,7 @@ position) or a single core means threads. The choice is logged once at INFO on t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -189,13 +193,36 @@ def choose_engine(ds: ParallelMapDataset, ctx: Context) -> str:
             return "threads"
         p = min(cores, 4)
         speedup = thread_speedup(run, p)
+        # what the machine gives GIL-free work on p threads right now (other jobs share it)
+        reference = thread_speedup(_gil_free_work, p) if speedup < SCALES * p else float(p)
     except Exception as e:  # noqa: BLE001 - the pipeline reports it where it belongs
         logger.info("%s: AUTOTUNE runs it on threads (measuring failed: %s: %s)", what,
                     type(e).__name__, e)
         return "threads"
-    engine = "threads" if speedup >= SCALES * p else "processes"
+    engine = decide(speedup, reference, p)
     logger.info(
-        "%s: AUTOTUNE runs it on %s (%.2fx faster on %d threads than on one; %.3f ms per "
-        "element; use_processes=True/False overrides)", what, engine, speedup, p, per * 1e3,
+        "%s: AUTOTUNE runs it on %s (%.2fx faster on %d threads than on one, GIL-free work "
+        "%.2fx; %.3f ms per element; use_processes=True/False overrides)",
+        what, engine, speedup, p, reference, per * 1e3,
     )
     return engine
+
+
+def decide(speedup: float, reference: float, threads: int) -> str:
+    """The engine from measured speed-ups on ``threads`` threads: of the function, and of
+    GIL-free reference work (the scaling the machine offers now). Clear scaling means threads;
+    a busy machine (the reference hardly scales) cannot show the difference, and a wrong
+    "threads" costs far more than a wrong "processes": processes."""
+    if speedup >= SCALES * threads:
+        return "threads"
+    if reference < 1 + 0.5 * (threads - 1):
+        return "processes"
+    return "threads" if speedup >= SCALES * reference else "processes"
+
+
+_REFERENCE = bytes(1 << 20)
+
+
+def _gil_free_work() -> None:
+    for _ in range(4):
+        hashlib.sha256(_REFERENCE).digest()  # hashlib releases the GIL on large buffers
