@@ -10,8 +10,11 @@ from stratagem.comm import (
 )
 from stratagem.comm.failure import FailureOptions
 from stratagem.distribute import (
+    DeviceMesh,
     InputContext,
+    LayoutMap,
     MirroredStrategy,
+    ModelParallelStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     OutsideScopeError,
@@ -36,6 +39,7 @@ from stratagem.distribute.bootstrap import (
     connect_to_cluster,
     initialize_system,
 )
+from stratagem.distribute.input_options import InputOptions
 from stratagem.distribute.mixed_precision import RunOptions
 from stratagem.train import (
     Callback,
@@ -58,10 +62,14 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "CommunicationOptions",
+    "DeviceMesh",
     "FailureOptions",
     "History",
     "InputContext",
+    "InputOptions",
+    "LayoutMap",
     "MirroredStrategy",
+    "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "OutsideScopeError",

@@ -20,6 +20,7 @@ from stratagem.comm import Communicator
 from stratagem.core import tree
 from stratagem.core.batches import place, to_tensors
 from stratagem.distribute import context
+from stratagem.distribute.engines.device_feed import feed, feeds
 from stratagem.distribute.engines.input import (
     DistributedDataset,
     PerReplicaDatasets,
@@ -185,18 +186,25 @@ class DataParallelExtended(StrategyExtended):
 
         A stratagem Dataset ending in ``batch(B)`` (B divisible by the replicas, auto-shard
         policy not OFF) is rebatched to ``B / N`` and auto-sharded, so each replica's pipeline
-        reads only its share; anything else is read whole by every replica and split.
+        reads only its share; anything else is read whole by every replica and split. On a GPU
+        the batches are copied to it ahead of need (``InputOptions.experimental_fetch_to_device``).
         """
         n = self.num_replicas_in_sync
+        place_on = None if feeds(self._device, options) else self._device  # the feed places them
+        out: Any = None
         if n > 1 and isinstance(dataset, data.Dataset):
             mine = data.rebatch_and_shard(dataset, n, self.replica_id)
             if mine is not None:
                 batch = data.last_batch(dataset)
                 drop = bool(batch is not None and batch.drop_remainder)
-                return ShardedDataset(mine, self.comm, self._device, drop_remainder=drop)
-        return DistributedDataset(dataset, self.comm, self._device)
+                out = ShardedDataset(mine, self.comm, place_on, drop_remainder=drop)
+        if out is None:
+            out = DistributedDataset(dataset, self.comm, place_on)
+        return feed(out, self._device, options)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any
     ) -> Iterable[Any]:
-        return PerReplicaDatasets(dataset_fn, self.comm, self._device, self.num_replicas_in_sync)
+        place_on = None if feeds(self._device, options) else self._device
+        out = PerReplicaDatasets(dataset_fn, self.comm, place_on, self.num_replicas_in_sync)
+        return feed(out, self._device, options)
