@@ -10,11 +10,8 @@ from stratagem.comm import (
 )
 from stratagem.comm.failure import FailureOptions
 from stratagem.distribute import (
-    DeviceMesh,
     InputContext,
-    LayoutMap,
     MirroredStrategy,
-    ModelParallelStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     OutsideScopeError,
@@ -62,14 +59,11 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "CommunicationOptions",
-    "DeviceMesh",
     "FailureOptions",
     "History",
     "InputContext",
     "InputOptions",
-    "LayoutMap",
     "MirroredStrategy",
-    "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "OutsideScopeError",
