@@ -10,8 +10,11 @@ from stratagem.comm import (
 )
 from stratagem.comm.failure import FailureOptions
 from stratagem.distribute import (
+    DeviceMesh,
     InputContext,
+    LayoutMap,
     MirroredStrategy,
+    ModelParallelStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     OutsideScopeError,
@@ -59,11 +62,14 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "CommunicationOptions",
+    "DeviceMesh",
     "FailureOptions",
     "History",
     "InputContext",
     "InputOptions",
+    "LayoutMap",
     "MirroredStrategy",
+    "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "OutsideScopeError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -83,21 +84,25 @@ def test_sharded_two_processes(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_sharded_four_processes_and_resharded_restore(tmp_path: Path) -> None:
     before, after = 3, 2
-    outs = [r.value for r in run_workers(w.four_processes, 4, args=(str(tmp_path), before), timeout=190)]
+    # large allocations mmapped (and so unmapped when freed): resident memory then measures the
+    # tensors alive, not what glibc's per-thread arenas (gloo's threads) keep after a free
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    outs = [r.value for r in run_workers(w.four_processes, 4, args=(str(tmp_path), before), timeout=190, env=env)]
     ref_bytes = w.reference_bytes()
     for out in outs:
         bad = {k: v for k, v in out["adam_diff"].items() if v > TOL}
         assert not bad, f"4 processes differ from single-device training: {bad}"
         assert out["bytes"] <= ref_bytes / 4 * 1.10, (out["bytes"], ref_bytes)
         full = out["big_full_bytes"]
-        # the budget: half the full parameters. Building holds a quarter plus one layer whole;
-        # after a step, parameters and gradients are a quarter each; saving streams the shards.
-        # (The peak resident memory of the first training step is not asserted: on gloo/CPU it
-        # is dominated by process-wide allocations, ~3.5x the model, that are not parameters.)
+        # the budget a process has: 80% of the full parameters (resident memory, measured per
+        # phase). Building holds a quarter plus one layer whole; a step adds a quarter of
+        # gradients and one unit gathered at a time; saving streams the shards.
+        budget = 0.8 * full
         assert out["big_build_peak"] < 0.5 * full, out
+        assert out["big_step_peak"] < budget, out
+        assert out["big_save_peak"] < budget, out
         assert out["big_local_param_bytes"] <= full / 4 * 1.01
         assert out["big_grad_bytes"] <= full / 4 * 1.01
-        assert out["big_save_peak"] < 0.5 * full, out
     ckpt = outs[0]["ckpt"]
 
     # into 2 processes: training continues at parity
@@ -119,3 +124,57 @@ def test_sharded_four_processes_and_resharded_restore(tmp_path: Path) -> None:
     want = train_reference(w.make_mlp, w.make_adam, w.mse, batches, seed=0)
     bad = {k: v for k, v in w.max_diff(model.state_dict(), want).items() if v > TOL}
     assert not bad, f"restored in one plain process, training differs: {bad}"
+
+
+# --- mesh layouts and tensor parallelism ---------------------------------------------------------
+def test_mesh_and_layout_map() -> None:
+    from stratagem.distribute import DeviceMesh, LayoutMap
+    from stratagem.distribute.engines.layout import tensor_parallel_plan
+
+    mesh = DeviceMesh((2, 3), ("data", "model"))
+    assert mesh.size == 6 and mesh.axis_size("model") == 3 and mesh.axis_size("pipe") == 1
+    assert mesh.coordinates(4) == {"data": 1, "model": 1}
+    assert mesh.groups("data") == [[0, 3], [1, 4], [2, 5]]
+    assert mesh.groups("model") == [[0, 1, 2], [3, 4, 5]]
+    layout = LayoutMap(mesh)
+    layout[r"\.(q|k|v|w1)\.weight$"] = ("model", None)
+    layout[r"\.(o|w2)\.weight$"] = (None, "model")
+    assert layout["0.q.weight"] == ("model", None) and layout["0.q.bias"] is None
+    plan = tensor_parallel_plan(w.make_transformer(), layout)
+    assert plan == {
+        f"{i}.{n}": kind for i in (0, 1) for n, kind in
+        (("q", "colwise"), ("k", "colwise"), ("v", "colwise"), ("o", "rowwise"), ("w1", "colwise"), ("w2", "rowwise"))
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="not in the mesh"):
+        layout["x"] = ("tensor",)
+    layout[r"norm1\.weight"] = ("model",)
+    with pytest.raises(ValueError, match="only the weights of Linear and Embedding"):
+        tensor_parallel_plan(w.make_transformer(), layout)
+    with pytest.raises(ValueError, match="has 2 axes but axis_names"):
+        DeviceMesh((2, 2), ("model",))
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_two_processes(tmp_path: Path) -> None:
+    steps = 3
+    outs = [r.value for r in run_workers(w.tensor_parallel, 2, args=(str(tmp_path), steps), timeout=110)]
+    for out in outs:
+        assert out["replicas"] == 1  # both processes run one replica, split along "model"
+        assert out["plan"]["0.q"] == "colwise" and out["plan"]["1.w2"] == "rowwise"
+        assert out["init_diff"] == 0.0
+        assert out["local_q_rows"] == w.D // 2
+        bad = {k: v for k, v in out["adam_diff"].items() if v > TOL}
+        assert not bad, f"tensor-parallel training differs from one device: {bad}"
+    assert outs[0]["eval_loss"] == outs[1]["eval_loss"]
+    # the tensor-parallel checkpoint loads into a plain transformer in this process
+    torch.manual_seed(5)
+    model = w.make_transformer()
+    opt = w.make_adam(model.parameters())
+    ckpt = outs[0]["ckpt"]
+    stratagem.CheckpointManager(stratagem.Checkpoint(model=model, optimizer=opt), Path(ckpt).parent).restore(ckpt)
+    want = train_reference(w.make_transformer, w.make_adam, w.seq_mse, w.seq_batches(steps), seed=0)
+    bad = {k: v for k, v in w.max_diff(model.state_dict(), want).items() if v > TOL}
+    assert not bad, f"restored in one plain process: {bad}"
+    x, y = w.seq_batches(1, seed=11)[0]
+    with torch.no_grad():
+        assert torch.isfinite(w.seq_mse(model(x), y)).all()

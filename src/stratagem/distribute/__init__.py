@@ -8,12 +8,14 @@ from stratagem.distribute.current import (
     in_cross_replica_context,
 )
 from stratagem.distribute.engines.input import InputContext
+from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap
 from stratagem.distribute.function import function
 from stratagem.distribute.loss import compute_average_loss
 from stratagem.distribute.ownership import OutsideScopeError, StrategyMismatchError, strategy_of
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.strategies import (
     MirroredStrategy,
+    ModelParallelStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     PipelineStrategy,
@@ -22,8 +24,11 @@ from stratagem.distribute.strategies import (
 from stratagem.distribute.strategy import ReplicaContext, Strategy, StrategyExtended
 
 __all__ = [
+    "DeviceMesh",
     "InputContext",
+    "LayoutMap",
     "MirroredStrategy",
+    "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "OutsideScopeError",

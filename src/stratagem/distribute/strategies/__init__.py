@@ -6,9 +6,11 @@ from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStra
 from stratagem.distribute.strategies.one_device import OneDeviceStrategy
 from stratagem.distribute.strategies.pipeline import PipelineStrategy
 from stratagem.distribute.strategies.sharded import ShardedStrategy
+from stratagem.distribute.strategies.tensor_parallel import ModelParallelStrategy
 
 __all__ = [
     "DefaultStrategy",
+    "ModelParallelStrategy",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",

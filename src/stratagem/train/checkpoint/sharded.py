@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import os
 import uuid
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from stratagem.distribute.engines.sharded import retarget_optimizer
+from stratagem.distribute.engines.build import retarget_optimizer
 from stratagem.train.checkpoint.codec import encode_value
 from stratagem.train.checkpoint.files import (
     FORMAT,
@@ -185,7 +186,10 @@ def load(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     alone = not (dist.is_available() and dist.is_initialized())  # a plain process: no group
-    dcp.load(state, checkpoint_id=str(path / "sharded"), no_dist=alone)
+    with warnings.catch_warnings():
+        if alone:  # torch says it assumes a single process: that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path / "sharded"), no_dist=alone)
     for n, m in modules.items():
         set_model_state_dict(m, state[n])
     for n, (o, mn) in optims.items():

@@ -1,0 +1,159 @@
+"""TensorParallelExtended: layers split over a mesh's "model" axis on DTensor, the batch over its "data" axis.
+
+The scope builds on the meta device (``build``); when it closes, the layers a LayoutMap splits
+along the model axis are parallelized with torch's ``parallelize_module`` (column-wise: output
+features split, row-wise: input features split and the partial outputs all-reduced, Megatron's
+pair), the rest replicated, and every shard initialised as one device would initialise it. On a
+2-D mesh the tensor-parallel model is also sharded with ``fully_shard`` over the data axis
+(FSDP x TP), so each data-parallel replica holds 1/D of it and gradients are reduce-scattered
+across replicas. Replicas are the data axis: processes along the model axis read the same batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.distribute.engines.build import ShardedBuild
+from stratagem.distribute.engines.data_parallel import DataParallelExtended
+from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap, tensor_parallel_plan
+from stratagem.distribute.reduce_op import ReduceOp
+from stratagem.distribute.strategy import Strategy, StrategyExtended
+
+
+class TensorParallelExtended(StrategyExtended):
+    """A model split by a LayoutMap over a DeviceMesh's model axis (and sharded over its data axis)."""
+
+    def __init__(
+        self,
+        world: Communicator,
+        device: torch.device,
+        mesh: DeviceMesh,
+        layout_map: LayoutMap,
+        *,
+        model_axis: str = "model",
+        batch_axis: str | None = "data",
+        name: str,
+    ) -> None:
+        if mesh.size != world.world_size:
+            raise ValueError(f"{name}: the mesh {mesh.shape} has {mesh.size} processes but the job has {world.world_size}")
+        if model_axis not in mesh.axis_names:
+            raise ValueError(f"{name}: the mesh has axes {mesh.axis_names}, none named {model_axis!r}")
+        if batch_axis is not None and batch_axis not in mesh.axis_names:
+            batch_axis = None
+        self.world_comm = world
+        self._device = device
+        self.mesh = mesh
+        self.layout_map = layout_map
+        self.model_axis = model_axis
+        self.batch_axis = batch_axis
+        self.name = name
+        data_groups = mesh.groups(batch_axis) if batch_axis is not None else [[r] for r in range(mesh.size)]
+        self.data_comm: Communicator = (
+            world.split(data_groups) if len(data_groups[0]) > 1 else LocalCommunicator(device)
+        )
+        self._dp = DataParallelExtended(self.data_comm, device, mirror=False, name=name)
+        self._torch_mesh: Any = None
+        self.build = ShardedBuild(world, device, name, self._shard, self.owner)
+        self.plans: list[dict[str, str]] = []
+
+    def bind(self, strategy: Strategy) -> None:
+        super().bind(strategy)
+        self._dp.bind(strategy)
+
+    @property
+    def torch_mesh(self) -> Any:
+        """torch's DeviceMesh with the same shape and axis names."""
+        if self._torch_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._torch_mesh = init_device_mesh(self._device.type, self.mesh.shape, mesh_dim_names=self.mesh.axis_names)
+        return self._torch_mesh
+
+    # --- facts ------------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.data_comm.world_size
+
+    @property
+    def replica_id(self) -> int:
+        return self.data_comm.rank
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @property
+    def should_checkpoint(self) -> bool:
+        return True
+
+    @property
+    def world(self) -> Communicator:
+        return self.world_comm
+
+    @property
+    def requires_scope(self) -> bool:
+        return True
+
+    @property
+    def shards_state(self) -> bool:
+        return True
+
+    def barrier(self) -> None:
+        self.world_comm.barrier()
+
+    # --- scope ------------------------------------------------------------------------------
+    def scope(self) -> contextlib.AbstractContextManager[None]:
+        return self.build.scope()
+
+    def _shard(self, root: nn.Module) -> None:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            ParallelStyle,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        plan = tensor_parallel_plan(root, self.layout_map, self.model_axis)
+        self.plans.append(plan)
+        styles: dict[str, ParallelStyle] = {path: ColwiseParallel() if kind == "colwise" else RowwiseParallel() for path, kind in plan.items()}
+        buffers = [(m, n, b) for m in root.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta]
+        if styles:
+            parallelize_module(root, self.torch_mesh[self.model_axis], styles)
+        if self.batch_axis is not None and self.mesh.axis_size(self.batch_axis) > 1:
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            fully_shard(root, mesh=self.torch_mesh[self.batch_axis])
+            assert isinstance(root, FSDPModule)
+            root.set_gradient_divide_factor(1.0)  # summed across replicas (compute_average_loss)
+            root.set_force_sum_reduction_for_comms(True)
+        root.to_empty(device=self._device)
+        for m, n, b in buffers:
+            m._buffers[n] = b.to(self._device)
+
+    # --- run, reductions, input ---------------------------------------------------------------
+    def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        self.build.check_call(fn, args, kwargs)
+        return self._dp.call_for_replica(fn, args, kwargs)
+
+    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        return self._dp.all_reduce(op, value)
+
+    def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+        return self._dp.reduce(op, value, axis)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        return self._dp.gather(value, axis)
+
+    def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]:
+        return self._dp.distribute_dataset(dataset, options)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any
+    ) -> Iterable[Any]:
+        return self._dp.distribute_datasets_from_function(dataset_fn, options)

@@ -1,0 +1,50 @@
+"""ModelParallelStrategy: layers split over a DeviceMesh's "model" axis by a LayoutMap (Keras 3's ModelParallel).
+
+``mesh = DeviceMesh((2,), ("model",))``, ``layout_map = LayoutMap(mesh)``,
+``layout_map[r"attn\\.(q|k|v)\\.weight"] = ("model", None)``, then
+``ModelParallelStrategy(mesh, layout_map)``: the model built in its scope is split as the map
+says (torch's ``parallelize_module`` on DTensor). With a 2-D mesh ``("data", "model")`` the batch
+is split over ``batch_axis`` too, and the model sharded over it (FSDP x TP).
+"""
+
+from __future__ import annotations
+
+from typing import final
+
+from stratagem.cluster import ClusterSpec, ensure_replicas
+from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap
+from stratagem.distribute.engines.tensor_parallel import TensorParallelExtended
+from stratagem.distribute.join import join, local_device
+from stratagem.distribute.strategy import Strategy
+
+
+@final
+class ModelParallelStrategy(Strategy):
+    """One process per mesh position; ``layout_map`` says which weights split along ``model_axis``."""
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        layout_map: LayoutMap,
+        *,
+        batch_axis: str | None = "data",
+        model_axis: str = "model",
+        timeout: float = 120.0,
+    ) -> None:
+        if layout_map.mesh != mesh:
+            raise ValueError(f"ModelParallelStrategy: the layout map is for mesh {layout_map.mesh}, not {mesh}")
+        launched = ClusterSpec.from_environ()
+        if launched is not None and launched.world_size != mesh.size:
+            raise ValueError(
+                f"ModelParallelStrategy: the mesh {mesh.shape} needs {mesh.size} processes; this job has {launched.world_size}"
+            )
+        spec = ensure_replicas(mesh.size)
+        device = local_device(spec.local_rank)
+        self.cluster_spec = spec
+        self.device = device
+        comm = join(spec, device, timeout=timeout)
+        super().__init__(
+            TensorParallelExtended(
+                comm, device, mesh, layout_map, model_axis=model_axis, batch_axis=batch_axis, name="ModelParallelStrategy"
+            )
+        )
