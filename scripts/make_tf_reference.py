@@ -216,6 +216,13 @@ def main():
     for name, ds in singles.items():
         case("get_single_element", [name], plain(ds.get_single_element()))
 
+    # ignore_errors: 1/x fails (check_numerics) where x == 0 --------------------------------
+    for values in [[1.0, 2.0, 0.0, 4.0], [0.0, 0.0], [0.0, 1.0, 0.0, 2.0, 0.0], [3.0], [],
+                   [5.0, 0.0, 0.0, 0.5]]:
+        ds = D.from_tensor_slices(tf.constant(values, tf.float32)).map(
+            lambda v: tf.debugging.check_numerics(1.0 / v, "inf")).ignore_errors()
+        case("ignore_errors", [values], run(ds))
+
     # cardinality -------------------------------------------------------------------------
     cards = {
         "range": D.range(42), "repeat": D.range(42).repeat(), "repeat take": D.range(42).repeat().take(5),

@@ -285,3 +285,40 @@ def test_from_generator_ragged_signature():
     assert [r.to_list() for r, _ in out] == [[], [[]], [[], [7]], [[], [7], [7, 7]]]
     assert all(r.values.dtype == torch.int32 for r, _ in out)
     assert ds.element_spec == sig
+
+
+def _inverse(x):
+    return 1.0 / x
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+def test_ignore_errors_drops_failing_elements(parallel):
+    ds = D.from_tensor_slices([1.0, 2.0, 0.0, 4.0, 0.0, 5.0]).map(
+        _inverse, num_parallel_calls=parallel).map(lambda x: x * 2).ignore_errors()
+    assert list(ds) == [2.0, 1.0, 0.5, 0.4]  # tf.data: the same with check_numerics
+    assert ds.cardinality() == UNKNOWN_CARDINALITY
+    from stratagem.data import assert_resumes_exactly
+
+    assert_resumes_exactly(lambda: D.from_tensor_slices([1.0, 0.0, 4.0, 0.0, 5.0]).map(
+        _inverse, num_parallel_calls=parallel).ignore_errors(), range(5))
+
+
+def test_ignore_errors_skips_bad_records_and_csv_rows(tmp_path):
+    path = str(tmp_path / "r.tfrecord")
+    with TFRecordWriter(path) as w:
+        for r in (b"one", b"two", b"three"):
+            w.write(r)
+    raw = bytearray(open(path, "rb").read())
+    raw[12 + 19] ^= 0xFF  # a data byte of the second record (records at 0, 19, 38)
+    open(path, "wb").write(bytes(raw))
+    assert list(TFRecordDataset(path).ignore_errors()) == [b"one", b"three"]
+    open(path, "wb").write(bytes(raw[:45]))  # the third record is cut short
+    assert list(TFRecordDataset([path, path]).ignore_errors()) == [b"one", b"one"]
+    csv = tmp_path / "c.csv"
+    csv.write_text("a,b\n1,2\nx,3\n4,5\n6\n")
+    from stratagem.data import make_csv_dataset
+
+    ds = make_csv_dataset(str(csv), 10, shuffle=False, num_epochs=1, ignore_errors=True,
+                          column_defaults=[0, 0])
+    (batch,) = list(ds)
+    assert batch["a"].tolist() == [1, 4] and batch["b"].tolist() == [2, 5]

@@ -315,6 +315,21 @@ def test_get_single_element(case):
     assert plain(SINGLES[case["params"][0]]().get_single_element()) == case["output"]
 
 
+def _inverse(x):
+    if x == 0:
+        raise ZeroDivisionError("1/0")
+    return 1.0 / x
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+@pytest.mark.parametrize("case", cases("ignore_errors"), ids=ids("ignore_errors"))
+def test_ignore_errors(case, parallel):
+    (values,) = case["params"]
+    ds = D.from_tensor_slices(np.asarray(values, np.float32)).map(
+        _inverse, num_parallel_calls=parallel).ignore_errors()
+    assert run(ds) == case["output"]
+
+
 CARDINALITIES = {
     "range": lambda: D.range(42),
     "repeat": lambda: D.range(42).repeat(),

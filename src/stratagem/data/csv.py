@@ -332,9 +332,6 @@ def make_csv_dataset(
     column apart when ``label_name`` is given), built as tf.data builds it: files (shuffled
     when ``shuffle``) interleaved, shuffled, repeated ``num_epochs`` (None: forever, then every
     batch is full), batched."""
-    if ignore_errors:
-        raise ValueError("make_csv_dataset: ignore_errors=True is not supported; clean the "
-                         "files or filter them first")
     if encoding.lower().replace("-", "") != "utf8":
         raise ValueError(f"make_csv_dataset: only utf-8 files are read, got {encoding!r}")
     kind = compression.normalize(compression_type, "make_csv_dataset")
@@ -389,9 +386,10 @@ def make_csv_dataset(
     names = tuple(column_names)
 
     def read(filename: str) -> Dataset:
-        return CsvDataset(filename, column_defaults, compression_type=kind, header=header,
-                          field_delim=field_delim, use_quote_delim=use_quote_delim,
-                          na_value=na_value, select_cols=select)
+        ds = CsvDataset(filename, column_defaults, compression_type=kind, header=header,
+                        field_delim=field_delim, use_quote_delim=use_quote_delim,
+                        na_value=na_value, select_cols=select)
+        return ds.ignore_errors() if ignore_errors else ds
 
     def to_features(*columns: Any) -> Any:
         features = dict(zip(names, columns))

@@ -487,6 +487,11 @@ class Dataset:
 
         return get_single_element(self)
 
+    def ignore_errors(self, log_warning: bool = False) -> Dataset:
+        from stratagem.data.ignore_errors import IgnoreErrorsDataset
+
+        return IgnoreErrorsDataset(self, log_warning)
+
     def assert_cardinality(self, expected_cardinality: int) -> Dataset:
         from stratagem.data.transforms import AssertCardinalityDataset
 

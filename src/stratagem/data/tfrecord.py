@@ -129,24 +129,40 @@ class _RecordIterator(StatefulIterator):
                 self.fh, self.file_index, self.offset = None, self.file_index + 1, 0
                 continue
             if len(header) != 12:
-                self._read(12 - len(header), "length header")
+                try:
+                    self._read(12 - len(header), "length header")
+                finally:
+                    self._skip_file()
             (length,) = struct.unpack("<Q", header[:8])
             (length_crc,) = struct.unpack("<I", header[8:])
             if self.verify and masked_crc32c(header[:8]) != length_crc:
-                raise CorruptRecordError(
+                err = CorruptRecordError(
                     f"corrupt TFRecord file {self.files[self.file_index]!r}: the length of the "
                     f"record at byte offset {self.offset} fails its CRC check"
                 )
-            data = self._read(length, "data")
-            (data_crc,) = struct.unpack("<I", self._read(4, "data checksum"))
+                self._skip_file()  # without a length the rest of the file cannot be read
+                raise err
+            try:
+                data = self._read(length, "data")
+                (data_crc,) = struct.unpack("<I", self._read(4, "data checksum"))
+            except CorruptRecordError:
+                self._skip_file()
+                raise
             if self.verify and masked_crc32c(data) != data_crc:
-                raise CorruptRecordError(
+                err = CorruptRecordError(
                     f"corrupt TFRecord file {self.files[self.file_index]!r}: the record at byte "
                     f"offset {self.offset} fails its CRC check"
                 )
+                self.offset += 16 + length  # ignore_errors() goes on with the next record
+                raise err
             self.offset += 16 + length
             return data
         raise StopIteration
+
+    def _skip_file(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+        self.fh, self.file_index, self.offset = None, self.file_index + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"file": self.file_index, "offset": self.offset}
