@@ -258,6 +258,38 @@ def four_processes(tmp: str, steps_before: int) -> dict[str, Any]:
     out["big_save_peak"] = _rss_peak() - base
     out["big_grad_bytes"] = sum(p.grad.to_local().untyped_storage().nbytes() for p in big.parameters() if p.grad is not None)
     out["big_local_param_bytes"] = sum(p.to_local().untyped_storage().nbytes() for p in big.parameters())
+
+    # a 2-D mesh: the transformer split over "model", sharded and fed over "data" (FSDP x TP)
+    out.update({f"mesh2d_{k}": v for k, v in _mesh_2d(steps_before).items()})
+    return out
+
+
+def _layouts(mesh: Any) -> Any:
+    from stratagem.distribute import LayoutMap
+
+    layout = LayoutMap(mesh)
+    layout[r"\.(q|k|v|w1)\.weight$"] = ("model", None)
+    layout[r"\.(o|w2)\.weight$"] = (None, "model")
+    return layout
+
+
+def _mesh_2d(steps: int) -> dict[str, Any]:
+    from stratagem.distribute import DeviceMesh, ModelParallelStrategy
+
+    mesh = DeviceMesh((2, 2), ("data", "model"))
+    s = ModelParallelStrategy(mesh, _layouts(mesh), batch_axis="data")
+    torch.manual_seed(0)
+    with s.scope():
+        model = make_transformer()
+        opt = make_adam(model.parameters())
+    torch.manual_seed(0)
+    out: dict[str, Any] = {"replicas": s.num_replicas_in_sync, "replica": s.extended.replica_id}
+    out["init_diff"] = max(max_diff(full_state(model), make_transformer().state_dict()).values())
+    out["q_placements"] = str(model[0].q.weight.placements)
+    batches = seq_batches(steps)
+    stratagem.fit(model, opt, seq_mse, batches, verbose=0)
+    want = train_reference(make_transformer, make_adam, seq_mse, batches, seed=0)
+    out["adam_diff"] = max_diff(full_state(model), want)
     return out
 
 
@@ -320,14 +352,11 @@ def seq_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_parallel(tmp: str, steps: int) -> dict[str, Any]:
-    from stratagem.distribute import DeviceMesh, LayoutMap, ModelParallelStrategy
+    from stratagem.distribute import DeviceMesh, ModelParallelStrategy
 
     out: dict[str, Any] = {}
     mesh = DeviceMesh((2,), ("model",))
-    layout = LayoutMap(mesh)
-    layout[r"\.(q|k|v|w1)\.weight$"] = ("model", None)
-    layout[r"\.(o|w2)\.weight$"] = (None, "model")
-    s = ModelParallelStrategy(mesh, layout)
+    s = ModelParallelStrategy(mesh, _layouts(mesh))
     out["replicas"] = s.num_replicas_in_sync
     torch.manual_seed(0)
     with s.scope():

@@ -103,6 +103,11 @@ def test_sharded_four_processes_and_resharded_restore(tmp_path: Path) -> None:
         assert out["big_save_peak"] < budget, out
         assert out["big_local_param_bytes"] <= full / 4 * 1.01
         assert out["big_grad_bytes"] <= full / 4 * 1.01
+        # 2-D mesh (data x model): tensor parallel inside each replica, FSDP across the two
+        assert out["mesh2d_replicas"] == 2 and out["mesh2d_init_diff"] == 0.0
+        bad = {k: v for k, v in out["mesh2d_adam_diff"].items() if v > TOL}
+        assert not bad, f"the 2-D mesh differs from single-device training: {bad}"
+    assert [o["mesh2d_replica"] for o in outs] == [0, 0, 1, 1]
     ckpt = outs[0]["ckpt"]
 
     # into 2 processes: training continues at parity
