@@ -3,8 +3,8 @@ rejection_resample.
 
 As in tf.data, ``sample_from_datasets`` is ``choose_from_datasets`` driven by a selector
 dataset of random indices, and ``rejection_resample`` is built from map/filter/scan and
-``sample_from_datasets``. Each random draw is seeded from (seed, epoch, draw index), so a seeded
-mixture is the same in every run and its resume state is just the input positions. The
+``sample_from_datasets``. Random draws are seeded from (seed, epoch, draw block), so a seeded mixture is
+the same in every run and its resume state is just positions. The
 draws differ from TensorFlow's (its stateless multinomial kernel is not reproduced).
 """
 
@@ -149,15 +149,75 @@ def _probabilities(weights: Any, n: int) -> np.ndarray:
     return w / w.sum()
 
 
-class _Draw:
-    """``rng.choice(n, p)`` for a selector element (picklable, no closure)."""
+BLOCK = 256
+"""Uniform draws per seeded block (a SeedSequence per draw would cost ~20 us each)."""
 
-    def __init__(self, n: int, p: np.ndarray | None) -> None:
-        self.n, self.p = n, p
 
-    def __call__(self, *args: Any, rng: np.random.Generator) -> int:
-        p = self.p if self.p is not None else _probabilities(args[0], self.n)
-        return int(rng.choice(self.n, p=p))
+class SelectorDataset(Dataset):
+    """Infinite input indices for ``sample_from_datasets``: draw ``i`` picks index ``k`` with
+    probability ``p[k]`` (or from the ``i``-th vector of a weights dataset). The uniform
+    variates come in blocks of :data:`BLOCK` seeded from (seed, epoch, block), so the state
+    is the draw count and a restore regenerates one block."""
+
+    def __init__(
+        self, n: int, p: np.ndarray | None, weights: Dataset | None, seed: int | None,
+        same_every_epoch: bool,
+    ) -> None:
+        self._inputs = () if weights is None else (weights,)
+        self._n, self._p, self._seed = n, p, seed
+        self._same = same_every_epoch
+
+    def _cardinality(self) -> int:
+        return INFINITE_CARDINALITY if not self._inputs else self._inputs[0].cardinality()
+
+    def _spec(self) -> Any:
+        from stratagem.data.spec import TensorSpec
+
+        return TensorSpec((), "int64")
+
+    def _random_order(self) -> bool:
+        return self._seed is None
+
+    def _make_iterator(self, ctx: Context) -> StatefulIterator:
+        import dataclasses
+
+        seeds = dataclasses.replace(ctx, epoch=()) if self._same else ctx
+        child = self._inputs[0]._make_iterator(ctx.child(0)) if self._inputs else None
+        return _SelectorIterator(self, seeds, child)
+
+
+class _SelectorIterator(StatefulIterator):
+    def __init__(self, ds: SelectorDataset, seeds: Context, child: StatefulIterator | None
+                 ) -> None:
+        self.ds, self.seeds, self.child = ds, seeds, child
+        self.children = [] if child is None else [child]
+        self.count = 0
+        self.block = -1
+        self.uniforms = np.zeros(0)
+        self.cdf = None if ds._p is None else np.cumsum(ds._p)
+
+    def __next__(self) -> int:
+        cdf = self.cdf
+        if self.child is not None:
+            cdf = np.cumsum(_probabilities(next(self.child), self.ds._n))
+        block, offset = divmod(self.count, BLOCK)
+        if block != self.block:
+            rng = np.random.Generator(np.random.PCG64(
+                self.seeds.seed_sequence(self.ds._seed, block)))
+            self.uniforms, self.block = rng.random(BLOCK), block
+        self.count += 1
+        assert cdf is not None
+        u = self.uniforms[offset] * cdf[-1]
+        return int(min(np.searchsorted(cdf, u, side="right"), self.ds._n - 1))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count,
+                "input": None if self.child is None else self.child.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+        if self.child is not None:
+            self.child.load_state_dict(state["input"])
 
 
 def sample_from_datasets(
@@ -174,18 +234,14 @@ def sample_from_datasets(
     Draws are seeded from (seed, epoch, draw index): a new epoch draws anew unless
     ``rerandomize_each_iteration=False``.
     """
-    from stratagem.data.sources import CounterDataset
-    from stratagem.data.transforms import MapDataset, ZipDataset
-
     datasets = list(datasets)
     if not datasets:
         raise ValueError("sample_from_datasets: datasets must not be empty")
     n = len(datasets)
+    same = rerandomize_each_iteration is False
     selector: Dataset
     if isinstance(weights, Dataset):
-        selector = MapDataset(
-            ZipDataset((weights, CounterDataset(0, 1))), _Draw(n, None), with_rng=True, seed=seed
-        )
+        selector = SelectorDataset(n, None, weights, seed, same)
     else:
         p = _probabilities(np.ones(n) if weights is None else weights, n)
         if weights is not None:  # as tf.data: zero-weight inputs are dropped
@@ -194,32 +250,10 @@ def sample_from_datasets(
             n = len(datasets)
         if n == 1:
             return datasets[0]
-        selector = MapDataset(CounterDataset(0, 1), _Draw(n, p), with_rng=True, seed=seed)
-    if rerandomize_each_iteration is False:
-        selector = _SameEveryEpoch(selector)
+        selector = SelectorDataset(n, p, None, seed, same)
     out = DirectedInterleaveDataset(selector, datasets, stop_on_empty_dataset)
     out._unseeded = seed is None
     return out
-
-
-class _SameEveryEpoch(Dataset):
-    """Runs its input as epoch 0 of a fixed context, whatever the outer epoch."""
-
-    def __init__(self, input_ds: Dataset) -> None:
-        self._inputs = (input_ds,)
-
-    def _cardinality(self) -> int:
-        return self._inputs[0].cardinality()
-
-    def _spec(self) -> Any:
-        from stratagem.data.spec import static_spec
-
-        return static_spec(self._inputs[0])
-
-    def _make_iterator(self, ctx: Context) -> StatefulIterator:
-        import dataclasses
-
-        return self._inputs[0]._make_iterator(dataclasses.replace(ctx.child(0), epoch=()))
 
 
 class _RandomlyFiltered(Dataset):
