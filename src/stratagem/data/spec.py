@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any
 
 import numpy as np
@@ -279,9 +278,3 @@ def convert(value: Any, spec: Any, what: str, position: int) -> Any:
             )
         out.append(converted)
     return pack_as(spec, out)
-
-
-def chunks(iterable: Any, n: int) -> Any:
-    it = iter(iterable)
-    while chunk := list(itertools.islice(it, n)):
-        yield chunk
