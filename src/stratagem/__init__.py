@@ -2,6 +2,7 @@
 
 from stratagem import callbacks, cluster_resolver, data, metrics
 from stratagem._version import __version__
+from stratagem.cluster.spawn import LaunchError, LaunchTimeoutError, launch
 from stratagem.comm import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -67,6 +68,8 @@ __all__ = [
     "History",
     "InputContext",
     "InputOptions",
+    "LaunchError",
+    "LaunchTimeoutError",
     "LayoutMap",
     "MirroredStrategy",
     "ModelParallelStrategy",
@@ -97,6 +100,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize_system",
+    "launch",
     "metrics",
     "mixed_precision",
     "predict",
