@@ -32,6 +32,7 @@ from stratagem.distribute import (
     has_strategy,
     in_cross_replica_context,
     mixed_precision,
+    scale_regularization_loss,
     strategy_of,
 )
 from stratagem.distribute.bootstrap import (
@@ -90,6 +91,7 @@ __all__ = [
     "callbacks",
     "cluster_resolver",
     "compute_average_loss",
+    "scale_regularization_loss",
     "connect_to_cluster",
     "data",
     "evaluate",

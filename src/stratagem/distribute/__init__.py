@@ -10,7 +10,7 @@ from stratagem.distribute.current import (
 from stratagem.distribute.engines.input import InputContext
 from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap
 from stratagem.distribute.function import function
-from stratagem.distribute.loss import compute_average_loss
+from stratagem.distribute.loss import compute_average_loss, scale_regularization_loss
 from stratagem.distribute.ownership import OutsideScopeError, StrategyMismatchError, strategy_of
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.strategies import (
@@ -21,7 +21,13 @@ from stratagem.distribute.strategies import (
     PipelineStrategy,
     ShardedStrategy,
 )
-from stratagem.distribute.strategy import ReplicaContext, Strategy, StrategyExtended
+from stratagem.distribute.strategy import (
+    PerReplica,
+    ReplicaContext,
+    Strategy,
+    StrategyExtended,
+    ValueContext,
+)
 
 __all__ = [
     "DeviceMesh",
@@ -34,12 +40,15 @@ __all__ = [
     "OutsideScopeError",
     "PipelineStrategy",
     "ReduceOp",
+    "PerReplica",
     "ReplicaContext",
     "ShardedStrategy",
     "Strategy",
     "StrategyExtended",
     "StrategyMismatchError",
+    "ValueContext",
     "compute_average_loss",
+    "scale_regularization_loss",
     "function",
     "get_replica_context",
     "get_strategy",

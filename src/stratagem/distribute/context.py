@@ -52,3 +52,15 @@ def replica_scope(ctx: Any) -> Iterator[None]:
     finally:
         _replica.reset(t2)
         _strategy.reset(t1)
+
+
+@contextlib.contextmanager
+def cross_replica(strategy: Any) -> Iterator[None]:
+    """A cross-replica context of ``strategy`` (inside its scope, outside any replica)."""
+    t1 = _strategy.set(strategy)
+    t2 = _replica.set(None)
+    try:
+        yield
+    finally:
+        _replica.reset(t2)
+        _strategy.reset(t1)

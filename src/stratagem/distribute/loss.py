@@ -41,6 +41,15 @@ def compute_average_loss(
     return loss.sum() / max(int(global_batch_size), 1)
 
 
+def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor:
+    """``regularization_loss / num_replicas_in_sync`` (tf.nn.scale_regularization_loss): a
+    penalty on the weights (L2, ...) that every replica adds to its loss is counted once after
+    the gradients are summed across replicas."""
+    ctx = current.get_replica_context()
+    n = ctx.num_replicas_in_sync if ctx is not None else current.get_strategy().num_replicas_in_sync
+    return regularization_loss / n
+
+
 def _global_count(local: int) -> int:
     """The number of examples in this step over all replicas (runs eagerly, also when compiled)."""
     ctx = current.get_replica_context()

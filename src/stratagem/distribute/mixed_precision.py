@@ -83,6 +83,10 @@ class LossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self._scaler.scale(loss)  # type: ignore[no-any-return]
 
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the scale now (before clipping them); ``step`` then won't."""
+        self._scaler.unscale_(optimizer)
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale the gradients and step, unless they hold inf/NaN; returns whether it stepped."""
         before = self._scaler.get_scale()

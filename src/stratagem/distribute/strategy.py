@@ -11,11 +11,13 @@ import abc
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from stratagem.comm import Communicator
+from stratagem.core.batches import place
 from stratagem.distribute import context
 from stratagem.distribute.mixed_precision import Policy, RunOptions
 from stratagem.distribute.reduce_op import ReduceOp
@@ -89,6 +91,14 @@ class StrategyExtended(abc.ABC):
         """Whether the model runs as stages (``build_pipe``) rather than whole on every replica."""
         return False
 
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Inside: backward passes accumulate gradients locally, not reduced (see Strategy.no_sync)."""
+        return contextlib.nullcontext()
+
+    def merge_values(self, value: Any) -> list[Any]:
+        """Every replica's ``value`` (objects), in replica order (called by every replica)."""
+        return [value]
+
     @abc.abstractmethod
     def scope(self) -> contextlib.AbstractContextManager[None]:
         """Capture what is created inside ``strategy.scope()`` (modules, optimizers)."""
@@ -133,8 +143,44 @@ class ReplicaContext:
         """``value`` reduced across replicas; every replica must pass the same structure/shapes."""
         return self.strategy.extended.all_reduce(ReduceOp.of(reduce_op), value)
 
+    def all_gather(self, value: Any, axis: int) -> Any:
+        """Every replica's ``value`` concatenated along ``axis`` in replica order (tf's
+        ``ReplicaContext.all_gather``; sizes along ``axis`` may differ)."""
+        return self.strategy.extended.gather(value, axis)
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Run ``merge_fn(strategy, *args, **kwargs)`` once with all replicas' values (tf's
+        ``merge_call``): each positional and keyword argument becomes a :class:`PerReplica`
+        holding every replica's value, in replica order, and ``merge_fn`` runs in a
+        cross-replica context. stratagem runs one replica per process, so every process runs
+        ``merge_fn`` on the same values and gets the same result (it must be deterministic)."""
+        everyone = self.strategy.extended.merge_values((tuple(args), dict(kwargs or {})))
+        per_args = tuple(PerReplica(tuple(e[0][i] for e in everyone)) for i in range(len(args)))
+        per_kwargs = {k: PerReplica(tuple(e[1][k] for e in everyone)) for k in (kwargs or {})}
+        with context.cross_replica(self.strategy):
+            return merge_fn(self.strategy, *per_args, **per_kwargs)
+
     def __repr__(self) -> str:
         return f"ReplicaContext(replica {self.replica_id_in_sync_group} of {self.num_replicas_in_sync})"
+
+
+class PerReplica:
+    """Every replica's value of something, in replica order (what ``merge_call`` hands over).
+    ``strategy.experimental_local_results(v)`` and ``v.values`` give the tuple."""
+
+    def __init__(self, values: tuple[Any, ...]) -> None:
+        self.values = values
+
+    def __repr__(self) -> str:
+        return f"PerReplica({self.values!r})"
+
+
+@dataclass(frozen=True)
+class ValueContext:
+    """What ``value_fn`` is told by ``experimental_distribute_values_from_function``."""
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
 
 
 class Strategy:
@@ -204,8 +250,26 @@ class Strategy:
         return self._extended.distribute_datasets_from_function(dataset_fn, options)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The values of the replicas this process runs (one per process in stratagem)."""
+        """The values of ``value``: all replicas' for a PerReplica, else this process's replica's
+        (stratagem runs one replica per process)."""
+        if isinstance(value, PerReplica):
+            return value.values
         return (value,)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """This replica's value ``value_fn(ValueContext(replica_id, num_replicas))`` (placed on its
+        device), as tf's function of the same name gives each replica its own value."""
+        ext = self._extended
+        value = value_fn(ValueContext(ext.replica_id, ext.num_replicas_in_sync))
+        return place(value, ext.device)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside do not reduce them; the first
+        backward pass after it reduces everything accumulated, once (DDP's ``no_sync``). Use it
+        for the first k-1 micro-batches of a gradient-accumulation step, inside ``run``."""
+        with self._extended.no_sync():
+            yield
 
     def barrier(self) -> None:
         """Wait until every process of the strategy gets here."""

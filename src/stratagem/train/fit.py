@@ -30,6 +30,7 @@ from stratagem.core.batches import concat
 from stratagem.distribute import context, current, ownership
 from stratagem.distribute.mixed_precision import Policy
 from stratagem.distribute.strategy import Strategy
+from stratagem.train import loss_names
 from stratagem.train.callback import Callback, CallbackList, FitState, Logs
 from stratagem.train.history import History
 from stratagem.train.inputs import GlobalBatches, check_finite, check_iterable, distributed
@@ -37,7 +38,7 @@ from stratagem.train.losses import LossFn, check_loss_fn
 from stratagem.train.metrics import Mean, Metric, get_all, sync_metrics
 from stratagem.train.progress import Progress, resolve_mode
 from stratagem.train.resume import FitProgress
-from stratagem.train.steps import DataParallelSteps
+from stratagem.train.steps import DataParallelSteps, TrainOptions
 
 if TYPE_CHECKING:
     from stratagem.pipeline.pipe import Pipe
@@ -65,17 +66,24 @@ def _make_steps(
     optimizer: torch.optim.Optimizer | None,
     loss_fn: LossFn | None,
     policy: Policy | None = None,
+    options: TrainOptions | None = None,
 ) -> Any:
     from stratagem.train.pipeline_steps import PipelineSteps
 
     policy = policy or Policy.of(None)
+    options = options or TrainOptions()
     if strategy.extended.is_pipeline:
         if policy.name != "32":
             raise ValueError(f"precision={policy.name!r} is not supported under PipelineStrategy yet; use precision='32'")
+        if options != TrainOptions():
+            raise ValueError(
+                "gradient accumulation, clipping and class_weight are not supported under "
+                "PipelineStrategy yet (its micro-batches already accumulate); leave them unset"
+            )
         return PipelineSteps(strategy, model, optimizer, loss_fn)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    return DataParallelSteps(strategy, model, optimizer, loss_fn, policy)
+    return DataParallelSteps(strategy, model, optimizer, loss_fn, policy, options)
 
 
 #: ``steps_per_execution="auto"``: the most steps between two reads of the logs, and the share of
@@ -188,6 +196,13 @@ def fit(
     verbose: int | str = "auto",
     steps_per_execution: int | str = "auto",
     precision: str | Policy | None = None,
+    initial_epoch: int = 0,
+    validation_steps: int | None = None,
+    class_weight: dict[int, float] | None = None,
+    gradient_accumulation_steps: int = 1,
+    clipnorm: float | None = None,
+    clipvalue: float | None = None,
+    global_clipnorm: float | None = None,
 ) -> History:
     """Train ``model`` for ``epochs`` epochs over ``data``; returns the History of global logs.
 
@@ -201,9 +216,22 @@ def fit(
     measured so that the sync costs under 1% of the step time (at most 32 steps). ``precision``: ``"32"`` (default), ``"bf16"``, ``"fp16"``
     (autocast; fp16 adds a loss scaler whose skipped steps are the same on every replica) or a
     ``stratagem.mixed_precision.Policy``.
+
+    Keras's options: ``loss_fn`` may be a Keras name (``"mse"``, ``"sparse_categorical_crossentropy"``,
+    ...; see ``stratagem.train.loss_names``: cross-entropies take logits), metrics too (``"accuracy"``
+    picks binary/categorical/sparse by shapes); ``initial_epoch``; ``validation_steps``;
+    ``class_weight`` ({class id: weight}, multiplied into the per-example weights);
+    ``gradient_accumulation_steps=k`` (one optimizer update, and one gradient all-reduce, per k
+    batches, equal to one step on the k-times larger batch); ``clipnorm`` (each gradient's norm),
+    ``clipvalue``, ``global_clipnorm`` applied to the reduced gradients, alike on every replica.
     """
     strategy = _strategy(model, optimizer, strategy, "fit")
     policy = Policy.of(precision)
+    loss_fn = loss_names.resolve(loss_fn)
+    options = TrainOptions(gradient_accumulation_steps, clipnorm, clipvalue, global_clipnorm,
+                           dict(class_weight) if class_weight is not None else None)
+    if initial_epoch < 0:
+        raise ValueError(f"initial_epoch must be >= 0, got {initial_epoch}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
     if epochs < 0:
@@ -215,8 +243,8 @@ def fit(
     val_tracked = [Mean("loss"), *val_metrics]
     if validation_data is not None:
         check_iterable(validation_data, "validation_data")
-        check_finite(validation_data, None, "validation_data", "validation_steps")
-    steps = _make_steps(strategy, model, optimizer, loss_fn, policy)
+        check_finite(validation_data, validation_steps, "validation_data", "validation_steps")
+    steps = _make_steps(strategy, model, optimizer, loss_fn, policy, options)
     batches = GlobalBatches(strategy, data, steps_per_epoch)
     names = [m.name for m in tracked]
     params: dict[str, Any] = {
@@ -264,6 +292,8 @@ def fit(
     logs: Logs = {}
     with context.strategy_scope(strategy):
         cblist.call("on_train_begin", None)
+        if state.initial_epoch == 0 and state.initial_step == 0:
+            state.initial_epoch = initial_epoch  # a backup restored by on_train_begin wins
         for epoch in range(state.initial_epoch, epochs):
             state.epoch = epoch
             if epoch == state.initial_epoch and state.initial_step > 0:
@@ -278,7 +308,7 @@ def fit(
             cblist.call("on_epoch_begin", epoch, None)
             epoch_batches = batches.epoch()
             while True:  # an execution: up to cadence.size steps in one strategy.run, then one sync
-                group = list(itertools.islice(epoch_batches, cadence.size))
+                group = list(itertools.islice(epoch_batches, cadence.size * options.accumulate))
                 if not group:
                     break
                 cblist.call("on_train_batch_begin", state.step, None)
@@ -295,7 +325,7 @@ def fit(
             logs = _logs(tracked)
             if validation_data is not None:
                 steps.set_training(False)
-                val = _run_test(strategy, steps, validation_data, val_tracked, cblist)
+                val = _run_test(strategy, steps, validation_data, val_tracked, cblist, validation_steps)
                 logs.update({f"val_{k}": v for k, v in val.items()})
                 steps.set_training(True)
             history.record(epoch, logs)
@@ -320,6 +350,7 @@ def evaluate(
     """The mean loss and the metrics of ``model`` over ``data`` (global values, on every replica);
     ``steps`` limits the number of batches read (needed for an infinite dataset)."""
     strategy = _strategy(model, None, strategy, "evaluate")
+    loss_fn = loss_names.resolve(loss_fn)
     check_loss_fn(loss_fn)
     check_iterable(data, "data")
     check_finite(data, steps, "data", "steps")

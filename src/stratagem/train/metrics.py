@@ -26,6 +26,9 @@ from stratagem.distribute.strategy import Strategy
 
 __all__ = [
     "Accuracy",
+    "BinaryAccuracy",
+    "CategoricalAccuracy",
+    "KerasAccuracy",
     "Mean",
     "MeanAbsoluteError",
     "MeanSquaredError",
@@ -339,9 +342,50 @@ class MeanAbsoluteError(_PerExample):
         return _per_example_mean((yp.to(torch.float64) - yt.to(torch.float64)).abs())
 
 
+class BinaryAccuracy(_PerExample):
+    """How often ``y_pred > threshold`` equals the 0/1 label (Keras's binary_accuracy)."""
+
+    default_name = "binary_accuracy"
+
+    def __init__(self, threshold: float = 0.5, name: str | None = None) -> None:
+        self.threshold = threshold
+        super().__init__(name)
+
+    def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        yt, yp = _squeeze_like(y_true, y_pred)
+        return _per_example_mean((yp > self.threshold).to(yt.dtype) == yt)
+
+
+class CategoricalAccuracy(_PerExample):
+    """How often ``argmax(y_pred)`` equals ``argmax(y_true)`` (one-hot labels)."""
+
+    default_name = "categorical_accuracy"
+
+    def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        return _per_example_mean(y_pred.argmax(dim=-1) == y_true.argmax(dim=-1))
+
+
+class KerasAccuracy(_PerExample):
+    """``"accuracy"`` as Keras reads it, chosen by the shapes of each batch: predictions with one
+    value per example (or a trailing 1) are binary (``> 0.5``); one-hot labels shaped like the
+    predictions are categorical; integer labels are sparse categorical."""
+
+    default_name = "accuracy"
+
+    def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        if y_pred.dim() < 2 or y_pred.shape[-1] == 1:
+            return BinaryAccuracy.per_example(BinaryAccuracy(), y_true, y_pred)
+        if y_true.shape == y_pred.shape:
+            return CategoricalAccuracy.per_example(CategoricalAccuracy(), y_true, y_pred)
+        return SparseCategoricalAccuracy.per_example(SparseCategoricalAccuracy(), y_true, y_pred)
+
+
 _BY_NAME: dict[str, type[Metric]] = {
-    "accuracy": Accuracy,
-    "acc": Accuracy,
+    "accuracy": KerasAccuracy,
+    "acc": KerasAccuracy,
+    "exact_accuracy": Accuracy,
+    "binary_accuracy": BinaryAccuracy,
+    "categorical_accuracy": CategoricalAccuracy,
     "sparse_categorical_accuracy": SparseCategoricalAccuracy,
     "top_k_categorical_accuracy": TopKCategoricalAccuracy,
     "mean_squared_error": MeanSquaredError,

@@ -9,13 +9,16 @@ only (no communication); fit sums them across replicas afterwards.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from stratagem.core.batches import detach
+from stratagem.core.batches import batch_size_of, detach
+from stratagem.distribute import current
 from stratagem.distribute.loss import compute_average_loss
 from stratagem.distribute.mixed_precision import Policy
 from stratagem.distribute.strategy import Strategy
@@ -44,6 +47,52 @@ def _update(metrics: Sequence[Metric], y: Any, outputs: Any, sw: Any) -> None:
         m.update_state(y, outputs, sample_weight=sw)
 
 
+@dataclass(frozen=True)
+class TrainOptions:
+    """fit's per-update options: ``accumulate`` batches per optimizer update (one gradient
+    all-reduce per update), gradient clipping of the reduced gradients (Keras's ``clipnorm``
+    per tensor, ``clipvalue``, ``global_clipnorm``), ``class_weight`` {class id: weight}."""
+
+    accumulate: int = 1
+    clipnorm: float | None = None
+    clipvalue: float | None = None
+    global_clipnorm: float | None = None
+    class_weight: dict[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"gradient_accumulation_steps must be a positive integer, got {self.accumulate!r}")
+        for name in ("clipnorm", "clipvalue", "global_clipnorm"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+
+    @property
+    def clips(self) -> bool:
+        return self.clipnorm is not None or self.clipvalue is not None or self.global_clipnorm is not None
+
+    def clip(self, params: list[torch.Tensor]) -> None:
+        grads = [p for p in params if p.grad is not None]
+        if self.clipvalue is not None:
+            torch.nn.utils.clip_grad_value_(grads, self.clipvalue)
+        if self.clipnorm is not None:
+            for p in grads:
+                torch.nn.utils.clip_grad_norm_([p], self.clipnorm)
+        if self.global_clipnorm is not None:
+            torch.nn.utils.clip_grad_norm_(grads, self.global_clipnorm)
+
+    def weights_for(self, y: Any, sw: Any) -> Any:
+        """``sw`` times the class weight of each example's label (one-hot labels: their argmax)."""
+        if self.class_weight is None:
+            return sw
+        labels = y.argmax(dim=-1) if y.dim() > 1 and y.shape[-1] > 1 else y.reshape(y.shape[0], -1)[:, 0]
+        table = torch.ones(max(max(self.class_weight) + 1, int(labels.max()) + 1 if labels.numel() else 1), dtype=torch.float32)
+        for c, weight in self.class_weight.items():
+            table[int(c)] = float(weight)
+        w = table.to(labels.device)[labels.long()]
+        return w if sw is None else w * torch.as_tensor(sw, dtype=w.dtype, device=w.device)
+
+
 class DataParallelSteps:
     """Steps for strategies that run the whole model on every replica."""
 
@@ -54,6 +103,7 @@ class DataParallelSteps:
         optimizer: torch.optim.Optimizer | None,
         loss_fn: LossFn | None,
         policy: Policy | None = None,
+        options: TrainOptions | None = None,
     ) -> None:
         self.strategy = strategy
         self.model = model
@@ -62,6 +112,7 @@ class DataParallelSteps:
         self.loss_fn = loss_fn
         self.is_chief = bool(strategy.extended.should_log)
         self.policy = policy or Policy()
+        self.options = options or TrainOptions()
         self.device = strategy.extended.device
         self.scaler = self.policy.loss_scaler(self.device) if optimizer is not None else None
 
@@ -83,32 +134,51 @@ class DataParallelSteps:
         return bool(self.strategy.reduce("sum", torch.tensor(int(flag), dtype=torch.int64)) > 0)
 
     def train(self, group: Sequence[Any], loss_metric: Metric, metrics: Sequence[Metric]) -> None:
-        """Train on each batch of ``group`` in turn, in one ``strategy.run`` (one execution)."""
+        """Train on the batches of ``group`` in one ``strategy.run`` (one execution): one optimizer
+        update per ``options.accumulate`` batches."""
         model, optimizer, loss_fn, policy, scaler = self.model, self.optimizer, self.loss_fn, self.policy, self.scaler
         assert optimizer is not None and loss_fn is not None
-        device = self.device
+        device, options, strategy = self.device, self.options, self.strategy
+        params = [p for g in optimizer.param_groups for p in g["params"]]
 
-        def train_step(x: Any, y: Any, sw: Any) -> None:
-            optimizer.zero_grad(set_to_none=True)
+        def micro_step(x: Any, y: Any, sw: Any, total: int | None) -> None:
             with policy.autocast(device):
                 outputs = model(x)
                 losses = per_example_loss(loss_fn, outputs, y).float()
+            sw = options.weights_for(y, sw)
             if sw is not None:
                 losses = losses * torch.as_tensor(sw, dtype=losses.dtype, device=losses.device)
-            loss = compute_average_loss(losses)
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:  # gradients are summed across replicas first: every replica skips alike
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
+            loss = compute_average_loss(losses, global_batch_size=total)
+            (loss if scaler is None else scaler.scale(loss)).backward()
             with torch.no_grad():
                 loss_metric.update_state(losses.detach())
                 _update(metrics, y, detach(outputs), sw)
 
-        def execution(steps: list[tuple[Any, Any, Any]]) -> None:
-            for x, y, sw in steps:
-                train_step(x, y, sw)
+        def update(window: list[tuple[Any, Any, Any]]) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            total = None  # one batch: compute_average_loss counts its global size
+            if len(window) > 1:  # the examples of every micro-batch of the update, all replicas
+                local = sum(batch_size_of(y, "y") for _, y, _ in window)
+                ctx = current.get_replica_context()
+                assert ctx is not None
+                total = int(ctx.all_reduce("sum", torch.tensor(local, dtype=torch.int64)))
+            for i, (x, y, sw) in enumerate(window):
+                last = i == len(window) - 1
+                with contextlib.nullcontext() if last else strategy.no_sync():
+                    micro_step(x, y, sw, total)
+            if options.clips:  # the reduced gradient: identical on every replica
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
+                options.clip(params)
+            if scaler is None:
+                optimizer.step()
+            else:  # gradients are summed across replicas first: every replica skips alike
+                scaler.step(optimizer)
+
+        def execution(items: list[tuple[Any, Any, Any]]) -> None:
+            k = options.accumulate
+            for start in range(0, len(items), k):
+                update(items[start : start + k])
 
         self.strategy.run(execution, args=([unpack(b) for b in group],))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,10 @@ from stratagem.distribute.engines.input import (
 from stratagem.distribute.engines.mirror import MirrorRegistry
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.strategy import ReplicaContext, StrategyExtended
+
+
+def _to_cpu(x: Any) -> Any:
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
 
 
 def _leaf_tensor(x: Any) -> torch.Tensor:
@@ -119,6 +123,21 @@ class DataParallelExtended(StrategyExtended):
 
     def barrier(self) -> None:
         self.comm.barrier()
+
+    def merge_values(self, value: Any) -> list[Any]:
+        return self.comm.all_gather_object(tree.map_structure(_to_cpu, value))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        reducer = self.registry.reducer if self.registry is not None else None
+        if reducer is None:
+            yield
+            return
+        was, reducer.enabled = reducer.enabled, False
+        try:
+            yield
+        finally:
+            reducer.enabled = was
 
     # --- scope and run ----------------------------------------------------------------------
     def scope(self) -> contextlib.AbstractContextManager[None]:

@@ -134,6 +134,9 @@ class PipelineExtended(StrategyExtended):
     def gather(self, value: Any, axis: int) -> Any:
         return self._dp.gather(value, axis)
 
+    def merge_values(self, value: Any) -> list[Any]:
+        return self._dp.merge_values(value)
+
     def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]:
         return self._dp.distribute_dataset(dataset, options)
 
