@@ -216,6 +216,11 @@ def main():
     for name, ds in singles.items():
         case("get_single_element", [name], plain(ds.get_single_element()))
 
+    # rebatch ---------------------------------------------------------------------------------
+    for n, b, sizes, drop in [(6, 2, 3, False), (7, 4, 3, False), (7, 2, [2, 1, 1], False),
+                              (10, 3, [4, 1], True), (9, 5, 2, True), (5, 5, [1, 3], False)]:
+        case("rebatch", [n, b, sizes, drop], run(D.range(n).batch(b).rebatch(sizes, drop)))
+
     # ignore_errors: 1/x fails (check_numerics) where x == 0 --------------------------------
     for values in [[1.0, 2.0, 0.0, 4.0], [0.0, 0.0], [0.0, 1.0, 0.0, 2.0, 0.0], [3.0], [],
                    [5.0, 0.0, 0.0, 0.5]]:

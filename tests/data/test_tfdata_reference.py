@@ -315,6 +315,12 @@ def test_get_single_element(case):
     assert plain(SINGLES[case["params"][0]]().get_single_element()) == case["output"]
 
 
+@pytest.mark.parametrize("case", cases("rebatch"), ids=ids("rebatch"))
+def test_rebatch(case):
+    n, b, sizes, drop = case["params"]
+    assert run(D.range(n).batch(b).rebatch(sizes, drop)) == case["output"]
+
+
 def _inverse(x):
     if x == 0:
         raise ZeroDivisionError("1/0")

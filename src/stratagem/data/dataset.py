@@ -492,6 +492,11 @@ class Dataset:
 
         return IgnoreErrorsDataset(self, log_warning)
 
+    def rebatch(self, batch_size: int | Sequence[int], drop_remainder: bool = False) -> Dataset:
+        from stratagem.data.sized_batches import rebatch
+
+        return rebatch(self, batch_size, drop_remainder)
+
     def assert_cardinality(self, expected_cardinality: int) -> Dataset:
         from stratagem.data.transforms import AssertCardinalityDataset
 
