@@ -214,7 +214,7 @@ def _rss_now() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-BIG_LAYERS, BIG_WIDTH = 16, 1024
+BIG_LAYERS, BIG_WIDTH = 32, 768
 
 
 def make_big() -> nn.Module:
@@ -258,6 +258,13 @@ def four_processes(tmp: str, steps_before: int) -> dict[str, Any]:
     out["big_save_peak"] = _rss_peak() - base
     out["big_grad_bytes"] = sum(p.grad.to_local().untyped_storage().nbytes() for p in big.parameters() if p.grad is not None)
     out["big_local_param_bytes"] = sum(p.to_local().untyped_storage().nbytes() for p in big.parameters())
+
+    # HSDP: sharded over pairs of processes, replicated across the two pairs
+    hs = stratagem.ShardedStrategy(shard_size=2)
+    hmodel, hopt = train_sharded(hs, batches)
+    out["hsdp_diff"] = max_diff(full_state(hmodel), want)
+    out["hsdp_bytes"] = local_bytes(hmodel, hopt)
+    out["hsdp_placements"] = str(next(hmodel.parameters()).placements)
 
     # a 2-D mesh: the transformer split over "model", sharded and fed over "data" (FSDP x TP)
     out.update({f"mesh2d_{k}": v for k, v in _mesh_2d(steps_before).items()})

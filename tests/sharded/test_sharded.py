@@ -103,6 +103,11 @@ def test_sharded_four_processes_and_resharded_restore(tmp_path: Path) -> None:
         assert out["big_save_peak"] < budget, out
         assert out["big_local_param_bytes"] <= full / 4 * 1.01
         assert out["big_grad_bytes"] <= full / 4 * 1.01
+        # HSDP: each pair of processes holds one sharded copy (1/2 each), the pairs replicate
+        bad = {k: v for k, v in out["hsdp_diff"].items() if v > TOL}
+        assert not bad, f"HSDP differs from single-device training: {bad}"
+        assert out["hsdp_bytes"] <= ref_bytes / 2 * 1.10, (out["hsdp_bytes"], ref_bytes)
+        assert out["hsdp_placements"] == "(Replicate(), Shard(dim=0))"
         # 2-D mesh (data x model): tensor parallel inside each replica, FSDP across the two
         assert out["mesh2d_replicas"] == 2 and out["mesh2d_init_diff"] == 0.0
         bad = {k: v for k, v in out["mesh2d_adam_diff"].items() if v > TOL}

@@ -40,6 +40,7 @@ class ShardingOptions:
     mixed_precision: Any = None  # torch.distributed.fsdp.MixedPrecisionPolicy
     offload: Any = None  # torch.distributed.fsdp.CPUOffloadPolicy
     gradient_op: str = "sum"
+    shard_size: int | None = None  # processes one copy is sharded over (None: all; else HSDP)
 
 
 def device_mesh_1d(comm: Communicator, device: torch.device) -> Any:
@@ -63,6 +64,12 @@ class ShardedExtended(StrategyExtended):
     def __init__(self, comm: Communicator, device: torch.device, options: ShardingOptions, *, name: str) -> None:
         if options.gradient_op not in ("sum", "mean"):
             raise ValueError(f"gradient_op must be 'sum' or 'mean', got {options.gradient_op!r}")
+        size = options.shard_size
+        if size is not None and (size < 1 or comm.world_size % size):
+            raise ValueError(
+                f"shard_size={size} must divide the {comm.world_size} processes (groups of "
+                f"shard_size processes each hold one sharded copy)"
+            )
         self.comm = comm
         self._device = device
         self.options = options
@@ -80,7 +87,13 @@ class ShardedExtended(StrategyExtended):
     def mesh(self) -> Any:
         """The DeviceMesh the parameters are sharded over."""
         if self._mesh is None:
-            self._mesh = device_mesh_1d(self.comm, self._device)
+            n, size = self.comm.world_size, self.options.shard_size
+            if size is None or size == n:
+                self._mesh = device_mesh_1d(self.comm, self._device)
+            else:  # HSDP: sharded within groups of `size` consecutive ranks, replicated across them
+                from torch.distributed.device_mesh import init_device_mesh
+
+                self._mesh = init_device_mesh(self._device.type, (n // size, size), mesh_dim_names=("replicate", "shard"))
         return self._mesh
 
     # --- facts ------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ class ShardedStrategy(Strategy):
     bf16, reductions in fp32). ``offload``: ``True`` or a ``CPUOffloadPolicy`` keeps parameters,
     gradients and optimizer state on the CPU. ``gradient_reduction=ReduceOp.SUM`` is
     tf.distribute's contract (scale the loss with ``compute_average_loss``); ``MEAN`` averages
-    like FSDP's default. Every module holding parameters must initialise them in
+    like FSDP's default. ``shard_size``: shard each copy over groups of that many consecutive
+    processes and replicate it across the groups (HSDP: gradients reduce-scattered within a
+    group, all-reduced across groups); None shards over all. Every module holding parameters must initialise them in
     ``reset_parameters()`` (torch's layers do): shards are initialised by replaying it, so values
     equal single-device initialisation from the same seed.
     """
@@ -45,6 +47,7 @@ class ShardedStrategy(Strategy):
         mixed_precision: Any = None,
         offload: Any = None,
         gradient_reduction: ReduceOp | str = ReduceOp.SUM,
+        shard_size: int | None = None,
         timeout: float = 120.0,
     ) -> None:
         if num_replicas is not None and num_replicas < 1:
@@ -68,6 +71,7 @@ class ShardedStrategy(Strategy):
             mixed_precision=mixed_precision,
             offload=offload or None,
             gradient_op=ReduceOp.of(gradient_reduction).value,
+            shard_size=shard_size,
         )
         self.cluster_spec = spec
         self.device = device
