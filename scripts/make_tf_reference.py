@@ -221,6 +221,13 @@ def main():
                               (10, 3, [4, 1], True), (9, 5, 2, True), (5, 5, [1, 3], False)]:
         case("rebatch", [n, b, sizes, drop], run(D.range(n).batch(b).rebatch(sizes, drop)))
 
+    # sparse_batch ----------------------------------------------------------------------------
+    for lengths, bs, row in [([1, 0, 3, 2], 2, [4]), ([1, 0, 3, 2], 3, [5]), ([2, 2, 2], 2, [2]),
+                             ([0, 0], 1, [3]), ([4, 1, 2, 3, 1], 4, [6])]:
+        ds = D.from_tensor_slices(tf.constant(lengths, tf.int64)).map(
+            lambda k: tf.fill([k], k * 10 - 5)).sparse_batch(bs, row)
+        case("sparse_batch", [lengths, bs, row], run(ds))
+
     # ignore_errors: 1/x fails (check_numerics) where x == 0 --------------------------------
     for values in [[1.0, 2.0, 0.0, 4.0], [0.0, 0.0], [0.0, 1.0, 0.0, 2.0, 0.0], [3.0], [],
                    [5.0, 0.0, 0.0, 0.5]]:

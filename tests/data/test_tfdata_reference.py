@@ -321,6 +321,16 @@ def test_rebatch(case):
     assert run(D.range(n).batch(b).rebatch(sizes, drop)) == case["output"]
 
 
+@pytest.mark.parametrize("case", cases("sparse_batch"), ids=ids("sparse_batch"))
+def test_sparse_batch(case):
+    lengths, bs, row = case["params"]
+    ds = D.from_tensor_slices(lengths).map(
+        lambda k: torch.full((k,), k * 10 - 5, dtype=torch.int64)).sparse_batch(bs, row)
+    got = [{"sparse": {"indices": plain(s.indices().T.contiguous()), "values": plain(s.values()),
+                       "dense_shape": plain(torch.tensor(list(s.shape)))}} for s in ds]
+    assert got == case["output"]
+
+
 def _inverse(x):
     if x == 0:
         raise ZeroDivisionError("1/0")

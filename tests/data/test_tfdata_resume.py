@@ -81,6 +81,8 @@ PIPELINES = {
     "unique": lambda: D.from_tensor_slices([3, 1, 3, 2, 1, 5, 2, 7]).unique(),
     "unique strings": lambda: D.from_tensor_slices(["b", "a", "b", "c", "a"]).unique(),
     "counter random": lambda: D.zip((D.counter(5, 3), D.random(seed=4))).take(8),
+    "sparse_batch": lambda: D.range(11).map(_seq).sparse_batch(3, [5]).map(
+        lambda s: s.to_dense()),
     "rebatch cycled sizes": lambda: D.range(17).batch(4).rebatch([3, 1, 2]),
     "assert_cardinality": lambda: D.range(9).filter(lambda x: x % 2).assert_cardinality(4),
     "csv": lambda: CsvDataset([os.path.join(REF, "a.csv"), os.path.join(REF, "b.csv")],

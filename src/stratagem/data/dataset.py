@@ -497,6 +497,12 @@ class Dataset:
 
         return rebatch(self, batch_size, drop_remainder)
 
+    def sparse_batch(self, batch_size: int, row_shape: Sequence[int]) -> Dataset:
+        """Batches as torch sparse COO tensors (tf's SparseTensor layout)."""
+        from stratagem.data.sized_batches import SparseBatchDataset
+
+        return SparseBatchDataset(self, batch_size, row_shape)
+
     def assert_cardinality(self, expected_cardinality: int) -> Dataset:
         from stratagem.data.transforms import AssertCardinalityDataset
 
