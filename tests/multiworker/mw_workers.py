@@ -64,3 +64,55 @@ def bootstrap_worker(config_rank1: dict, fake_torch_rank1: str | None) -> str:
             torch.__version__ = fake_torch_rank1  # type: ignore[assignment]
     initialize_system(resolver, FAST, config=config, device="cpu")
     return "initialized"
+
+
+def exit_worker(how: str) -> str:
+    """Exit (normally or by raising) while the failure watcher is inside a store call: the
+    store host's server goes away under it at exit; the process must still end cleanly."""
+    import datetime
+
+    from stratagem.comm.failure import FailureMonitor
+
+    beat = FailureMonitor._beat
+
+    def slow_beat(self: FailureMonitor) -> None:
+        beat(self)
+        try:  # park the watcher in the store's C++ client (the GIL released) for a while
+            self._store.wait(["stratagem/test/never"], datetime.timedelta(seconds=2))
+        except Exception:  # noqa: BLE001
+            pass
+
+    FailureMonitor._beat = slow_beat  # type: ignore[method-assign]
+    connect_to_cluster(TorchrunClusterResolver(), FAST)
+    time.sleep(1.0)  # the watchers are now waiting in the store
+    if how == "raise":
+        raise ValueError("ended by raising, on purpose")
+    return "ok"
+
+
+def _threads_at_exit() -> None:
+    """At the very end of exit (registered first, so it runs last): the threads still running."""
+    import sys
+    import threading
+
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    py = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    sys.stderr.write(f"THREADS-AT-EXIT python={py} native={sorted(names)}\n")
+    sys.stderr.flush()
+
+
+def leave_worker(how: str) -> str:
+    """Join a job, then end (normally or by raising) and report the threads left at exit."""
+    import atexit
+
+    atexit.register(_threads_at_exit)
+    connect_to_cluster(TorchrunClusterResolver(), FAST)
+    if how == "raise":
+        raise ValueError("ended by raising, on purpose")
+    return "ok"

@@ -125,6 +125,8 @@ class FailureMonitor:
         self._store_errors = 0
         self._host = socket.gethostname()
         self._prev_hook = sys.excepthook
+        #: the longest one store call of the watcher can block (then it raises)
+        self._store_timeout = max(5.0, 2 * self.options.heartbeat_seconds)
 
     # --- store helpers ------------------------------------------------------------------------
     def _key(self, *parts: object) -> str:
@@ -141,7 +143,7 @@ class FailureMonitor:
         """Connect to the store, publish this process, start watching; install the hooks."""
         self._store = dist.TCPStore(
             self.master_addr, self.master_port, is_master=False,
-            timeout=datetime.timedelta(seconds=max(5.0, 2 * self.options.heartbeat_seconds)),
+            timeout=datetime.timedelta(seconds=self._store_timeout),
             wait_for_workers=False,
         )
         self._store.set(self._key("pid", self.rank), json.dumps({"host": self._host, "pid": os.getpid()}))
@@ -155,23 +157,46 @@ class FailureMonitor:
         return self
 
     def close(self) -> None:
-        """The program ended normally: say so; the store host waits for the others to end."""
-        if self._ended or self._store is None:
+        """The program ended: say so (unless the excepthook already did), let the store host wait
+        for the others to end, then stop the watcher thread (always, see ``_halt``)."""
+        if self._store is None:
             return
-        self._closing = True
-        try:
-            with self._lock:
-                self._store.set(self._key("end", self.rank), "done")
-        except Exception:  # noqa: BLE001 - the store may be gone at exit
-            pass
-        if self.rank == self.store_host_rank:
-            self._wait_for_peers(lambda p: p in self._finished, self.shutdown_wait)
-        self._ended = True
+        if not self._ended:
+            self._closing = True
+            try:
+                with self._lock:
+                    self._store.set(self._key("end", self.rank), "done")
+            except Exception:  # noqa: BLE001 - the store may be gone at exit
+                pass
+            if self.rank == self.store_host_rank:
+                self._wait_for_peers(lambda p: p in self._finished, self.shutdown_wait)
+            self._ended = True
+        self._halt()
+
+    def _halt(self) -> None:
+        """Stop the watcher and wait until it has left the store's C++ client.
+
+        A daemon thread that returns from a C++ call (which released the GIL) after the
+        interpreter began to finalize is ended by ``pthread_exit``, whose unwinding through the
+        binding's GIL guard calls ``std::terminate``: "terminate called without an active
+        exception", exit code 134, after the program's work is done. The rank that hosts the
+        store makes that likely: its store server is destroyed during finalization, which wakes
+        its own watcher inside a store call. So the watcher is joined at exit on every path (the
+        excepthook's too), for longer than its longest store call can take.
+        """
         self._stop.set()
-        # join the watcher so no thread is inside the store's C++ client while the process exits
-        # (a thread left there aborts the interpreter: "terminate called without an active exception")
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(5.0, 3 * self.options.heartbeat_seconds))
+        thread = self._thread
+        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+            return
+        thread.join(timeout=self._store_timeout + 2 * self.options.heartbeat_seconds + 1.0)
+        if thread.is_alive():  # cannot happen while store calls honour their timeout; never abort
+            sys.stderr.write(
+                f"stratagem: rank {self.rank}: the failure monitor did not stop within "
+                f"{self._store_timeout:.0f}s; ending the process without finalizing\n"
+            )
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(1)
 
     def _wait_for_peers(self, satisfied: Any, limit: float) -> None:
         deadline = time.monotonic() + limit

@@ -10,7 +10,10 @@ failed collectives by rank (``comm.failure.job_probe``).
 from __future__ import annotations
 
 import atexit
+import gc
 import os
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,9 +92,7 @@ def join(
     _joined["store"] = store
     if options.enabled:
         _joined["monitor"] = monitor.start()
-    # registered after the monitor's own exit hook, so it runs first (atexit is LIFO): the
-    # process group is torn down before this rank tells the store host it has ended, and the
-    # store host outlives every peer's teardown
+    # registered after the monitor's own exit hook, so it runs first (atexit is LIFO)
     atexit.register(_leave)
     return comm
 
@@ -107,8 +108,50 @@ def failure_monitor() -> FailureMonitor | None:
 
 
 def _leave() -> None:
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
+    """Leave the job at exit, in the one order that ends cleanly on every rank:
+
+    1. destroy the process group and let every communicator drop it, so its C++ object (gloo's
+       threads, its connections) goes while the interpreter is whole, bounded in time;
+    2. close the failure monitor: say this rank ended; the store host waits until every peer has
+       ended (so the store outlives every peer's teardown); its watcher thread is joined;
+    3. drop the store (the store host's server stops) while Python can still run destructors,
+       not during interpreter finalization, when a thread woken inside a store call aborts the
+       process ("terminate called without an active exception", exit code 134).
+    """
+    # a collective still in flight (this rank failed in the middle of one) could hold the
+    # teardown until the backend's timeout: bounded here, then the process ends at once
+    guard = threading.Timer(_LEAVE_LIMIT_S, _leave_stuck)
+    guard.daemon = True
+    guard.start()
+    try:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        _joined.pop("comm", None)
+        # the process groups' C++ objects (gloo threads, the store they hold) go now, not during
+        # interpreter finalization: every communicator over them (the world's, a pipeline's
+        # sub-groups') lets go of its group
+        for obj in gc.get_objects():
+            if isinstance(obj, ProcessGroupCommunicator):
+                obj.group = None
+    finally:
+        guard.cancel()
+    monitor = _joined.pop("monitor", None)
+    if monitor is not None:
+        monitor.close()
+    _joined.pop("store", None)
+
+
+#: how long tearing the process group down at exit may take before the process ends at once
+_LEAVE_LIMIT_S = 15.0
+
+
+def _leave_stuck() -> None:
+    sys.stderr.write(
+        f"stratagem: tearing the process group down at exit took over {_LEAVE_LIMIT_S:.0f}s (a "
+        "collective was still in flight); ending the process\n"
+    )
+    sys.stderr.flush()
+    os._exit(1)
