@@ -157,6 +157,29 @@ def two_processes(tmp: str) -> dict[str, Any]:
     stratagem.fit(fm2, fo2, mse, more, verbose=0)
     out["continued_diff"] = max(max_diff(full_state(fm2), full_state(fm)).values())
 
+    # errors that say what to do
+    class Scale(nn.Module):  # parameters initialised in __init__, no reset_parameters
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+    errors = {}
+    try:
+        with s.scope():
+            kept = nn.Sequential(nn.Linear(2, 3), Scale())  # noqa: F841 - alive when the scope closes
+    except TypeError as e:
+        errors["no_reset"] = str(e)
+    plain = make_mlp()
+    try:
+        s.run(lambda m: m(torch.zeros(1, 12)), args=(plain,))
+    except stratagem.OutsideScopeError as e:
+        errors["outside_run"] = str(e)
+    try:
+        stratagem.fit(plain, make_adam(plain.parameters()), mse, data, strategy=s, verbose=0)
+    except stratagem.OutsideScopeError as e:
+        errors["outside_fit"] = str(e)
+    out["errors"] = errors
+
     # options: no resharding after forward, units by class, mixed precision, CPU offload
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

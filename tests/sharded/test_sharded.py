@@ -76,6 +76,10 @@ def test_sharded_two_processes(tmp_path: Path) -> None:
         assert out["restored_diff"] == 0.0 and out["continued_diff"] == 0.0
         assert out["keep_gathered_diff"] < TOL and out["keep_gathered_plan"] == "units: 0 2 4 6 + root"
         assert out["offload_diff"] < TOL and out["offload_plan"] == "units: 0 2 4 + root"
+        errors = out["errors"]
+        assert "Scale holds parameters ['w'] but has no reset_parameters()" in errors["no_reset"]
+        assert "created outside ShardedStrategy.scope()" in errors["outside_run"]
+        assert "was not created in the scope of ShardedStrategy" in errors["outside_fit"]
         assert out["bf16_diff"] < 5e-2 and out["bf16_dtype"] == "torch.float32"  # master weights fp32
     assert outs[0]["bytes"] < outs[0]["reference_bytes"] * 0.6
 
