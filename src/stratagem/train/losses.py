@@ -22,8 +22,9 @@ nothing is nan), but its (empty) outputs stay in the graph so gradients are stil
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import copy
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,16 +60,20 @@ def check_loss_fn(loss_fn: LossFn) -> None:
             )
 
 
-@contextlib.contextmanager
-def _no_reduction(loss_fn: LossFn) -> Iterator[None]:
-    if isinstance(loss_fn, nn.Module) and getattr(loss_fn, "reduction", None) == "mean":
-        setattr(loss_fn, "reduction", "none")  # noqa: B010 - nn.Module types attributes as tensors
-        try:
-            yield
-        finally:
-            setattr(loss_fn, "reduction", "mean")  # noqa: B010
-    else:
-        yield
+_UNREDUCED: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def _unreduced(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` giving one loss per example: for a loss module with ``reduction="mean"``, a
+    shallow copy with ``reduction="none"`` (made once, sharing its weights), else itself."""
+    if not isinstance(loss_fn, nn.Module) or getattr(loss_fn, "reduction", None) != "mean":
+        return loss_fn
+    copy_ = _UNREDUCED.get(loss_fn)
+    if copy_ is None:
+        copy_ = copy.copy(loss_fn)
+        setattr(copy_, "reduction", "none")  # noqa: B010 - nn.Module types attributes as tensors
+        _UNREDUCED[loss_fn] = copy_
+    return copy_
 
 
 def _zero_connected(outputs: Any, n: int) -> torch.Tensor:
@@ -97,8 +102,7 @@ def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
     n = batch_size(y, outputs)
     if n == 0:
         return _zero_connected(outputs, 0)
-    with _no_reduction(loss_fn):
-        loss = loss_fn(outputs, y)
+    loss = _unreduced(loss_fn)(outputs, y)
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss_fn returned {type(loss).__name__}; it must return a tensor")
     if loss.dim() == 0:
