@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from stratagem.data import AUTOTUNE, Dataset, MapFunctionError, assert_resumes_exactly
+from stratagem.data import (
+    AUTOTUNE,
+    Dataset,
+    MapFunctionError,
+    assert_resumes_exactly,
+    auto_shard,
+)
 from stratagem.data import batch_workers as bw
 from stratagem.data.testing import to_plain
 
@@ -62,6 +68,35 @@ def test_elements_made_after_the_fork_travel_through_shared_memory():
                 .batch(7))
     assert _uses_batch_workers(make(True))
     assert _plain(make(True)) == _plain(make(None))
+
+
+def sharded(p):
+    return auto_shard(eh.images(p, batch=3), 3, 1)  # DATA policy: shard(3, 1) before batch
+
+
+def shard_between_maps(p):
+    return (D.from_tensor_slices((eh.IMAGES, torch.arange(40)))
+            .map(eh.augment, num_parallel_calls=2 if p else None, use_processes=p,
+                 with_rng=True, seed=1)
+            .shard(2, 1).map(eh.jitter, with_rng=True, seed=2).batch(4))
+
+
+def fails_where_dropped(p):
+    return (D.range(20).map(functools.partial(helpers.fail_on, 3), num_parallel_calls=2
+                            if p else None, use_processes=p).shard(2, 0).batch(2))
+
+
+@pytest.mark.timeout(60)
+def test_sharded_batches_stay_in_the_workers():
+    assert _uses_batch_workers(sharded(True)) and _uses_batch_workers(shard_between_maps(True))
+    assert _plain(sharded(True)) == _plain(sharded(None))
+    assert len(_plain(sharded(True))) == 5  # 13 of 40 elements kept, batches of 3
+    assert _plain(shard_between_maps(True)) == _plain(shard_between_maps(None))
+    assert_resumes_exactly(functools.partial(shard_between_maps, True), ks=[0, 2, 4])
+    # an element the shard drops is still computed (and fails), as in the sequential pipeline
+    for p in (None, True):
+        with pytest.raises(MapFunctionError, match="element 3 of map"):
+            list(fails_where_dropped(p))
 
 
 @pytest.mark.timeout(60)

@@ -33,7 +33,7 @@ from stratagem.data.autotune import STAGE_SHARE
 from stratagem.data.functions import call, element_rng, failure, function_name
 from stratagem.data.iterator import Context, StatefulIterator
 from stratagem.data.prefetch import PipelineClosed
-from stratagem.data.transforms import MapDataset
+from stratagem.data.transforms import MapDataset, ShardDataset
 
 if TYPE_CHECKING:
     from stratagem.data.batching import BatchDataset
@@ -62,27 +62,41 @@ class Stage:
 
 
 @dataclasses.dataclass(frozen=True)
+class Keep:
+    """A ``shard(n, i)`` step: keeps the elements at positions ``p % n == i``."""
+
+    n: int
+    i: int
+
+    def __call__(self, pos: int) -> bool:
+        return pos % self.n == self.i
+
+
+@dataclasses.dataclass(frozen=True)
 class Segment:
-    """parallel map -> element-wise maps -> batch: what one worker task runs."""
+    """parallel map -> maps and shards -> batch: what one worker task runs. (A shard keeps a
+    known share of positions, so the main process can still cut the input into batches.)"""
 
     pm: ParallelMapDataset
-    steps: tuple[MapDataset, ...]  # in application order
+    steps: tuple[MapDataset | ShardDataset, ...]  # in application order
     batch: BatchDataset
 
     def describe(self) -> str:
         names = [f"{self.pm._name}({function_name(self.pm._fn)})"]
-        names += [f"{s._name}({function_name(s._fn)})" for s in self.steps]
+        names += [f"shard({s._num_shards}, {s._index})" if isinstance(s, ShardDataset)
+                  else f"{s._name}({function_name(s._fn)})" for s in self.steps]
         kind = "padded_batch" if self.batch._padded else "batch"
         return " -> ".join([*names, f"{kind}({self.batch.batch_size})"])
 
 
 def find_segment(batch: BatchDataset) -> Segment | None:
-    """The segment ending at ``batch``, if a parallel map feeds it through 1:1 maps only."""
+    """The segment ending at ``batch``, if a parallel map feeds it through sequential maps
+    and shards only (auto-shard's DATA policy puts a shard right before the batch)."""
     from stratagem.data.parallel import ParallelMapDataset
 
-    steps: list[MapDataset] = []
+    steps: list[MapDataset | ShardDataset] = []
     node = batch._inputs[0]
-    while isinstance(node, MapDataset):
+    while isinstance(node, MapDataset | ShardDataset):
         steps.append(node)
         node = node._inputs[0]
     if not isinstance(node, ParallelMapDataset):
@@ -103,7 +117,7 @@ def _send(conn: Any, msg: Any) -> None:
 
 
 def _worker_main(
-    conn: Any, stages: list[Stage], batch: BatchDataset, sources: sharedmem.Sources,
+    conn: Any, stages: list[Any], batch: BatchDataset, sources: sharedmem.Sources,
     initial: list[sharedmem.Arena], close: list[int],
 ) -> None:
     from stratagem.data.parallel import _portable_error
@@ -132,15 +146,24 @@ def _worker_main(
         elements = sharedmem.read_inputs(skel, descs, inputs.get(aid), sources)
         outs = []
         error = None
+        q = list(qs)  # each step's position counter, as in the sequential pipeline
         for i, x in enumerate(elements):
-            stage = 0
+            stage, pos = 0, positions[i]
             try:
-                y = stages[0](x, positions[i])
+                y = stages[0](x, pos)
                 for stage in range(1, len(stages)):
-                    y = stages[stage](y, qs[stage - 1] + i)
-                outs.append(y)
+                    pos = q[stage - 1]
+                    q[stage - 1] += 1
+                    step = stages[stage]
+                    if isinstance(step, Keep):
+                        if not step(pos):
+                            break
+                    else:
+                        y = step(y, pos)
+                else:
+                    outs.append(y)
             except Exception as e:
-                error = ("error", tid, i, stage, *_portable_error(e))
+                error = ("error", tid, stage, pos, *_portable_error(e))
                 break
         del elements
         if error is not None or not collate:
@@ -231,7 +254,7 @@ class ArenaPool:
     zeroed pages for every batch (which costs as much as stacking the batch)."""
 
     def __init__(self, cap_bytes: int) -> None:
-        self.cap, self.lock = cap_bytes, threading.Lock()
+        self.cap, self.lock = cap_bytes, threading.RLock()  # finalizers may re-enter
         self.free: list[sharedmem.Arena] = []
 
     def put(self, arena: sharedmem.Arena) -> None:
@@ -256,7 +279,7 @@ class _Worker:
         self.released: collections.deque[int] = collections.deque()  # to send to the worker
         self.tasks = 0
         self.stopped = False
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a finalizer may run on_release inside a locked call
 
     def handed_out(self, arena_id: int) -> None:
         with self.lock:
@@ -268,15 +291,19 @@ class _Worker:
             self.busy.discard(arena_id)
             if not self.stopped:
                 self.released.append(arena_id)
-            elif arena_id in self.outputs:
-                self.pool.put(self.outputs.pop(arena_id))
+            else:
+                arena = self.outputs.pop(arena_id, None)
+                if arena is not None:
+                    self.pool.put(arena)
 
     def stop(self) -> None:
         """After the process ended: its free arenas go to the pool, the busy ones later."""
         with self.lock:
             self.stopped = True
             for aid in [a for a in self.outputs if a not in self.busy]:
-                self.pool.put(self.outputs.pop(aid))
+                arena = self.outputs.pop(aid, None)
+                if arena is not None:
+                    self.pool.put(arena)
 
 
 class BatchWorkersIterator(StatefulIterator):
@@ -292,8 +319,9 @@ class BatchWorkersIterator(StatefulIterator):
         pm_ctx = c.child(0)
         step_ctxs.reverse()
         pm = segment.pm
-        self.stages = [Stage(pm._fn, pm._with_rng, pm._seed, pm._name, pm_ctx)] + [
-            Stage(s._fn, s._with_rng, s._seed, s._name, sc)
+        self.stages: list[Any] = [Stage(pm._fn, pm._with_rng, pm._seed, pm._name, pm_ctx)] + [
+            Keep(s._num_shards, s._index) if isinstance(s, ShardDataset)
+            else Stage(s._fn, s._with_rng, s._seed, s._name, sc)
             for s, sc in zip(segment.steps, step_ctxs)
         ]
         self.child = pm._inputs[0]._make_iterator(pm_ctx.child(0))
@@ -316,7 +344,7 @@ class BatchWorkersIterator(StatefulIterator):
         self.q = [0] * len(segment.steps)
         self.input_done = False
         self.closed = False
-        self.lock = threading.Lock()  # close() may come from another thread
+        self.lock = threading.RLock()  # close() may come from another thread or a finalizer
 
     # -- workers -------------------------------------------------------------------
     def _start(self) -> None:
@@ -346,10 +374,12 @@ class BatchWorkersIterator(StatefulIterator):
     # -- feeding -------------------------------------------------------------------
     def _read(self) -> _Task | None:
         task = _Task(self.next_tid)
+        task.qs = list(self.q)
         elements: list[Any] = []
+        kept = 0
         size = self.seg.batch.batch_size
         try:
-            while len(elements) < size:
+            while kept < size:
                 snap = self.child.state_dict() if not elements else None
                 try:
                     x = next(self.child)
@@ -367,6 +397,7 @@ class BatchWorkersIterator(StatefulIterator):
                     task.snap = snap
                 elements.append(x)
                 task.positions.append(p)
+                kept += self._advance()
         except PipelineClosed:
             raise
         except Exception as e:  # the input failed: raise it where the sequential one would
@@ -377,16 +408,24 @@ class BatchWorkersIterator(StatefulIterator):
         if not elements and task.error_after is None:
             return None
         self.next_tid += 1
-        task.qs = list(self.q)
-        self.q = [q + len(elements) for q in self.q]
-        task.collate = task.error_after is None and not (
-            self.seg.batch.drop_remainder and len(elements) < size
+        task.collate = task.error_after is None and kept > 0 and not (
+            self.seg.batch.drop_remainder and kept < size
         )
         if elements:
             self._send(task, elements)
         else:
             task.result = ("done", task.id, None, None, None, [])
         return task
+
+    def _advance(self) -> bool:
+        """One more element enters the steps: their position counters move as in the
+        sequential pipeline; whether it reaches the batch (shards may drop it)."""
+        for k, step in enumerate(self.stages[1:]):
+            pos = self.q[k]
+            self.q[k] += 1
+            if isinstance(step, Keep) and not step(pos):
+                return False
+        return True
 
     def _send(self, task: _Task, elements: list[Any]) -> None:
         if not self.workers:
@@ -499,15 +538,14 @@ class BatchWorkersIterator(StatefulIterator):
     def _batch(self, task: _Task) -> Any:
         msg = task.result
         if msg[0] == "error":
-            _, _, i, stage, exc, tb = msg
+            _, _, stage, pos, exc, tb = msg
             from stratagem.data.parallel import _RemoteTraceback
 
             exc.__cause__ = _RemoteTraceback(tb)
             self.close()
-            if i is None:  # collate failed (e.g. shapes that do not stack)
+            if stage is None:  # collate failed (e.g. shapes that do not stack)
                 raise exc
             st = self.stages[stage]
-            pos = task.positions[i] if stage == 0 else task.qs[stage - 1] + i
             raise failure(st.name, st.fn, pos, exc) from exc
         if task.error_after is not None:
             self.close()
