@@ -16,25 +16,9 @@ import torch
 from stratagem.data.dataset import Dataset
 from stratagem.data.iterator import Context, StatefulIterator
 from stratagem.data.sources import _IndexIterator
-from stratagem.data.structure import flatten, map_structure, pack_as
+from stratagem.data.structure import flatten, from_json, map_structure, pack_as, to_json
 
 _INDEX = "index.json"
-
-
-def _skeleton_json(element: Any) -> Any:
-    if isinstance(element, tuple):
-        return {"tuple": [_skeleton_json(e) for e in element]}
-    if isinstance(element, dict):
-        return {"dict": {str(k): _skeleton_json(element[k]) for k in sorted(element)}}
-    return None
-
-
-def _skeleton_from_json(obj: Any) -> Any:
-    if obj is None:
-        return None
-    if "tuple" in obj:
-        return tuple(_skeleton_from_json(e) for e in obj["tuple"])
-    return {k: _skeleton_from_json(v) for k, v in obj["dict"].items()}
 
 
 def _encode(leaf: Any) -> tuple[np.ndarray, str]:
@@ -111,7 +95,7 @@ class _FileReader(_ListReader):
     def __init__(self, path: str) -> None:
         self.npz = np.load(path, allow_pickle=False)
         index = json.loads(bytes(self.npz[_INDEX.removesuffix(".json")]).decode())
-        self.skeleton = _skeleton_from_json(index["skeleton"])
+        self.skeleton = from_json(index["skeleton"])
         self.kinds = index["kinds"]
         super().__init__(int(index["count"]), self._element)
 
@@ -139,7 +123,7 @@ class _CacheWriter(StatefulIterator):
         if self.zip is None:
             self.tmp = f"{self.ds._filename}.tmp-{secrets.token_hex(4)}"
             self.zip = zipfile.ZipFile(self.tmp, "w", zipfile.ZIP_STORED, allowZip64=True)
-            self.skeleton = _skeleton_json(map_structure(lambda _: None, element))
+            self.skeleton = map_structure(lambda _: None, element)
         kinds = []
         for j, leaf in enumerate(flatten(element)):
             arr, kind = _encode(leaf)
@@ -157,7 +141,7 @@ class _CacheWriter(StatefulIterator):
         if self.zip is None:  # empty epoch
             self.tmp = f"{self.ds._filename}.tmp-{secrets.token_hex(4)}"
             self.zip = zipfile.ZipFile(self.tmp, "w")
-        index = {"count": self.count, "skeleton": self.skeleton, "kinds": self.kinds}
+        index = {"count": self.count, "skeleton": to_json(self.skeleton), "kinds": self.kinds}
         with self.zip.open(_INDEX.replace(".json", ".npy"), "w") as f:
             data = np.frombuffer(json.dumps(index).encode(), dtype=np.uint8)
             np.lib.format.write_array(f, data, allow_pickle=False)
