@@ -89,3 +89,48 @@ def resume_worker(directory: str, total: int, stop_after: int | None) -> dict:
         "params": {k: v.clone() for k, v in model.state_dict().items()},
         "opt": opt.state_dict(),
     }
+
+
+# --- portable checkpoints: the same global batches on any number of replicas ----------------------
+GLOBAL = 12  # divisible by 1, 2 and 3 replicas
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL, 4, generator=g)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def portable_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def portable_train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, run=None, rank=0, world=1) -> None:
+    """Adam on the mean squared error of each global batch (this replica's share of it)."""
+    per = GLOBAL // world
+    for s in steps:
+        x, y = global_batch(s)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+        def step(x, y):
+            opt.zero_grad()
+            ((model(x) - y) ** 2).sum().div(GLOBAL).backward()
+            opt.step()
+
+        (run or (lambda f, args: f(*args)))(step, (x, y))
+
+
+def portable_worker(directory: str, first: int, then: int, restore: bool) -> dict:
+    """On N replicas: restore the newest checkpoint of ``directory`` (``restore``) or start
+    fresh, train steps ``first..then`` and save at ``then``."""
+    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST, devices="cpu")
+    rank, world = strategy.extended.replica_id, strategy.num_replicas_in_sync
+    with strategy.scope():
+        model = portable_model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    manager = CheckpointManager(Checkpoint(model=model, optimizer=opt, rng=RNGState()), directory, strategy=strategy)
+    restored = manager.restore_or_initialize() if restore else None
+    portable_train(model, opt, range(first, then), lambda f, args: strategy.run(f, args=args), rank, world)
+    manager.save(then)
+    return {"restored": restored, "params": {k: v.clone() for k, v in model.state_dict().items()}}

@@ -189,6 +189,10 @@ class ModelCheckpoint(Callback):
         if self.save_freq == "epoch":
             self._save(epoch + 1, logs)
 
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self._manager is not None:
+            self._manager.close()  # training ended: the directory is no longer this run's
+
 
 class BackupAndRestore(Callback):
     """Back up the run to ``backup_dir`` so an interrupted fit resumes where it stopped.
@@ -251,12 +255,16 @@ class BackupAndRestore(Callback):
         self._backup(epoch_end=True)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        if not self.delete_checkpoint or self._manager is None:
+        if self._manager is None:
+            return
+        if not self.delete_checkpoint:
+            self._manager.close()
             return
         self.state.strategy.barrier()
         if self.is_chief:
             for path in self._manager.checkpoints:
                 shutil.rmtree(path, ignore_errors=True)
+            self._manager.close()
         self.state.strategy.barrier()
 
 

@@ -130,6 +130,12 @@ class DistributedIterator:
         self.source.load_state_dict(state["source"])
         self._checked = bool(state.get("checked", False))
 
+    @staticmethod
+    def reshard_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
+        """This replica's state from the states saved by another number of replicas: every
+        replica reads the same global batches, so any saved one is the position (exact)."""
+        return states[0]
+
     def __next__(self) -> Any:
         batch = next(self.source, _END)
         anyone, everyone = self.vote.vote(batch is not _END)

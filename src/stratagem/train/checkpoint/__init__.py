@@ -9,14 +9,24 @@ from stratagem.train.checkpoint.files import (
     verify,
     write_checkpoint,
 )
-from stratagem.train.checkpoint.manager import Checkpoint, CheckpointManager, RNGState
+from stratagem.train.checkpoint.lock import CheckpointDirectoryLockedError
+from stratagem.train.checkpoint.manager import (
+    Checkpoint,
+    CheckpointManager,
+    RNGState,
+    export_safetensors,
+    load_state_dict,
+)
 
 __all__ = [
     "FORMAT",
     "Checkpoint",
     "CheckpointCorruptError",
+    "CheckpointDirectoryLockedError",
     "CheckpointManager",
     "RNGState",
+    "export_safetensors",
+    "load_state_dict",
     "read_metadata",
     "read_part",
     "verify",

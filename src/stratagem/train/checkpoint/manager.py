@@ -41,6 +41,12 @@ from stratagem.train.checkpoint.files import (
     verify,
     write_checkpoint,
 )
+from stratagem.train.checkpoint.lock import (
+    CheckpointDirectoryLockedError,
+    WriterLock,
+    clean_leftovers,
+    writer_tag,
+)
 
 _CKPT = re.compile(r"^ckpt-(\d+)$")
 
@@ -57,6 +63,20 @@ class RNGState:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = list(torch.cuda.get_rng_state_all())
         return state
+
+    @staticmethod
+    def validate(state: Any) -> None:
+        """Raise ValueError unless ``state`` is an RNG state this process can load."""
+        try:
+            version, internal, _ = state["python"]
+            ok = isinstance(version, int) and len(internal) == 625 and all(isinstance(i, int) for i in internal)
+            ok = ok and len(state["numpy"]) == 5 and len(np.asarray(state["numpy"][1])) == 624
+            t = state["torch"]
+            ok = ok and isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == torch.get_rng_state().shape
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError("the checkpoint's RNG state is not one of python random, numpy and torch")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         version, internal, gauss = state["python"]
@@ -119,7 +139,39 @@ class Checkpoint:
         return struct, tensors
 
     def apply(self, states: dict[str, Any]) -> None:
-        """Load decoded ``states`` (every object's) into the objects."""
+        """Load decoded ``states`` (every object's) into the objects: everything is validated
+        first (keys, shapes, dtypes, structure), so a failed restore leaves the objects as they
+        were (a per-replica object whose own ``load_state_dict`` fails is put back too)."""
+        self.validate(states)
+        done: list[tuple[Any, Any]] = []
+        # objects the validation cannot see into first (rolled back on failure), then the RNG,
+        # optimizers and modules (validated fully above)
+        order = sorted(self._objects.items(), key=lambda kv: _apply_rank(kv[1]))
+        try:
+            for name, obj in order:
+                state = states[name]
+                if isinstance(obj, torch.Tensor):
+                    with torch.no_grad():
+                        obj.copy_(state)
+                elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+                    self._objects[name] = type(obj)(state)
+                elif isinstance(obj, nn.Module):
+                    obj.load_state_dict(_module_subset(obj, state), strict=False)
+                else:
+                    before = obj.state_dict() if _apply_rank(obj) == 0 else None
+                    obj.load_state_dict(state)
+                    if before is not None:
+                        done.append((obj, before))
+        except Exception:
+            for obj, before in reversed(done):
+                try:
+                    obj.load_state_dict(before)
+                except Exception:  # noqa: BLE001 - the original error matters more
+                    pass
+            raise
+
+    def validate(self, states: dict[str, Any]) -> None:
+        """Raise (naming the object and the key) unless ``states`` fits every object."""
         missing = [n for n in self._objects if n not in states]
         if missing:
             raise KeyError(
@@ -129,21 +181,95 @@ class Checkpoint:
         for name, obj in self._objects.items():
             state = states[name]
             if isinstance(obj, torch.Tensor):
-                with torch.no_grad():
-                    obj.copy_(state)
-            elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
-                self._objects[name] = type(obj)(state)
-            elif isinstance(obj, nn.Module):
-                want = set(_state_of(name, obj))
-                if set(state) != want:
-                    raise KeyError(
-                        f"the checkpoint's {name!r} has tensors {sorted(set(state) - want)[:4]} "
-                        f"this model lacks and lacks {sorted(want - set(state))[:4]}; restore "
-                        "into the same model (under a pipeline: the same stage)"
+                if not isinstance(state, torch.Tensor) or state.shape != obj.shape:
+                    raise ValueError(
+                        f"the checkpoint's {name!r} is {_describe(state)}, the live tensor has "
+                        f"shape {tuple(obj.shape)}; restore into a tensor of the same shape"
                     )
-                obj.load_state_dict(state, strict=False)
-            else:
-                obj.load_state_dict(state)
+            elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+                if isinstance(state, bool) or not isinstance(state, (int, float, torch.Tensor)):
+                    raise ValueError(f"the checkpoint's {name!r} is {_describe(state)}, not a number")
+            elif isinstance(obj, nn.Module):
+                _validate_module(name, obj, state)
+            elif isinstance(obj, torch.optim.Optimizer):
+                _validate_optimizer(name, obj, state)
+            elif isinstance(obj, RNGState):
+                RNGState.validate(state)
+
+
+def _apply_rank(obj: Any) -> int:
+    if isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.Tensor, int, float, RNGState)):
+        return 1
+    return 0
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _module_subset(module: nn.Module, state: Any) -> dict[str, Any]:
+    """The entries of ``state`` this module holds (a pipeline stage holds only its layers)."""
+    want = _state_of("", module)
+    return {k: state[k] for k in want}
+
+
+def _validate_module(name: str, module: nn.Module, state: Any) -> None:
+    if not isinstance(state, dict):
+        raise ValueError(f"the checkpoint's {name!r} is {_describe(state)}, not a module's state dict")
+    want = _state_of(name, module)
+    full = {k for k, v in module.state_dict().items()}
+    staged = len(want) < len(full)  # a pipeline stage: the other stages' layers are on meta
+    lacks = sorted(set(want) - set(state))
+    extra = [] if staged else sorted(set(state) - set(want))
+    if lacks or extra:
+        raise KeyError(
+            f"the checkpoint's {name!r} has tensors {extra[:4]} this model lacks and lacks "
+            f"{lacks[:4]}; restore into the same model (under a pipeline: the same layers)"
+        )
+    for key, live in want.items():
+        saved = state[key]
+        if not isinstance(live, torch.Tensor):
+            continue
+        if not isinstance(saved, torch.Tensor):
+            raise ValueError(f"the checkpoint's {name}.{key} is {_describe(saved)}, the model's is a tensor")
+        if saved.shape != live.shape or saved.dtype != live.dtype:
+            raise ValueError(
+                f"the checkpoint's {name}.{key} is {_describe(saved)}, the model's is "
+                f"{_describe(live)}; restore into the same model (same sizes and dtypes)"
+            )
+
+
+#: optimizer state entries that have their parameter's shape (torch's optimizers)
+_PER_PARAMETER = {
+    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+    "sum", "ax", "prev", "grad_avg", "exp_inf",
+}  # fmt: skip
+
+
+def _validate_optimizer(name: str, opt: torch.optim.Optimizer, state: Any) -> None:
+    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list) or not isinstance(state.get("state"), dict):
+        raise ValueError(f"the checkpoint's {name!r} is not an optimizer's state dict")
+    groups, saved = opt.param_groups, state["param_groups"]
+    sizes = [len(g["params"]) for g in groups]
+    saved_sizes = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in saved]
+    if sizes != saved_sizes:
+        raise ValueError(
+            f"the checkpoint's {name!r} has parameter groups of sizes {saved_sizes}, this optimizer "
+            f"{sizes}; restore into an optimizer over the same parameters"
+        )
+    params = {pid: p for g, sg in zip(groups, saved) for p, pid in zip(g["params"], sg["params"])}
+    for pid, pstate in state["state"].items():
+        if pid not in params or not isinstance(pstate, dict):
+            raise ValueError(f"the checkpoint's {name!r} has state for parameter {pid!r}, which no group lists")
+        shape = params[pid].shape
+        for key, value in pstate.items():
+            if key in _PER_PARAMETER and isinstance(value, torch.Tensor) and value.shape != shape:
+                raise ValueError(
+                    f"the checkpoint's {name!r} holds {key} of shape {tuple(value.shape)} for a "
+                    f"parameter of shape {tuple(shape)}; restore into an optimizer over the same parameters"
+                )
 
 
 # --- the manager ----------------------------------------------------------------------------------
@@ -192,6 +318,25 @@ class CheckpointManager:
         self._all_per_rank = chosen.extended.state_is_per_rank
         self._on_file_written: Callable[[str], None] | None = None  # tests: fail mid-write
 
+    # --- ownership ----------------------------------------------------------------------------
+    def _own_directory(self) -> None:
+        """On the writer: hold the directory's lock (once; a live other writer is an error)."""
+        lock = WriterLock.of(self.directory)
+        lock.acquire()
+        lock.check()
+
+    def close(self) -> None:
+        """Give the directory up now (it is given up at exit otherwise)."""
+        WriterLock.of(self.directory).release()
+
+    def _agree(self, problem: tuple[str, str]) -> None:
+        """Raise on every replica what the chief met (a lock error as itself)."""
+        kind, text = self._comm.broadcast_object(problem, 0)
+        if kind == "CheckpointDirectoryLockedError":
+            raise CheckpointDirectoryLockedError(text)
+        if kind:
+            raise RuntimeError(f"{kind}: {text}")
+
     # --- listing ------------------------------------------------------------------------------
     def _listing(self) -> list[tuple[int, Path]]:
         if not self.directory.is_dir():
@@ -199,7 +344,7 @@ class CheckpointManager:
         found = []
         for p in self.directory.iterdir():
             m = _CKPT.match(p.name)
-            if m and p.is_dir():
+            if m and p.is_dir() and not p.is_symlink():
                 found.append((int(m.group(1)), p))
         return sorted(found)
 
@@ -216,7 +361,12 @@ class CheckpointManager:
 
     # --- save ---------------------------------------------------------------------------------
     def save(self, step: int | torch.Tensor | None = None) -> str:
-        """Write a checkpoint of every replica's objects at ``step``; returns its path (everywhere)."""
+        """Write a checkpoint of every replica's objects at ``step``; returns its path (everywhere).
+
+        The chief holds the directory (``CheckpointDirectoryLockedError`` if another live job
+        does). A save that fails (disk full, an I/O error, a value that cannot be encoded) raises
+        on every replica, removes its own temporary files and leaves earlier checkpoints and
+        later saves working."""
         if step is None:
             step = self.checkpoint.objects.get("step")
         if step is None:
@@ -226,27 +376,42 @@ class CheckpointManager:
             from stratagem.train.checkpoint import sharded
 
             return sharded.save(self, step_int)
-        mine = _payload(*self.checkpoint.encode(shared=None if self._all_per_rank else False))
-        per_rank = self._comm.gather_object(mine, 0)  # to the writer only, not to everyone
-        result: tuple[str, str] = ("", "")
+        try:
+            mine: tuple[bytes, bytes] | None = _payload(
+                *self.checkpoint.encode(shared=None if self._all_per_rank else False)
+            )
+            encode_error = ""
+        except (TypeError, ValueError) as e:
+            mine, encode_error = None, f"{type(e).__name__}: {e}"
+        per_rank = self._comm.gather_object((mine, encode_error), 0)  # to the writer only
+        result: tuple[str, str, str] = ("", "", "")
         if per_rank is not None:
             try:
+                bad = [f"replica {r}: {err}" for r, (_, err) in enumerate(per_rank) if err]
+                if bad:
+                    raise TypeError(f"a state cannot be encoded ({'; '.join(bad)})")
+                self._own_directory()
                 shared = _payload(*({}, {}) if self._all_per_rank else self.checkpoint.encode(shared=True))
                 path = write_checkpoint(
-                    self.directory, step_int, shared, per_rank, on_file_written=self._on_file_written
-                )
+                    self.directory, step_int, shared, [m for m, _ in per_rank],  # type: ignore[misc]
+                    on_file_written=self._on_file_written, writer=writer_tag(),
+                )  # fmt: skip
                 self._prune()
-                result = (str(path), "")
+                result = (str(path), "", "")
             except Exception as e:  # noqa: BLE001 - sent to every replica below
-                result = ("", f"{type(e).__name__}: {e}")
+                result = ("", type(e).__name__, f"{e}")
         result = self._comm.broadcast_object(result, 0)
+        if result[1] == "CheckpointDirectoryLockedError":
+            raise CheckpointDirectoryLockedError(result[2])
         if result[1]:
-            raise RuntimeError(f"the chief could not write the checkpoint at step {step_int}: {result[1]}")
+            raise RuntimeError(
+                f"the chief could not write the checkpoint at step {step_int} in {self.directory}: "
+                f"{result[1]}: {result[2]} (earlier checkpoints are intact; nothing of this save was left)"
+            )
         return result[0]
 
     def _prune(self) -> None:
-        for p in self.directory.glob(".tmp-ckpt-*"):  # left by a writer that died
-            shutil.rmtree(p, ignore_errors=True)
+        clean_leftovers(self.directory)  # only what dead writers of this host left
         if self.max_to_keep is None:
             return
         items = self._listing()
@@ -255,10 +420,12 @@ class CheckpointManager:
 
     # --- restore ------------------------------------------------------------------------------
     def _load(self, path: Path) -> None:
-        """Load on every replica; a failure on any one is raised on all (no one waits alone)."""
+        """Read and validate on every replica; assign only when every replica's validation
+        passed (a failure on any one is raised on all, and no replica's objects change)."""
         problem = ""
+        apply: Callable[[], None] | None = None
         try:
-            self._load_here(path)
+            apply = self._prepare(path)
         except Exception as e:  # noqa: BLE001 - agreed on below, then raised everywhere
             problem = f"{type(e).__name__}: {e}"
             error: Exception = e
@@ -267,27 +434,27 @@ class CheckpointManager:
             raise error
         failed = [f"replica {r}: {p}" for r, p in enumerate(problems) if p]
         if failed:
-            raise RuntimeError(f"restoring {path} failed on other replicas ({'; '.join(failed)})")
+            raise RuntimeError(f"restoring {path} failed on other replicas ({'; '.join(failed)}); nothing was changed")
+        assert apply is not None
+        apply()
 
-    def _load_here(self, path: Path) -> None:
+    def _prepare(self, path: Path) -> Callable[[], None]:
+        """Read this replica's states from ``path`` and validate them; returns the assignment."""
         meta = read_metadata(path)
         if "sharded" in meta:  # issue 14 hook: a sharded checkpoint (train/checkpoint/sharded.py)
             from stratagem.train.checkpoint import sharded
 
-            return sharded.load(self, path, meta)
-        rank, world = self._comm.rank, self._comm.world_size
-        if meta["world_size"] != world:
-            raise ValueError(
-                f"checkpoint {path} was written by {meta['world_size']} replicas; this job has "
-                f"{world}. Per-replica state (RNG, data iterators) cannot be mapped; restore with "
-                f"{meta['world_size']} replicas"
-            )
-        states = read_part(path, "shared", meta)
-        states.update(read_part(path, f"rank-{rank}", meta))
-        self.checkpoint.apply(states)
+            return lambda: sharded.load(self, path, meta)
+        states = portable_states(path, meta, self.checkpoint, self._comm.rank, self._comm.world_size)
+        self.checkpoint.validate(states)
+        return lambda: self.checkpoint.apply(states)
 
     def restore(self, path: str | os.PathLike[str]) -> None:
-        """Load the checkpoint at ``path`` into the objects (every replica; verified first)."""
+        """Load the checkpoint at ``path`` into the objects (every replica; verified first).
+
+        A checkpoint written under any strategy and number of replicas restores here: modules
+        and optimizers always (a pipeline's stages are joined; a stage takes its layers), the
+        per-replica objects as ``portable_states`` says."""
         p = Path(path)
         problem: tuple[str, str] = ("", "")
         if self._comm.rank == 0:
@@ -304,11 +471,17 @@ class CheckpointManager:
         self._comm.barrier()
 
     def restore_or_initialize(self) -> str | None:
-        """Restore the newest checkpoint that verifies (skipping corrupt ones with a warning);
-        None, leaving the objects as they are, when there is none."""
+        """Take the directory as this job's (the chief holds its lock), restore the newest
+        checkpoint that verifies (skipping corrupt ones with a warning); None, leaving the
+        objects as they are, when there is none."""
         chosen = ""
+        problem: tuple[str, str] = ("", "")
         if self._comm.rank == 0:
-            for _, p in reversed(self._listing()):
+            try:
+                self._own_directory()
+            except (CheckpointDirectoryLockedError, OSError) as e:
+                problem = (type(e).__name__, str(e))
+            for _, p in reversed(self._listing()) if not problem[0] else []:
                 try:
                     verify(p)
                 except CheckpointCorruptError as e:
@@ -316,9 +489,132 @@ class CheckpointManager:
                     continue
                 chosen = str(p)
                 break
+        self._agree(problem)
         chosen = self._comm.broadcast_object(chosen, 0)
         if not chosen:
             return None
         self._load(Path(chosen))
         self._comm.barrier()
         return chosen
+
+
+# --- portability: any checkpoint into any job ------------------------------------------------------
+def portable_states(
+    path: Path, meta: dict[str, Any], checkpoint: Checkpoint, rank: int, world: int
+) -> dict[str, Any]:
+    """The state of every object of ``checkpoint`` for replica ``rank`` of ``world``, from a
+    checkpoint written by ``meta["world_size"]`` processes under any strategy.
+
+    - Modules, optimizers, tensors and numbers saved once (data-parallel: mirrored) load as saved.
+    - A module saved per process (pipeline stages) is joined from every stage; each module then
+      takes the layers it holds (an unsplit model all of them, a stage its own), so pipeline ->
+      unsplit, unsplit -> pipeline and other stage boundaries all work. An optimizer saved per
+      stage loads only into the same number of processes (its state is per stage).
+    - With the same number of replicas, per-replica objects (RNG, data iterators) load exactly.
+      With another number: ``RNGState`` of replica ``r`` loads the saved replica ``r``'s streams
+      (replicas beyond the saved ones keep theirs, with a warning); an object whose class has
+      ``reshard_state(states, rank, world)`` (a ``DistributedIterator``: every replica reads the
+      same global batches, so the position carries over exactly) gets what it returns; any other
+      per-replica object is an error naming it (leave it out of the Checkpoint to restore the
+      rest).
+    """
+    saved_world = int(meta["world_size"])
+    shared = read_part(path, "shared", meta)
+    parts: dict[int, dict[str, Any]] = {}
+
+    def part(r: int) -> dict[str, Any]:
+        if r not in parts:
+            parts[r] = read_part(path, f"rank-{r}", meta)
+        return parts[r]
+
+    same = saved_world == world
+    states: dict[str, Any] = {}
+    skipped_rng: list[str] = []
+    for name, obj in checkpoint.objects.items():
+        if name in shared:
+            states[name] = shared[name]
+            continue
+        if same and name in part(rank) and not isinstance(obj, nn.Module):
+            states[name] = part(rank)[name]
+            continue
+        present = [r for r in range(saved_world) if name in part(r)]
+        if not present:
+            continue  # reported by validate: no state for it
+        if isinstance(obj, nn.Module):
+            joined: dict[str, Any] = {}
+            for r in present:
+                for k, v in part(r)[name].items():
+                    joined.setdefault(k, v)
+            states[name] = joined
+        elif isinstance(obj, RNGState):
+            if rank < saved_world:
+                states[name] = part(rank)[name]
+            else:
+                skipped_rng.append(name)
+        elif hasattr(type(obj), "reshard_state"):
+            states[name] = type(obj).reshard_state([part(r)[name] for r in present], rank, world)
+        else:
+            what = "an optimizer of a pipeline stage" if isinstance(obj, torch.optim.Optimizer) else f"a {type(obj).__name__}"
+            raise ValueError(
+                f"checkpoint {path} was written by {saved_world} processes; this job has {world}. "
+                f"{name!r} ({what}) is per-process state that cannot be mapped to another number "
+                f"of processes: restore with {saved_world}, or leave {name!r} out of the Checkpoint "
+                "(modules and mirrored optimizers restore into any number)"
+            )
+    for name in skipped_rng:  # this replica keeps its own streams (loading them is a no-op)
+        warnings.warn(
+            f"checkpoint {path} has the RNG streams of {saved_world} replicas; replica {rank} of "
+            f"{world} keeps its own {name!r}",
+            stacklevel=3,
+        )
+        states[name] = checkpoint.objects[name].state_dict()
+    return states
+
+
+def _resolve(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint (``ckpt-<step>``), or a manager's directory (its newest that verifies)."""
+    p = Path(path)
+    if (p / "metadata.json").exists() or _CKPT.match(p.name):
+        return p
+    found = sorted(
+        (int(m.group(1)), q) for q in (p.iterdir() if p.is_dir() else []) if (m := _CKPT.match(q.name)) and q.is_dir()
+    )
+    for _, q in reversed(found):
+        try:
+            verify(q)
+        except CheckpointCorruptError:
+            continue
+        return q
+    raise FileNotFoundError(f"{p} holds no checkpoint that verifies (expected ckpt-<step> directories)")
+
+
+def load_state_dict(path: str | os.PathLike[str], name: str = "model") -> dict[str, torch.Tensor]:
+    """The ordinary ``state_dict`` of the module saved as ``name``, for ``module.load_state_dict``.
+
+    ``path`` is a checkpoint or a CheckpointManager's directory (its newest that verifies). Needs
+    no strategy and no process group; a pipeline's stages are joined into the whole model."""
+    ckpt = _resolve(path)
+    meta = verify(ckpt)
+    shared = read_part(ckpt, "shared", meta)
+    if name in shared:
+        state = shared[name]
+    else:
+        state = {}
+        for r in range(int(meta["world_size"])):
+            for k, v in read_part(ckpt, f"rank-{r}", meta).get(name, {}).items():
+                state.setdefault(k, v)
+        if not state:
+            names = sorted(shared) + sorted(read_part(ckpt, "rank-0", meta))
+            raise KeyError(f"checkpoint {ckpt} has no {name!r} (it has {sorted(set(names))})")
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise TypeError(f"{name!r} in checkpoint {ckpt} is not a module's state dict")
+    return dict(state)
+
+
+def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str], name: str = "model") -> str:
+    """Write the weights of the module saved as ``name`` to one plain ``.safetensors`` file."""
+    import safetensors.torch
+
+    state = {k: v.contiguous() for k, v in load_state_dict(path, name).items()}
+    safetensors.torch.save_file(state, os.fspath(out))
+    return os.fspath(out)
