@@ -149,6 +149,12 @@ def two_processes(tmp: str) -> dict[str, Any]:
         fo2 = make_adam(fm2.parameters())
     step2 = torch.tensor(0)
     m2 = stratagem.CheckpointManager(stratagem.Checkpoint(model=fm2, optimizer=fo2, step=step2, rng=stratagem.RNGState()), ckdir)
+    # an optimizer saved before its first step stays without state (its next update unchanged)
+    with s.scope():
+        fresh_model = make_mlp()
+        fresh_opt = make_adam(fresh_model.parameters())
+    stratagem.CheckpointManager(stratagem.Checkpoint(model=fresh_model, optimizer=fresh_opt), Path(tmp, "fresh")).save(0)
+    out["fresh_state_after_save"] = len(fresh_opt.state)
     out["restored_from"] = Path(m2.restore_or_initialize() or "").name
     out["restored_step"] = int(step2)
     out["restored_diff"] = max(max_diff(full_state(fm2), full_state(fm)).values())

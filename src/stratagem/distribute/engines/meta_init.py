@@ -90,11 +90,12 @@ class MetaCapture:
     def roots(self, modules: list[nn.Module]) -> list[nn.Module]:
         """The outermost modules holding ``modules`` (those no module built in the scope
         registered as a child), in the order they were first seen."""
-        roots: list[nn.Module] = []
+        roots: dict[int, nn.Module] = {}
         for m in [*self._parents_in_order(), *modules]:
-            if m not in self._children and not any(m is r for r in roots):
-                roots.append(m)
-        return [r for r in roots if any(any(m is sub for sub in r.modules()) for m in modules)]
+            if m not in self._children:
+                roots.setdefault(id(m), m)
+        wanted = {id(m) for m in modules}
+        return [r for r in roots.values() if any(id(sub) in wanted for sub in r.modules())]
 
     def _parents_in_order(self) -> list[nn.Module]:
         return [m for m in (r() for r in self._parents) if m is not None]

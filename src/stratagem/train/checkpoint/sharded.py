@@ -118,7 +118,12 @@ def save(manager: CheckpointManager, step: int) -> str:
     problems = comm.all_gather_object(problem)
     if any(problems):
         raise RuntimeError(f"could not create {tmp}: {next(p for p in problems if p)}")
+    # torch initialises an optimizer that has not stepped by stepping it with zero gradients;
+    # put it back (and say so in the metadata), so saving does not change its next update
+    fresh = sorted(n for n, (o, _) in optims.items() if not o.state)
     dcp.save(_dcp_state(modules, optims), checkpoint_id=str(tmp / "sharded"))
+    for n in fresh:
+        optims[n][0].state.clear()
     mine = {n: o for n, o in rest.items() if _is_per_rank(o)}
     struct, tensors = _encode(mine)
     _write(tmp / f"rank-{rank}.json", struct)
@@ -140,7 +145,11 @@ def save(manager: CheckpointManager, step: int) -> str:
                 "step": step,
                 "world_size": world,
                 "files": listing,
-                "sharded": {"modules": sorted(modules), "optimizers": {n: mn for n, (_, mn) in optims.items()}},
+                "sharded": {
+                    "modules": sorted(modules),
+                    "optimizers": {n: mn for n, (_, mn) in optims.items()},
+                    "fresh_optimizers": fresh,
+                },
             }
             _write(tmp / "metadata.json", json.dumps({**body, "sha256": _sha256(_canonical(body))}, indent=1).encode())
             _fsync_dir(tmp)
@@ -194,6 +203,8 @@ def load(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> None:
         set_model_state_dict(m, state[n])
     for n, (o, mn) in optims.items():
         set_optimizer_state_dict(modules[mn], o, state[n])
+        if n in saved.get("fresh_optimizers", ()):
+            o.state.clear()  # saved before its first step: it has none
     if not rest:
         return
     states = read_part(path, "shared", meta)
