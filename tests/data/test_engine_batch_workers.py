@@ -202,7 +202,7 @@ def test_autotune_picks_processes_for_python_and_threads_for_gil_free(caplog):
 def test_dropped_batches_give_their_shared_memory_back_for_the_next_epoch():
     ds = eh.images(True, batch=4)
     first = _plain(ds)
-    pool = ds._arena_pool
+    pool = bw.arena_pool(ds)
     pooled = list(pool.free)
     assert pooled, "the first epoch's arenas are kept for the next one"
     kept = next(iter(ds.iterator(epoch=0, seed=5)))  # held by the test: not reusable

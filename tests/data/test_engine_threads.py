@@ -50,3 +50,14 @@ def test_engine_decision_table():
     assert decide(1.3, 1.6, 2) == "threads"  # scales as far as the shared machine allows
     assert decide(1.0, 1.1, 2) == "processes"  # machine too busy to tell: the safe choice
     assert decide(3.1, 4.0, 4) == "threads" and decide(1.2, 3.9, 4) == "processes"
+
+
+@pytest.mark.timeout(60)
+def test_stacked_autotune_maps_measure_one_inside_the_other():
+    import engine_helpers as eh
+
+    from stratagem.data import AUTOTUNE
+
+    ds = (Dataset.range(24).map(eh.py_work, num_parallel_calls=AUTOTUNE)
+          .map(eh.sleepy, num_parallel_calls=AUTOTUNE).batch(5))
+    assert [int(x) for b in ds for x in b] == [eh.py_work(i) for i in range(24)]

@@ -24,6 +24,7 @@ import functools
 import os
 import pickle
 import threading
+import weakref
 from multiprocessing import connection
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -268,6 +269,20 @@ class ArenaPool:
             return free
 
 
+_pools: weakref.WeakKeyDictionary[Any, ArenaPool] = weakref.WeakKeyDictionary()
+_pools_lock = threading.Lock()
+
+
+def arena_pool(batch: BatchDataset, cap_bytes: int = 0) -> ArenaPool:
+    """The pool of free arenas of this ``batch`` node (kept while the node lives; not an
+    attribute, so the plan stays picklable)."""
+    with _pools_lock:
+        pool = _pools.get(batch)
+        if pool is None:
+            pool = _pools[batch] = ArenaPool(cap_bytes)
+        return pool
+
+
 class _Worker:
     def __init__(self, index: int, proc: Any, conn: Any, pool: ArenaPool,
                  initial: list[sharedmem.Arena]) -> None:
@@ -332,8 +347,7 @@ class BatchWorkersIterator(StatefulIterator):
         self.in_order = deterministic or bool(segment.steps)
         self.nworkers = max(1, workers)
         self.budget = options.resolved_ram_budget // STAGE_SHARE
-        self.pool: ArenaPool = segment.batch.__dict__.setdefault(
-            "_arena_pool", ArenaPool(options.resolved_ram_budget // 2))
+        self.pool = arena_pool(segment.batch, options.resolved_ram_budget // 2)
         self.batch_bytes = 0
         self.workers: list[_Worker] = []
         self.sources: sharedmem.Sources | None = None

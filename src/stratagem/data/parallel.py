@@ -42,6 +42,7 @@ from stratagem.data.structure import flatten, map_structure, nbytes, pack_as
 
 CHUNK_SECONDS = 0.02  # target work per process-pool task
 MAX_CHUNK = 64  # most elements per process-pool task
+_engine_lock = threading.RLock()  # one AUTOTUNE measurement at a time (they nest)
 SNAP_EVERY = 16  # input state saved before every 16th element (a restore replays <= 15)
 
 
@@ -90,11 +91,10 @@ class ParallelMapDataset(Dataset):
             None if use_processes is None and self._n == AUTOTUNE
             else "processes" if use_processes else "threads"
         )
-        self._engine_lock = threading.Lock()
 
     def engine(self, ctx: Context) -> str:
         """"threads" or "processes": as asked, else measured once (AUTOTUNE) and logged."""
-        with self._engine_lock:
+        with _engine_lock:  # not an attribute: the plan stays picklable
             if self._engine is None:
                 self._engine = choose_engine(self, ctx)
             return self._engine
