@@ -149,6 +149,16 @@ def two_processes(tmp: str) -> dict[str, Any]:
         fo2 = make_adam(fm2.parameters())
     step2 = torch.tensor(0)
     m2 = stratagem.CheckpointManager(stratagem.Checkpoint(model=fm2, optimizer=fo2, step=step2, rng=stratagem.RNGState()), ckdir)
+    # the sharded checkpoint restores into another strategy: a mirrored model and optimizer
+    mirrored = stratagem.MirroredStrategy()
+    torch.manual_seed(99)
+    with mirrored.scope():
+        mm = make_mlp()
+        mo = make_adam(mm.parameters())
+    stratagem.CheckpointManager(stratagem.Checkpoint(model=mm, optimizer=mo), ckdir).restore(path)
+    out["mirrored_restored_diff"] = max(max_diff(mm.state_dict(), full_state(fm)).values())
+    out["mirrored_adam_steps"] = sorted({int(st["step"]) for st in mo.state.values()})
+
     # an optimizer saved before its first step stays without state (its next update unchanged)
     with s.scope():
         fresh_model = make_mlp()
