@@ -26,6 +26,7 @@ import torch
 
 from stratagem.comm.buckets import Bucket, ParamSpec, plan_buckets
 from stratagem.comm.communicator import Communicator
+from stratagem.comm.eager import eager_hooks, eager_only
 
 
 def param_specs(params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> list[ParamSpec]:
@@ -92,34 +93,43 @@ class GradientReducer:
         rec = self._reduced.get(i)
         return g is not None and rec is not None and rec[0]() is g and g._version == rec[1]
 
+    # The hooks only call one method each: under stratagem.function the autograd engine runs them
+    # while dynamo watches new frames; their code is skipped and the methods run eagerly
+    # (comm.eager), else dynamo would trace and specialise them once per parameter index.
     def _pre_hook(self, i: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            # before this backward's gradient is accumulated: an already reduced .grad (no
-            # zero_grad since the last step) is set aside, so only the new part is reduced
-            p = self.params[i]
-            if self._is_reduced(i, p.grad):
-                assert p.grad is not None
-                self._prev[i] = p.grad
-                p.grad = None
+            self._before_accumulate(i)
 
         return hook
 
     def _hook(self, i: int) -> Any:
         def hook(param: torch.Tensor) -> None:
-            if not self.enabled:
-                return
-            if not self._armed:
-                if self.armed is not None and not self.armed():
-                    return
-                self._armed = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            if i in self._touched:
-                return
-            self._touched.add(i)
-            self._ready[self._bucket_of[i]] += 1
-            self._launch_ready()
+            self._accumulated(i)
 
         return hook
+
+    def _before_accumulate(self, i: int) -> None:
+        # before this backward's gradient is accumulated: an already reduced .grad (no
+        # zero_grad since the last step) is set aside, so only the new part is reduced
+        p = self.params[i]
+        if self._is_reduced(i, p.grad):
+            assert p.grad is not None
+            self._prev[i] = p.grad
+            p.grad = None
+
+    def _accumulated(self, i: int) -> None:
+        if not self.enabled:
+            return
+        if not self._armed:
+            if self.armed is not None and not self.armed():
+                return
+            self._armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if i in self._touched:
+            return
+        self._touched.add(i)
+        self._ready[self._bucket_of[i]] += 1
+        self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets):
@@ -192,3 +202,7 @@ class GradientReducer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+eager_only(GradientReducer, ["_before_accumulate", "_accumulated", "_finalize"])
+eager_hooks(GradientReducer, ["_pre_hook", "_hook"])

@@ -3,17 +3,62 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
+log = logging.getLogger("stratagem.function")
+
+
+def _guard_failures() -> dict[Any, int]:
+    """How many recompilations dynamo has recorded so far, by code object."""
+    from torch._dynamo.utils import guard_failures
+
+    return {code: len(reasons) for code, reasons in guard_failures.items()}
+
+
+def _hint(reason: str) -> str:
+    if "size mismatch" in reason or "stride mismatch" in reason:
+        return "a new input shape (pad or drop the last partial batch, or pass dynamic=True)"
+    if "dtype mismatch" in reason or "device mismatch" in reason:
+        return "an input with a new dtype or device"
+    if "grad_mode" in reason or "requires_grad" in reason:
+        return "a change of grad mode or of requires_grad"
+    if "___check_obj_id" in reason or "ID_MATCH" in reason or "TYPE_MATCH" in reason:
+        return "a different Python object where the step read one (pass it as an argument)"
+    return "a Python value the step reads changed (pass it as a tensor argument, or keep it constant)"
+
+
+def recompilation_reasons(before: dict[Any, int]) -> list[str]:
+    """One line per frame dynamo recompiled since ``before`` (from ``_guard_failures``)."""
+    from torch._dynamo.utils import guard_failures
+
+    lines = []
+    for code, reasons in list(guard_failures.items()):
+        new = reasons[before.get(code, 0) :]
+        if not new:
+            continue
+        # one recompilation records why each cached version failed, the newest first
+        first = next((ln.strip() for ln in str(new[0]).splitlines() if ln.strip()), "unknown")
+        first = first.split("  #")[0].strip()  # dynamo appends the source line as a comment
+        where = f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+        lines.append(f"{where}: {first} -- likely cause: {_hint(first)}")
+    return lines
+
 
 class Function:
-    """A step function compiled on first call with ``torch.compile``; called like the original."""
+    """A step function compiled on first call with ``torch.compile``; called like the original.
+
+    Compiled once per input signature: when dynamo compiles any frame of the step again, one
+    log line (logger ``stratagem.function``, WARNING) names the frame and the guard that failed,
+    the cause of the recompilation. ``recompilations`` counts them.
+    """
 
     def __init__(self, fn: Callable[..., Any], **compile_kwargs: Any) -> None:
         self.python_function = fn
         self.compile_kwargs = compile_kwargs
         self._compiled: Callable[..., Any] | None = None
+        self.recompilations = 0
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -22,9 +67,15 @@ class Function:
 
             from stratagem.comm.eager import disable_for_compiler
 
-            disable_for_compiler()  # collectives run eagerly between compiled regions
+            disable_for_compiler()  # collectives and gradient hooks run eagerly
             self._compiled = torch.compile(self.python_function, **self.compile_kwargs)
-        return self._compiled(*args, **kwargs)
+        before = _guard_failures()
+        out = self._compiled(*args, **kwargs)
+        if _guard_failures() != before:
+            for line in recompilation_reasons(before):
+                self.recompilations += 1
+                log.warning("%r recompiled %s", self, line)
+        return out
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
@@ -47,8 +98,9 @@ def function(
 
     Use as ``@stratagem.function`` or ``stratagem.function(step, backend="aot_eager")``; pass the
     result to ``strategy.run`` as you would the eager function: results are the same.
-    Collectives inside the step (``all_reduce``, ``compute_average_loss``) run eagerly between
-    compiled regions.
+    Collectives inside the step (``all_reduce``, ``compute_average_loss``) and the gradient
+    reducer's hooks run eagerly between compiled regions, so the step compiles once per input
+    signature; a recompilation is logged with its cause (logger ``stratagem.function``).
     """
     kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
     if mode is not None:
