@@ -209,3 +209,17 @@ def test_dropped_batches_give_their_shared_memory_back_for_the_next_epoch():
     assert to_plain(kept) == first[0]
     assert _plain(ds) == first  # the next workers write into the inherited arenas
     assert _no_workers_left()
+
+
+@pytest.mark.timeout(60)
+def test_an_input_error_comes_after_the_batches_before_it():
+    def make(p):
+        return (D.range(30).map(functools.partial(helpers.fail_on, 10))
+                .map(eh.py_work, num_parallel_calls=2 if p else None, use_processes=p)
+                .batch(4))
+    for p in (None, True):
+        got = []
+        with pytest.raises(MapFunctionError, match="element 10 of map"):
+            for b in make(p):
+                got.append(b.tolist())
+        assert got == [[eh.py_work(i) for i in range(j, j + 4)] for j in (0, 4)]
