@@ -159,6 +159,20 @@ def two_processes(tmp: str) -> dict[str, Any]:
     out["mirrored_restored_diff"] = max(max_diff(mm.state_dict(), full_state(fm)).values())
     out["mirrored_adam_steps"] = sorted({int(st["step"]) for st in mo.state.values()})
 
+    # and a mirrored (whole-tensor) checkpoint restores into a sharded model and optimizer
+    mpath = stratagem.CheckpointManager(stratagem.Checkpoint(model=mm, optimizer=mo, step=step), Path(tmp, "mirrored")).save(6)
+    with s.scope():
+        sm = make_mlp()
+        so = make_adam(sm.parameters())
+    step3 = torch.tensor(0)
+    stratagem.CheckpointManager(stratagem.Checkpoint(model=sm, optimizer=so, step=step3), Path(tmp, "mirrored")).restore(mpath)
+    out["from_mirrored_diff"] = max(max_diff(full_state(sm), mm.state_dict()).values())
+    later = global_batches(2, size=6, seed=13)
+    stratagem.fit(sm, so, mse, later, verbose=0)
+    stratagem.fit(mm, mo, mse, later, verbose=0)
+    out["from_mirrored_continued"] = max(max_diff(full_state(sm), mm.state_dict()).values())
+    out["from_mirrored_step"] = int(step3)
+
     # an optimizer saved before its first step stays without state (its next update unchanged)
     with s.scope():
         fresh_model = make_mlp()

@@ -73,6 +73,8 @@ def test_sharded_two_processes(tmp_path: Path) -> None:
         assert out["fit_pred_diff"] < TOL and out["fit_diff"] < TOL and out["fit_epochs"] == 2
         assert out["ckpt_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one part per rank
         assert out["mirrored_restored_diff"] == 0.0 and out["mirrored_adam_steps"] == [6]
+        assert out["from_mirrored_diff"] == 0.0 and out["from_mirrored_step"] == 3
+        assert out["from_mirrored_continued"] < TOL
         assert out["fresh_state_after_save"] == 0
         assert out["restored_from"] == "ckpt-3" and out["restored_step"] == 3
         assert out["restored_diff"] == 0.0 and out["continued_diff"] == 0.0

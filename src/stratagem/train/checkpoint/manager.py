@@ -441,7 +441,7 @@ class CheckpointManager:
     def _prepare(self, path: Path) -> Callable[[], None]:
         """Read this replica's states from ``path`` and validate them; returns the assignment."""
         meta = read_metadata(path)
-        if "sharded" in meta:  # issue 14 hook: a sharded checkpoint (train/checkpoint/sharded.py)
+        if "sharded" in meta or self.strategy.extended.shards_state:  # issue 14 hook: sharded checkpoint or model (train/checkpoint/sharded.py)
             from stratagem.train.checkpoint import sharded
 
             return lambda: sharded.load(self, path, meta)

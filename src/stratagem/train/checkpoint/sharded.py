@@ -175,8 +175,40 @@ def save(manager: CheckpointManager, step: int) -> str:
     return result[0]
 
 
+def _fqn_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, native: dict[str, Any]) -> dict[str, Any]:
+    """torch's optimizer state (parameters by index) keyed by the parameters' names instead."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    state = {order[int(i)]: st for i, st in native["state"].items()}
+    groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in native["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load_unsharded(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> None:
+    """Load a checkpoint of whole tensors (a mirrored one) into sharded modules and optimizers."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    modules, optims, rest = _split(manager.checkpoint)
+    states = read_part(path, "shared", meta)
+    missing = [n for n in (*modules, *optims) if n not in states]
+    if missing:
+        raise KeyError(f"the checkpoint has no state for {missing} (it has {sorted(states)})")
+    full = StateDictOptions(full_state_dict=True)
+    for n, m in modules.items():
+        set_model_state_dict(m, states[n], options=full)
+    for n, (o, mn) in optims.items():
+        set_optimizer_state_dict(modules[mn], o, _fqn_optimizer_state(modules[mn], o, states[n]), options=full)
+    _apply_rest(manager, path, meta, rest, states)
+
+
 def load(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> None:
     """Load a sharded checkpoint into ``manager.checkpoint`` (any number of processes)."""
+    if "sharded" not in meta:
+        return load_unsharded(manager, path, meta)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
@@ -205,9 +237,14 @@ def load(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> None:
         set_optimizer_state_dict(modules[mn], o, state[n])
         if n in saved.get("fresh_optimizers", ()):
             o.state.clear()  # saved before its first step: it has none
+    if rest:
+        _apply_rest(manager, path, meta, rest, read_part(path, "shared", meta))
+
+
+def _apply_rest(manager: CheckpointManager, path: Path, meta: dict[str, Any], rest: dict[str, Any], states: dict[str, Any]) -> None:
+    """Load the objects besides modules and optimizers (steps; RNG and iterators per rank)."""
     if not rest:
         return
-    states = read_part(path, "shared", meta)
     per_rank = [n for n, o in rest.items() if _is_per_rank(o)]
     if per_rank:
         rank, world = manager._comm.rank, manager._comm.world_size
@@ -222,6 +259,6 @@ def load(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> None:
     from stratagem.train.checkpoint.manager import Checkpoint
 
     sub = Checkpoint(**rest)
-    sub.apply(states)
+    sub.apply({n: v for n, v in states.items() if n in rest})
     for n, o in sub.objects.items():
         manager.checkpoint._objects[n] = o
