@@ -444,7 +444,7 @@ class CheckpointManager:
         if "sharded" in meta or self.strategy.extended.shards_state:  # issue 14 hook: sharded checkpoint or model (train/checkpoint/sharded.py)
             from stratagem.train.checkpoint import sharded
 
-            return lambda: sharded.load(self, path, meta)
+            return sharded.prepare(self, path, meta)
         states = portable_states(path, meta, self.checkpoint, self._comm.rank, self._comm.world_size)
         self.checkpoint.validate(states)
         return lambda: self.checkpoint.apply(states)

@@ -16,6 +16,7 @@ import json
 import os
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -184,48 +185,64 @@ def _fqn_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, native: d
     return {"state": state, "param_groups": groups}
 
 
-def load_unsharded(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> None:
-    """Load a checkpoint of whole tensors (a mirrored one) into sharded modules and optimizers."""
+def prepare(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> Callable[[], None]:
+    """Check ``path`` against ``manager.checkpoint`` and read what is not sharded (each replica,
+    before the replicas agree to go on); returns the load, which is collective."""
+    modules, optims, rest = _split(manager.checkpoint)
+    shared = read_part(path, "shared", meta)
+    if "sharded" in meta:
+        saved = meta["sharded"]
+        want = sorted(modules), {n: mn for n, (_, mn) in optims.items()}
+        if (saved["modules"], saved["optimizers"]) != want:
+            raise KeyError(
+                f"the checkpoint holds modules {saved['modules']} and optimizers {saved['optimizers']}; "
+                f"this Checkpoint has modules {want[0]} and optimizers {want[1]}: restore with the same objects"
+            )
+    else:
+        missing = [n for n in (*modules, *optims) if n not in shared]
+        if missing:
+            raise KeyError(f"the checkpoint has no state for {missing} (it has {sorted(shared)})")
+    rest_states = _rest_states(manager, path, meta, rest, shared)
+    if rest:
+        from stratagem.train.checkpoint.manager import Checkpoint
+
+        Checkpoint(**rest).validate(rest_states)
+
+    def load() -> None:
+        if "sharded" in meta:
+            _load_sharded(path, meta, modules, optims)
+        else:
+            _load_whole(shared, modules, optims)
+        _apply_rest(manager, rest, rest_states)
+
+    return load
+
+
+def _load_whole(states: dict[str, Any], modules: dict[str, nn.Module], optims: dict[str, tuple[torch.optim.Optimizer, str]]) -> None:
+    """Whole tensors (a mirrored checkpoint) into sharded modules and optimizers."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    modules, optims, rest = _split(manager.checkpoint)
-    states = read_part(path, "shared", meta)
-    missing = [n for n in (*modules, *optims) if n not in states]
-    if missing:
-        raise KeyError(f"the checkpoint has no state for {missing} (it has {sorted(states)})")
     full = StateDictOptions(full_state_dict=True)
     for n, m in modules.items():
         set_model_state_dict(m, states[n], options=full)
     for n, (o, mn) in optims.items():
         set_optimizer_state_dict(modules[mn], o, _fqn_optimizer_state(modules[mn], o, states[n]), options=full)
-    _apply_rest(manager, path, meta, rest, states)
 
 
-def load(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> None:
-    """Load a sharded checkpoint into ``manager.checkpoint`` (any number of processes)."""
-    if "sharded" not in meta:
-        return load_unsharded(manager, path, meta)
+def _load_sharded(path: Path, meta: dict[str, Any], modules: dict[str, nn.Module], optims: dict[str, tuple[torch.optim.Optimizer, str]]) -> None:
+    """A sharded checkpoint into any modules and optimizers (resharded by DCP)."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    modules, optims, rest = _split(manager.checkpoint)
-    saved = meta["sharded"]
-    want = sorted(modules), {n: mn for n, (_, mn) in optims.items()}
-    if (saved["modules"], saved["optimizers"]) != want:
-        raise KeyError(
-            f"the checkpoint holds modules {saved['modules']} and optimizers {saved['optimizers']}; "
-            f"this Checkpoint has modules {want[0]} and optimizers {want[1]}: restore with the same objects"
-        )
     state = _dcp_state(modules, optims)
-    import torch.distributed as dist
-
     alone = not (dist.is_available() and dist.is_initialized())  # a plain process: no group
     with warnings.catch_warnings():
         if alone:  # torch says it assumes a single process: that is the intent here
@@ -235,16 +252,13 @@ def load(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> None:
         set_model_state_dict(m, state[n])
     for n, (o, mn) in optims.items():
         set_optimizer_state_dict(modules[mn], o, state[n])
-        if n in saved.get("fresh_optimizers", ()):
+        if n in meta["sharded"].get("fresh_optimizers", ()):
             o.state.clear()  # saved before its first step: it has none
-    if rest:
-        _apply_rest(manager, path, meta, rest, read_part(path, "shared", meta))
 
 
-def _apply_rest(manager: CheckpointManager, path: Path, meta: dict[str, Any], rest: dict[str, Any], states: dict[str, Any]) -> None:
-    """Load the objects besides modules and optimizers (steps; RNG and iterators per rank)."""
-    if not rest:
-        return
+def _rest_states(manager: CheckpointManager, path: Path, meta: dict[str, Any], rest: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+    """The states of the objects besides modules and optimizers (steps; RNG, iterators per rank)."""
+    states = {n: v for n, v in shared.items() if n in rest}
     per_rank = [n for n, o in rest.items() if _is_per_rank(o)]
     if per_rank:
         rank, world = manager._comm.rank, manager._comm.world_size
@@ -255,10 +269,16 @@ def _apply_rest(manager: CheckpointManager, path: Path, meta: dict[str, Any], re
                 f"{per_rank} cannot be mapped: leave them out of the Checkpoint, or restore with "
                 f"{meta['world_size']} replicas"
             )
-        states.update(read_part(path, f"rank-{rank}", meta))
+        states.update({n: v for n, v in read_part(path, f"rank-{rank}", meta).items() if n in rest})
+    return states
+
+
+def _apply_rest(manager: CheckpointManager, rest: dict[str, Any], states: dict[str, Any]) -> None:
+    if not rest:
+        return
     from stratagem.train.checkpoint.manager import Checkpoint
 
     sub = Checkpoint(**rest)
-    sub.apply({n: v for n, v in states.items() if n in rest})
+    sub.apply(states)
     for n, o in sub.objects.items():
         manager.checkpoint._objects[n] = o
