@@ -2,7 +2,8 @@
 
 What the scope builds lands on the meta device (``meta_init``); when the scope closes, each
 outermost module is split into units (``shard_plan``), ``fully_shard`` is applied to the units
-and then the root over a 1-D DeviceMesh of the job, and every parameter's shard is initialised
+and then the root over a 1-D DeviceMesh of the job (with ``shard_size``, a 2-D (replicate,
+shard) mesh: HSDP), and every parameter's shard is initialised
 exactly as one device would initialise it. Parameters are DTensors sharded on dim 0; FSDP
 all-gathers a unit before its forward and backward and reduce-scatters its gradients (summed,
 tf.distribute's contract with ``compute_average_loss``, unless ``gradient_op="mean"``), and the
