@@ -13,6 +13,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime
+import os
+import socket
+import threading
+import time
 import zlib
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
@@ -366,17 +370,7 @@ def init_process_group(
 ) -> tuple[ProcessGroupCommunicator, Any]:
     """Meet the other ``world_size - 1`` processes; returns the communicator and the store."""
     delta = datetime.timedelta(seconds=timeout)
-    try:
-        store = dist.TCPStore(
-            master_addr, master_port, world_size, is_master=is_store_server, timeout=delta,
-            wait_for_workers=False,
-        )
-    except (RuntimeError, dist.DistError) as e:
-        raise CollectiveError(
-            f"rank {rank} could not reach the rendezvous at {master_addr}:{master_port} within "
-            f"{timeout:.0f}s ({str(e).splitlines()[0] if str(e) else type(e).__name__}); check "
-            "the address, the port and that every worker was started"
-        ) from e
+    store = connect_store(master_addr, master_port, world_size, is_master=is_store_server, timeout=timeout, rank=rank)
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
     except (RuntimeError, dist.DistError) as e:
@@ -386,3 +380,85 @@ def init_process_group(
         ) from e
     group = dist.group.WORLD
     return ProcessGroupCommunicator(group, device, probe=probe), store
+
+
+def _store_error(rank: int, where: str, timeout: float, e: BaseException) -> CollectiveError:
+    return CollectiveError(
+        f"rank {rank} could not reach the rendezvous at {where} within {timeout:.0f}s "
+        f"(phase: connect to the store; {str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+        "check the address, the port and that every worker was started"
+    )
+
+
+def connect_store(
+    master_addr: str, master_port: int, world_size: int, *, is_master: bool, timeout: float, rank: int
+) -> Any:
+    """The job's TCPStore (hosted here when ``is_master``), within ``timeout`` whatever the peer
+    at the address does.
+
+    torch's client waits for the store's answer to its first message without a time limit: a
+    process that accepts the connection and never answers (a stale listener, another service, a
+    wrong address) would hold every worker forever. The client is made on a helper thread; past
+    the deadline its connection is shut down (which ends the wait inside torch) and the error
+    names the address, the rank and the phase.
+    """
+    where = f"{master_addr}:{master_port}"
+    delta = datetime.timedelta(seconds=timeout)
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(
+                master_addr, master_port, world_size, is_master=is_master, timeout=delta,
+                wait_for_workers=False,
+            )  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=connect, name="stratagem-store-connect", daemon=True)
+    thread.start()
+    thread.join(timeout + 2.0)
+    if thread.is_alive():
+        end = time.monotonic() + timeout + 5.0
+        while thread.is_alive() and time.monotonic() < end:  # torch's client reconnects: again
+            _shut_connections_to(master_addr, master_port)
+            thread.join(0.05)
+        raise CollectiveError(
+            f"rank {rank} reached {where}, but nothing there answered as a rendezvous store within "
+            f"{timeout:.0f}s (phase: store handshake); another process holds that port (a stale "
+            "job, another service) or the address is wrong: check MASTER_ADDR/MASTER_PORT, "
+            "TF_CONFIG or --rdzv-endpoint"
+        )
+    if "error" in box:
+        e = box["error"]
+        if isinstance(e, (RuntimeError, dist.DistError)):
+            raise _store_error(rank, where, timeout, e) from e
+        raise e
+    return box["store"]
+
+
+def _shut_connections_to(host: str, port: int) -> None:
+    """Shut down this process's TCP connections to ``host:port`` (ends a receive blocked on them)."""
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            copy = os.dup(fd)
+        except OSError:
+            continue
+        try:
+            s = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            continue
+        try:
+            peer = s.getpeername()
+            if isinstance(peer, tuple) and peer[1] == port and str(peer[0]).removeprefix("::ffff:") in addrs:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.close()

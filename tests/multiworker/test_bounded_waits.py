@@ -1,0 +1,52 @@
+"""Every wait is bounded: a rendezvous address held by a process that accepts connections and
+never answers is an error naming the address, the rank and the phase, within the timeout."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from stratagem.cluster.resolvers import SimpleClusterResolver
+from stratagem.comm import CollectiveError
+from stratagem.distribute.bootstrap import CommunicationOptions, connect_to_cluster
+
+
+@pytest.fixture
+def silent_listener():
+    """A port whose process accepts every connection and never says a word."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_listener_that_never_answers_is_an_error_not_a_hang(silent_listener):
+    port = silent_listener
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match=rf"rank 1 reached 127.0.0.1:{port}, but nothing there answered as a rendezvous store within 2s \(phase: store handshake\)"):
+        connect_to_cluster(SimpleClusterResolver(f"127.0.0.1:{port}", 2, 1), CommunicationOptions(timeout_seconds=2))
+    assert time.monotonic() - start < 20  # the timeout, then torch's client's retries are shut
+    # the connection was shut and the helper thread ended: nothing is left waiting
+    assert not [t for t in threading.enumerate() if t.name == "stratagem-store-connect"]
