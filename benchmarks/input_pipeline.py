@@ -4,7 +4,8 @@
 the GIL); a transform of C_MS that releases the GIL (hashlib over a buffer); a consumer of
 S_MS per element (sleep: the device step). Ideal with 2 cores and I/O concurrency k:
 1 / max(S, C/2, READ/k). Then the GIL-holding variant: a pure-Python transform, where threads
-cap at 1/C and only processes scale.
+cap at 1/C and only processes scale: rows for threads (use_processes=False), processes (True)
+and the default (AUTOTUNE measures and picks the engine, see stratagem.data.autotune).
 
 Run: .venv/bin/python benchmarks/input_pipeline.py   (about a minute)
 """
