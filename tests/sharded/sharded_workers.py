@@ -187,6 +187,36 @@ def two_processes(tmp: str) -> dict[str, Any]:
     stratagem.fit(fm2, fo2, mse, more, verbose=0)
     out["continued_diff"] = max(max_diff(full_state(fm2), full_state(fm)).values())
 
+    # fit with BackupAndRestore: interrupted after two epochs, resumed in a fresh model
+    from stratagem.callbacks import BackupAndRestore
+
+    class Interrupt(stratagem.Callback):
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            if epoch == 2:
+                raise KeyboardInterrupt
+
+    backup = Path(tmp, "backup")
+    torch.manual_seed(0)
+    with s.scope():
+        bm = make_mlp()
+        bo = make_adam(bm.parameters())
+    try:
+        stratagem.fit(bm, bo, mse, data, epochs=3, callbacks=[BackupAndRestore(backup), Interrupt()], verbose=0)
+    except KeyboardInterrupt:
+        pass
+    torch.manual_seed(42)
+    with s.scope():
+        bm = make_mlp()
+        bo = make_adam(bm.parameters())
+    resumed = stratagem.fit(bm, bo, mse, data, epochs=3, callbacks=[BackupAndRestore(backup)], verbose=0)
+    for _ in range(1):  # one more epoch of the single-device reference
+        for x, y in data:
+            ro.zero_grad()
+            mse(rm(x), y).mean().backward()
+            ro.step()
+    out["resumed_diff"] = max(max_diff(full_state(bm), rm.state_dict()).values())
+    out["resumed_epochs"] = len(resumed.history["loss"])
+
     # errors that say what to do
     class Scale(nn.Module):  # parameters initialised in __init__, no reset_parameters
         def __init__(self) -> None:

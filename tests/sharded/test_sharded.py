@@ -80,6 +80,7 @@ def test_sharded_two_processes(tmp_path: Path) -> None:
         assert out["restored_diff"] == 0.0 and out["continued_diff"] == 0.0
         assert out["keep_gathered_diff"] < TOL and out["keep_gathered_plan"] == "units: 0 2 4 6 + root"
         assert out["offload_diff"] < TOL and out["offload_plan"] == "units: 0 2 4 + root"
+        assert out["resumed_diff"] < TOL and out["resumed_epochs"] == 3  # BackupAndRestore resumed exactly
         errors = out["errors"]
         assert "Scale holds parameters ['w'] but has no reset_parameters()" in errors["no_reset"]
         assert "created outside ShardedStrategy.scope()" in errors["outside_run"]
