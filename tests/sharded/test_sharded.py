@@ -53,6 +53,34 @@ def test_unit_plans() -> None:
         plan_units(net, "blocks")  # type: ignore[arg-type]
 
 
+def test_meta_build_replays_single_device_init() -> None:
+    """Built on meta, materialized module by module: the values one device gives, and the
+    random state after it (no process group needed: plain tensors keep all of their part)."""
+    from stratagem.distribute.engines.meta_init import MetaCapture, materialize
+
+    def make() -> nn.Module:
+        return nn.Sequential(
+            nn.Embedding(7, 4), nn.Linear(4, 6), nn.LayerNorm(6), nn.Conv1d(6, 3, 2),
+            nn.BatchNorm1d(3), nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)),
+        )  # fmt: skip
+
+    cap = MetaCapture()
+    torch.manual_seed(3)
+    with cap.capture():
+        model = make()
+    assert all(p.is_meta for p in model.parameters())
+    modules, rng = cap.take()
+    assert cap.roots(modules) == [model]
+    model.to_empty(device="cpu")
+    materialize(modules, rng, torch.device("cpu"))
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    want = make()
+    assert torch.equal(after, torch.rand(3))
+    for (name, got), ref in zip(model.state_dict().items(), want.state_dict().values()):
+        assert torch.equal(got, ref), name
+
+
 # --- 2 processes -----------------------------------------------------------------------------------
 @pytest.mark.timeout(150)
 def test_sharded_two_processes(tmp_path: Path) -> None:
