@@ -116,3 +116,16 @@ def leave_worker(how: str) -> str:
     if how == "raise":
         raise ValueError("ended by raising, on purpose")
     return "ok"
+
+
+def shapes_worker(bad_step: int) -> str:
+    """Global batches alike on every replica except one, at ``bad_step``, on replica 1."""
+    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST, devices="cpu")
+    rank = strategy.extended.replica_id
+    batches = [torch.ones(4, 3) * s for s in range(5)]
+    if rank == 1:
+        batches[bad_step] = torch.ones(4, 2)
+    it = iter(strategy.experimental_distribute_dataset(batches))
+    for _ in range(5):
+        next(it)
+    return "unreachable"

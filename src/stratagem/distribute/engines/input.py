@@ -9,6 +9,7 @@ data, so an uneven end never hangs and the loop stops on every replica at once.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -62,17 +63,24 @@ def _restored(dataset: Iterable[Any], state: dict[str, Any]) -> Iterator[Any]:
 
 
 class _Agreement:
-    """The per-step vote: does any replica still have data, do all?"""
+    """The per-step vote: does any replica still have data, do all, and (for global batches)
+    did all get batches of the same structure, shapes and dtypes? One small all-reduce."""
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
 
-    def vote(self, has: bool) -> tuple[bool, bool]:
+    def vote(self, has: bool, signature: int = 0) -> tuple[bool, bool, bool]:
         if self.comm.world_size == 1:
-            return has, has
-        t = torch.tensor([int(has), -int(has)], dtype=torch.int64, device=self.comm.device)
+            return has, has, True
+        # max of (x, -x) gives max and -min at once: all equal iff max == min
+        t = torch.tensor([int(has), -int(has), signature, -signature], dtype=torch.int64, device=self.comm.device)
         self.comm.all_reduce_(t, "max")
-        return bool(t[0] > 0), bool(-t[1] > 0)
+        return bool(t[0] > 0), bool(-t[1] > 0), bool(t[2] == -t[3])
+
+
+def _signature(batch: Any) -> int:
+    """A 31-bit digest of a batch's structure, shapes and dtypes (what the replicas compare)."""
+    return zlib.crc32(tree.signature(batch).encode()) & 0x7FFFFFFF
 
 
 class DistributedDataset:
@@ -103,7 +111,9 @@ class DistributedDataset:
 
 
 class DistributedIterator:
-    """Splits each global batch; checks once that every replica sees the same global batches."""
+    """Splits each global batch. Every step's vote also compares the global batch's structure,
+    shapes and dtypes across replicas (no extra collective); the first batch's values are
+    compared once."""
 
     def __init__(self, source: Iterator[Any], comm: Communicator, device: torch.device | None) -> None:
         self.source = source
@@ -111,6 +121,7 @@ class DistributedIterator:
         self.device = device
         self.vote = _Agreement(comm)
         self._checked = False
+        self._step = 0  # global batches taken (named in errors)
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -138,7 +149,10 @@ class DistributedIterator:
 
     def __next__(self) -> Any:
         batch = next(self.source, _END)
-        anyone, everyone = self.vote.vote(batch is not _END)
+        if batch is not _END:
+            batch = to_tensors(batch)
+        self._step += 1
+        anyone, everyone, same = self.vote.vote(batch is not _END, _signature(batch) if batch is not _END else 0)
         if not anyone:
             raise StopIteration
         if not everyone:
@@ -147,7 +161,15 @@ class DistributedIterator:
                 "expects every replica to see the same global batches (use "
                 "distribute_datasets_from_function for per-replica pipelines)"
             )
-        batch = to_tensors(batch)
+        if not same:
+            sigs = self.comm.all_gather_object(tree.signature(batch))
+            listing = "; ".join(f"replica {r}: {s}" for r, s in enumerate(sigs))
+            raise RuntimeError(
+                f"global batch {self._step - 1} has different structures, shapes or dtypes on "
+                f"different replicas ({listing}); experimental_distribute_dataset expects every "
+                "replica to see the same global batches: build the dataset alike on every worker "
+                "(same files, same seed)"
+            )
         size = batch_size_of(batch)
         n, r = self.comm.world_size, self.comm.rank
         if n == 1:
@@ -263,7 +285,7 @@ class PerReplicaIterator:
 
     def __next__(self) -> Any:
         batch = next(self.source, _END)
-        anyone, everyone = self.vote.vote(batch is not _END)
+        anyone, everyone, _ = self.vote.vote(batch is not _END)
         if not anyone or (self.stop_when_uneven and not everyone):
             raise StopIteration
         if batch is not _END:

@@ -1,0 +1,17 @@
+"""Replicas agree on every global batch's shapes, in the per-step vote (no extra collective)."""
+
+from __future__ import annotations
+
+import pytest
+from mw_workers import shapes_worker
+
+from stratagem.testing import run_workers
+
+
+@pytest.mark.timeout(120)
+def test_a_later_global_batch_of_another_shape_is_an_error_on_every_replica():
+    results = run_workers(shapes_worker, 2, args=(3,), timeout=90, check=False)
+    for r in results:
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert "global batch 3 has different structures, shapes or dtypes on different replicas" in r.stderr, r.stderr[-2000:]
+        assert "replica 0: float32[4,3]" in r.stderr and "replica 1: float32[4,2]" in r.stderr, r.stderr[-2000:]
