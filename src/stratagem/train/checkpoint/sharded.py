@@ -34,6 +34,7 @@ from stratagem.train.checkpoint.files import (
     _write,
     read_part,
 )
+from stratagem.train.checkpoint.lock import writer_tag
 
 if TYPE_CHECKING:
     from stratagem.train.checkpoint.manager import Checkpoint, CheckpointManager
@@ -101,39 +102,72 @@ def _hash(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def save(manager: CheckpointManager, step: int) -> str:
-    """Every process writes its part of ``manager.checkpoint`` at ``step``; returns the path."""
+    """Every process writes its part of ``manager.checkpoint`` at ``step``; returns the path.
+
+    The chief holds the directory's writer lock and names the temporary directory after itself
+    (as the manager's own saves do), so a dead writer's leftovers are cleaned and a failed save
+    removes its own files."""
+    import shutil
+
+    comm = manager._comm
+    rank = comm.rank
+    modules, optims, rest = _split(manager.checkpoint)
+    directory = manager.directory
+    problem = ("", "")
+    tmp_name = ""
+    if rank == 0:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            manager._own_directory()
+            tmp_name = f".tmp-ckpt-{step}+{writer_tag()}+{uuid.uuid4().hex[:8]}"
+            (directory / tmp_name).mkdir()
+        except Exception as e:  # noqa: BLE001 - raised on every replica by _agree
+            problem = (type(e).__name__, str(e))
+    manager._agree(problem)
+    tmp = directory / comm.broadcast_object(tmp_name, 0)
+    try:
+        return _write_parts(manager, step, tmp, modules, optims, rest)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_parts(
+    manager: CheckpointManager,
+    step: int,
+    tmp: Path,
+    modules: dict[str, nn.Module],
+    optims: dict[str, tuple[torch.optim.Optimizer, str]],
+    rest: dict[str, Any],
+) -> str:
+    import shutil
+
     import torch.distributed.checkpoint as dcp
 
     comm = manager._comm
     rank, world = comm.rank, comm.world_size
-    modules, optims, rest = _split(manager.checkpoint)
     directory = manager.directory
-    tmp_name = comm.broadcast_object(f".tmp-ckpt-{step}-{uuid.uuid4().hex[:8]}", 0)
-    tmp = directory / tmp_name
-    problem = ""
-    try:
-        if rank == 0:
-            tmp.mkdir(parents=True)
-    except OSError as e:
-        problem = f"{type(e).__name__}: {e}"
-    problems = comm.all_gather_object(problem)
-    if any(problems):
-        raise RuntimeError(f"could not create {tmp}: {next(p for p in problems if p)}")
     # torch initialises an optimizer that has not stepped by stepping it with zero gradients;
     # put it back (and say so in the metadata), so saving does not change its next update
     fresh = sorted(n for n, (o, _) in optims.items() if not o.state)
-    dcp.save(_dcp_state(modules, optims), checkpoint_id=str(tmp / "sharded"))
+    dcp.save(_dcp_state(modules, optims), checkpoint_id=str(tmp / "sharded"))  # errors reach every rank
     for n in fresh:
         optims[n][0].state.clear()
-    mine = {n: o for n, o in rest.items() if _is_per_rank(o)}
-    struct, tensors = _encode(mine)
-    _write(tmp / f"rank-{rank}.json", struct)
-    _write(tmp / f"rank-{rank}.safetensors", tensors)
-    if rank == 0:
-        struct, tensors = _encode({n: o for n, o in rest.items() if not _is_per_rank(o)})
-        _write(tmp / "shared.json", struct)
-        _write(tmp / "shared.safetensors", tensors)
-    comm.barrier()
+    problem = ""
+    try:
+        struct, tensors = _encode({n: o for n, o in rest.items() if _is_per_rank(o)})
+        _write(tmp / f"rank-{rank}.json", struct)
+        _write(tmp / f"rank-{rank}.safetensors", tensors)
+        if rank == 0:
+            struct, tensors = _encode({n: o for n, o in rest.items() if not _is_per_rank(o)})
+            _write(tmp / "shared.json", struct)
+            _write(tmp / "shared.safetensors", tensors)
+    except Exception as e:  # noqa: BLE001 - agreed on below
+        problem = f"replica {rank}: {type(e).__name__}: {e}"
+    problems = [p for p in comm.all_gather_object(problem) if p]
+    if problems:
+        raise RuntimeError(f"the sharded checkpoint at step {step} could not be written ({'; '.join(problems)})")
     # every file hashed once, the work split across ranks
     names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     files = comm.all_gather_object(_hash(tmp, names[rank::world]))
@@ -157,14 +191,12 @@ def save(manager: CheckpointManager, step: int) -> str:
             _fsync_dir(tmp / "sharded")
             final = directory / f"ckpt-{step}"
             old = None
-            if final.exists():
-                old = directory / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            if final.exists():  # re-saving a step: the old one set aside until replaced
+                old = directory / f".old-ckpt-{step}+{writer_tag()}+{uuid.uuid4().hex[:8]}"
                 os.rename(final, old)
             os.rename(tmp, final)
             _fsync_dir(directory)
             if old is not None:
-                import shutil
-
                 shutil.rmtree(old, ignore_errors=True)
             manager._prune()
             result = (str(final), "")
