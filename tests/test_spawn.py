@@ -23,6 +23,9 @@ TRAIN = textwrap.dedent(
         print(f"replica {rank} launcher={os.environ['STRATAGEM_LAUNCHER']}")
         return float(total), strategy.num_replicas_in_sync, rank
 
+    def quick():  # returns as soon as the group is formed: rank 0 (the store) must not leave early
+        return sg.MirroredStrategy("cpu", num_replicas=2).num_replicas_in_sync
+
     def fail_on_one():
         strategy = sg.MirroredStrategy("cpu", num_replicas=2)
         if int(os.environ["RANK"]) == 1:
@@ -41,6 +44,7 @@ def test_launch_from_python_c_returns_rank_0_result_and_reports_a_failing_rank()
     code = TRAIN + textwrap.dedent(
         """
         print("RESULT", sg.launch(train, 1.0, num_replicas=2, timeout=40))
+        print("QUICK", sg.launch(quick, num_replicas=2, timeout=40))
         try:
             sg.launch(fail_on_one, num_replicas=2, timeout=40)
         except sg.LaunchError as e:
@@ -52,6 +56,7 @@ def test_launch_from_python_c_returns_rank_0_result_and_reports_a_failing_rank()
     assert r.returncode == 0, r.stderr
     # 1 + 2 summed over the replicas; MirroredStrategy joined the launched job, nothing re-ran
     assert "RESULT (3.0, 2, 0)" in r.stdout
+    assert "QUICK 2" in r.stdout
     assert "replica 0 launcher=launch" in r.stdout and "replica 1 launcher=launch" in r.stdout
     assert "FAILED rank 1" in r.stdout
     assert "ValueError: boom on replica 1" in r.stdout
@@ -70,7 +75,7 @@ def test_launch_timeout_kills_the_replicas_and_the_replicas_die_with_their_calle
 
         start = time.monotonic()
         try:
-            sg.launch(stuck, {str(tmp_path)!r}, num_replicas=2, timeout=4)
+            sg.launch(stuck, {str(tmp_path)!r}, num_replicas=2, timeout=2)
         except sg.LaunchTimeoutError as e:
             print("TIMEOUT", round(time.monotonic() - start), e.rank)
         sg.launch(stuck, {str(tmp_path / "orphans")!r}, num_replicas=2)  # killed below
@@ -85,7 +90,7 @@ def test_launch_timeout_kills_the_replicas_and_the_replicas_die_with_their_calle
     assert len(pids) == 2
     p.kill()  # the caller dies without cleaning up: its replicas must go too
     out, _ = p.communicate(timeout=10)
-    assert "TIMEOUT" in out and int(out.split()[1]) < 10
+    assert "TIMEOUT" in out and int(out.split()[1]) < 8
     first = [int(n) for n in os.listdir(tmp_path) if n.isdigit()]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids + first):
@@ -110,10 +115,6 @@ def test_launch_from_a_notebook_kernel():
     nb.cells = [
         nbformat.v4.new_code_cell(TRAIN),
         nbformat.v4.new_code_cell("result = sg.launch(train, 1.0, num_replicas=2, timeout=60)\nprint('RESULT', result)"),
-        nbformat.v4.new_code_cell(
-            "try:\n    sg.launch(fail_on_one, num_replicas=2, timeout=60)\n"
-            "except sg.LaunchError as e:\n    print('FAILED rank', e.rank, '|', e.traceback.splitlines()[-1])"
-        ),
     ]
     client = nbclient.NotebookClient(nb, timeout=80, kernel_name="python3", startup_timeout=40)
     client.execute()
@@ -123,4 +124,3 @@ def test_launch_from_a_notebook_kernel():
     ]
     assert "RESULT (3.0, 2, 0)" in outputs[1]
     assert "replica 1 launcher=launch" in outputs[1]  # the replicas' output reaches the cell
-    assert "FAILED rank 1 | ValueError: boom on replica 1" in outputs[2]

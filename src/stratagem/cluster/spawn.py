@@ -105,10 +105,25 @@ def _child_main() -> None:  # runs in each replica: load the payload, run fn, re
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, result_path)
+    if outcome.ok:
+        _leave_together()
     sys.stdout.flush()
     sys.stderr.flush()
     # a process group or worker threads may still be up: leave without waiting on them
     os._exit(0 if outcome.ok else 1)
+
+
+def _leave_together() -> None:
+    """Wait for the peers before leaving: rank 0 hosts the job's store, and a peer still joining
+    or finishing a collective would fail if it vanished. (A failed peer ends this wait with an
+    error, or the caller stops this process after ``grace``.)"""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - leaving anyway; the result is already written
+        pass
 
 
 class _Relay(threading.Thread):
