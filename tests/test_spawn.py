@@ -124,3 +124,16 @@ def test_launch_from_a_notebook_kernel():
     ]
     assert "RESULT (3.0, 2, 0)" in outputs[1]
     assert "replica 1 launcher=launch" in outputs[1]  # the replicas' output reaches the cell
+
+
+def test_without_cloudpickle_a_main_function_is_refused_before_anything_starts(monkeypatch):
+    import stratagem as sg
+
+    monkeypatch.setitem(sys.modules, "cloudpickle", None)
+
+    def fn():
+        return 1
+
+    fn.__module__ = "__main__"
+    with pytest.raises(TypeError, match="pip install cloudpickle"):
+        sg.launch(fn, num_replicas=2)

@@ -183,6 +183,12 @@ def launch(
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+    if _pickler() is pickle and getattr(fn, "__module__", None) == "__main__":
+        raise TypeError(
+            f"{getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook, a REPL, "
+            "`python -c` or the script itself), which the replicas cannot import; "
+            "pip install cloudpickle (it ships such functions by value), or move it to a module"
+        )
     port = find_free_port()
     with tempfile.TemporaryDirectory(prefix="stratagem-launch-") as tmp:
         payload = os.path.join(tmp, "payload.pkl")
