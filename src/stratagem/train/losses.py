@@ -97,6 +97,43 @@ def batch_size(y: Any, outputs: Any) -> int:
     )
 
 
+_CHECKED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _rows(value: Any, a: int, b: int) -> Any:
+    return tree.map_structure(lambda t: t[a:b] if isinstance(t, torch.Tensor) and t.dim() else t, value)
+
+
+def _check_mean(loss_fn: LossFn, outputs: Any, y: Any, loss: torch.Tensor, n: int) -> None:
+    """Once per loss function returning a scalar: is it the batch's mean (as fit assumes) or
+    its sum? Compared on the two halves of the batch (no gradients); a sum is refused, since
+    fit would train with another effective learning rate on each number of replicas."""
+    try:
+        if loss_fn in _CHECKED or n < 2:
+            return
+        _CHECKED.add(loss_fn)
+    except TypeError:  # not weak-referenceable: checked every call would cost too much
+        return
+    h = n // 2
+    try:
+        with torch.no_grad():
+            halves = [float(loss_fn(_rows(outputs, a, b), _rows(y, a, b))) for a, b in ((0, h), (h, n))]
+    except Exception:  # noqa: BLE001 - a loss that cannot run on half a batch: nothing to learn
+        return
+    whole = float(loss.detach())
+    as_mean = (h * halves[0] + (n - h) * halves[1]) / n
+    as_sum = halves[0] + halves[1]
+    tol = 1e-4 * max(abs(whole), 1e-12)
+    if abs(whole - as_sum) <= tol and abs(whole - as_mean) > 100 * tol:
+        raise ValueError(
+            f"loss_fn returned the sum of the batch's losses ({whole:.6g} = the sum of its halves' "
+            f"{halves[0]:.6g} + {halves[1]:.6g}); fit minimizes the mean over the global batch and "
+            "takes a scalar loss to be the batch mean, so a sum would give other parameters on "
+            "each number of replicas. Return the mean (reduction='mean') or one loss per example "
+            "(reduction='none'); in a custom step, use compute_average_loss(per_example_losses)"
+        )
+
+
 def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
     """One loss per example of this replica's batch, shape ``[batch]``."""
     n = batch_size(y, outputs)
@@ -106,6 +143,7 @@ def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss_fn returned {type(loss).__name__}; it must return a tensor")
     if loss.dim() == 0:
+        _check_mean(loss_fn, outputs, y, loss, n)
         return loss.expand(n)
     if loss.shape[0] != n:
         raise ValueError(
