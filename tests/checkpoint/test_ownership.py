@@ -229,3 +229,10 @@ def test_a_failing_object_is_rolled_back(tmp_path):
     with pytest.raises(RuntimeError, match="refuses"):
         CheckpointManager(Checkpoint(a=a, b=b), tmp_path).restore(tmp_path / "ckpt-1")
     assert (a.v, b.v) == (10, 20)
+
+
+def test_an_object_array_in_the_json_is_refused():
+    from stratagem.train.checkpoint.codec import decode_value
+
+    with pytest.raises(CheckpointCorruptError, match="dtype object"):
+        decode_value({"__ndarray__": {"dtype": "|O", "shape": [1], "data": [1]}}, {}, "rank-0.json")

@@ -63,7 +63,13 @@ def decode_value(value: Any, tensors: dict[str, torch.Tensor], where: str) -> An
             raise CheckpointCorruptError(where, f"tensor {body!r} is missing from its .safetensors")
         return tensors[body]
     if tag == "__ndarray__":
-        return np.asarray(body["data"], dtype=np.dtype(body["dtype"])).reshape(body["shape"])
+        try:
+            dtype = np.dtype(body["dtype"])
+            if dtype.kind not in "biufcUS":  # no object or void arrays: plain values only
+                raise CheckpointCorruptError(where, f"an array of dtype {dtype} (only numbers, booleans, strings)")
+            return np.asarray(body["data"], dtype=dtype).reshape(body["shape"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise CheckpointCorruptError(where, f"an array that cannot be rebuilt ({e})") from None
     if tag == "__bytes__":
         return base64.b64decode(body)
     if tag == "__tuple__":
