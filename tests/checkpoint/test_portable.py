@@ -62,3 +62,49 @@ def test_two_replicas_to_one_process_to_a_module_and_to_three_replicas(tmp_path)
         _close(r.value["params"], _reference(K + M))
     # replica 2 has no saved RNG streams: it keeps its own and says so
     assert "keeps its own 'rng'" in three[2].stderr
+
+
+def _two_replica_checkpoint(directory, per_replica):
+    """A checkpoint as 2 replicas write it: per-replica states in rank-0 and rank-1."""
+    from stratagem.train.checkpoint.codec import encode_value
+    from stratagem.train.checkpoint.files import _payload, write_checkpoint
+
+    parts = []
+    for state in per_replica:
+        tensors = {}
+        parts.append(_payload({k: encode_value(v, tensors, k) for k, v in state.items()}, tensors))
+    write_checkpoint(directory, 5, _payload({}, {}), parts)
+
+
+def test_data_position_into_another_replica_count(tmp_path):
+    from stratagem.comm import LocalCommunicator
+    from stratagem.data import Dataset
+    from stratagem.distribute.engines.input import DistributedDataset
+
+    # the iterator of experimental_distribute_dataset reads the global batches on every replica:
+    # its position carries over exactly to any number of replicas
+    dist = DistributedDataset(Dataset.range(20).batch(4), LocalCommunicator(), None)
+    it = dist.iterator(epoch=0)
+    next(it), next(it)
+    _two_replica_checkpoint(tmp_path, [{"data": it.state_dict()}, {"data": it.state_dict()}])
+    fresh = dist.iterator(epoch=0)
+    CheckpointManager(Checkpoint(data=fresh), tmp_path).restore(tmp_path / "ckpt-5")
+    assert next(fresh).tolist() == [8, 9, 10, 11]
+
+    # a per-replica position (each replica's own shard) cannot be mapped: named, nothing changed
+    class Shard:
+        def __init__(self):
+            self.pos = 0
+
+        def state_dict(self):
+            return {"pos": self.pos}
+
+        def load_state_dict(self, s):
+            self.pos = s["pos"]
+
+    (tmp_path / "b").mkdir()
+    _two_replica_checkpoint(tmp_path / "b", [{"shard": {"pos": 3}}, {"shard": {"pos": 4}}])
+    shard = Shard()
+    with pytest.raises(ValueError, match="written by 2 processes; this job has 1. 'shard' .*leave 'shard' out"):
+        CheckpointManager(Checkpoint(shard=shard), tmp_path / "b").restore(tmp_path / "b" / "ckpt-5")
+    assert shard.pos == 0
