@@ -15,7 +15,8 @@ The algorithm, per parallel stage (kept deliberately simple):
 Until a few elements have been measured, ``p`` is the number of CPU cores.
 
 The engine of ``map(fn, num_parallel_calls=AUTOTUNE)`` (``use_processes`` unset) is chosen
-once per map by :func:`choose_engine`: it computes a small sample of the map's first elements
+once per map by :func:`choose_engine`: with torch on one intra-op thread (as workers run it),
+it computes a small sample of the map's first elements
 (a separate iterator over its input, results discarded) on one thread, then the same sample on
 ``P = min(cores, 4)`` threads at once. Speed-up ``>= SCALES * P`` means the function releases the
 GIL (file reads, numpy, large tensor ops): threads. Below that, the same is measured for a
@@ -38,6 +39,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
     from stratagem.data.iterator import Context
@@ -145,7 +148,7 @@ def _warm_up(call: Callable[[], None], budget: float = 0.2) -> float:
 
 def choose_engine(ds: ParallelMapDataset, ctx: Context) -> str:
     """"threads" or "processes" for an AUTOTUNE map, by measurement (see module doc)."""
-    from stratagem.data.functions import call, element_rng, function_name
+    from stratagem.data.functions import function_name
 
     what = f"{ds._name}({function_name(ds._fn)})"
     cores = os.cpu_count() or 1
@@ -156,6 +159,19 @@ def choose_engine(ds: ParallelMapDataset, ctx: Context) -> str:
     if cores < 2:
         logger.info("%s: AUTOTUNE runs it on threads (one core)", what)
         return "threads"
+    # measured as the workers would run: one intra-op thread (else the serial run's own
+    # intra-op threads, stalled by other jobs, can make threads look like they scale)
+    intra = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure(ds, ctx, what, cores)
+    finally:
+        torch.set_num_threads(intra)
+
+
+def _measure(ds: ParallelMapDataset, ctx: Context, what: str, cores: int) -> str:
+    from stratagem.data.functions import call, element_rng
+
     fn = ds._fn
 
     def one(x: Any, pos: int) -> None:
