@@ -14,6 +14,11 @@ directory, fsynced, and the directory renamed into place: a checkpoint exists on
 files do. Loading reads JSON and safetensors only, so a file carrying a pickle is refused, never
 executed. Which objects are per replica: ``RNGState`` and anything that is not a module, an
 optimizer, a tensor or a number (data iterators: each replica may read its own shard).
+
+The chief holds the directory while it writes (``lock.WriterLock``: a second job is refused, a
+dead one taken over); restore validates every state on every replica before assigning any; a
+checkpoint restores into any strategy and number of replicas as ``portable_states`` says, and
+``load_state_dict(path)`` gives a plain module's state dict in one call (docs/CHECKPOINTS.md).
 """
 
 from __future__ import annotations
