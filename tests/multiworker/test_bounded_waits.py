@@ -50,3 +50,17 @@ def test_a_listener_that_never_answers_is_an_error_not_a_hang(silent_listener):
     assert time.monotonic() - start < 20  # the timeout, then torch's client's retries are shut
     # the connection was shut and the helper thread ended: nothing is left waiting
     assert not [t for t in threading.enumerate() if t.name == "stratagem-store-connect"]
+
+
+@pytest.mark.timeout(60)
+def test_stratagem_run_refuses_a_rendezvous_endpoint_that_never_answers(silent_listener, tmp_path, capsys):
+    from stratagem.cli.run import _standalone
+
+    script = tmp_path / "train.py"
+    script.write_text("print('never started')\n")
+    start = time.monotonic()
+    code = _standalone(["-n", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{silent_listener}", str(script)])
+    assert code == 2
+    assert time.monotonic() - start < 20
+    err = capsys.readouterr().err
+    assert f"--rdzv-endpoint 127.0.0.1:{silent_listener}: rank 0 reached" in err and "phase: store handshake" in err, err

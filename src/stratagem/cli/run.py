@@ -114,6 +114,24 @@ def torchrun_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     return out, env
 
 
+def check_endpoint(host: str, port: int, timeout: float = 5.0) -> str:
+    """"" when the rendezvous endpoint is free (this node will host it) or answers as a store;
+    else what is wrong. torch's agent would wait forever on a process at the address that
+    accepts connections and never answers (a stale job, another service on that port)."""
+    try:
+        socket.create_connection((host, port), timeout=2.0).close()
+    except OSError:
+        return ""  # nobody listens yet: the agent hosts it here, or waits for the host's
+    from stratagem.comm import CollectiveError
+    from stratagem.comm.communicator import connect_store
+
+    try:
+        connect_store(host, port, 1, is_master=False, timeout=timeout, rank=0)
+    except CollectiveError as e:
+        return f"--rdzv-endpoint {host}:{port}: {e}"
+    return ""
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the job; the exit code is 0 when every replica succeeded."""
     try:
@@ -121,6 +139,11 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"stratagem run: {e}", file=sys.stderr)
         return 2
+    if args.rdzv_endpoint and args.node_rank is None:
+        problem = check_endpoint(*split_address(args.rdzv_endpoint, "--rdzv-endpoint"))
+        if problem:
+            print(f"stratagem run: {problem}", file=sys.stderr)
+            return 2
     os.environ.update(env)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
