@@ -317,11 +317,15 @@ def fit(
                 t1 = time.perf_counter()
                 state.step += len(group)
                 state.iterations += len(group)
-                proposal = cadence.proposal()
-                summed = _end_execution(strategy, tracked, state, cblist, proposal)
+                # the sync also carries whether a callback asked to stop (TerminateOnNaN) after the
+                # previous execution: every replica stops at the same step, at no extra collective
+                summed = _end_execution(strategy, tracked, state, cblist, [float(state.stop_training), *cadence.proposal()])
                 if cadence.measuring:
                     cadence.samples.append(((t1 - t0) / len(group), time.perf_counter() - t1))
-                    cadence.agreed(summed, strategy.num_replicas_in_sync)
+                    cadence.agreed(summed[1:], strategy.num_replicas_in_sync)
+                if summed[0] > 0:
+                    state.stop_training = True
+                    break
             logs = _logs(tracked)
             if validation_data is not None:
                 steps.set_training(False)

@@ -63,6 +63,8 @@ def _check_module_hook(module: nn.Module, args: Any) -> None:
 
 
 def _check_optimizer_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     reg = _checking.get()
     if reg is not None:
         reg.check_optimizer(opt)
