@@ -423,6 +423,8 @@ def connect_store(
         while thread.is_alive() and time.monotonic() < end:  # torch's client reconnects: again
             _shut_connections_to(master_addr, master_port)
             thread.join(0.05)
+        if not _listening(master_addr, master_port):  # torch's retries outlived the deadline
+            raise _store_error(rank, where, timeout, TimeoutError("nobody accepts connections there"))
         raise CollectiveError(
             f"rank {rank} reached {where}, but nothing there answered as a rendezvous store within "
             f"{timeout:.0f}s (phase: store handshake); another process holds that port (a stale "
@@ -435,6 +437,14 @@ def connect_store(
             raise _store_error(rank, where, timeout, e) from e
         raise e
     return box["store"]
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
 
 
 def _shut_connections_to(host: str, port: int) -> None:
