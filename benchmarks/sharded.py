@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     args = parser.parse_args()
 
-    sharded = sg.ShardedStrategy(num_replicas=args.replicas)
+    sharded = sg.ShardedStrategy(num_replicas=args.replicas, devices="cpu")
     mirrored = sg.MirroredStrategy(devices="cpu")  # joins the same job
     torch.set_num_threads(1)
     n = sharded.num_replicas_in_sync

@@ -82,7 +82,7 @@ def reference_bytes(seed: int = 0) -> int:
 # --- 2 processes: parity, memory, the Strategy surface, fit, checkpoints, options ---------------
 def two_processes(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    s = stratagem.ShardedStrategy()
+    s = stratagem.ShardedStrategy(devices="cpu")
     n = s.num_replicas_in_sync
 
     # initial values equal single-device initialisation from the same seed
@@ -150,7 +150,7 @@ def two_processes(tmp: str) -> dict[str, Any]:
     step2 = torch.tensor(0)
     m2 = stratagem.CheckpointManager(stratagem.Checkpoint(model=fm2, optimizer=fo2, step=step2, rng=stratagem.RNGState()), ckdir)
     # the sharded checkpoint restores into another strategy: a mirrored model and optimizer
-    mirrored = stratagem.MirroredStrategy()
+    mirrored = stratagem.MirroredStrategy("cpu")
     torch.manual_seed(99)
     with mirrored.scope():
         mm = make_mlp()
@@ -244,14 +244,14 @@ def two_processes(tmp: str) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     variants = {
-        "keep_gathered": stratagem.ShardedStrategy(reshard_after_forward=False, units=nn.Linear),
-        "offload": stratagem.ShardedStrategy(offload=True, units=100),
+        "keep_gathered": stratagem.ShardedStrategy(reshard_after_forward=False, units=nn.Linear, devices="cpu"),
+        "offload": stratagem.ShardedStrategy(offload=True, units=100, devices="cpu"),
     }
     for name, vs in variants.items():
         vm, _ = train_under(vs, make_mlp, make_adam, mse, batches, seed=0)
         out[f"{name}_diff"] = max(max_diff(full_state(vm), want).values())
         out[f"{name}_plan"] = str(vs.extended.plans[-1])
-    mp = stratagem.ShardedStrategy(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    mp = stratagem.ShardedStrategy(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), devices="cpu")
     vm, _ = train_under(mp, make_mlp, make_adam, mse, batches, seed=0)
     out["bf16_diff"] = max(max_diff(full_state(vm), want).values())
     out["bf16_dtype"] = str(next(vm.parameters()).dtype)
@@ -306,7 +306,7 @@ def make_big() -> nn.Module:
 
 def four_processes(tmp: str, steps_before: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    s = stratagem.ShardedStrategy()
+    s = stratagem.ShardedStrategy(devices="cpu")
     batches = global_batches(steps_before)
     model, opt = train_sharded(s, batches)
     want = train_reference(make_mlp, make_adam, mse, batches, seed=0)
@@ -343,7 +343,7 @@ def four_processes(tmp: str, steps_before: int) -> dict[str, Any]:
     out["big_local_param_bytes"] = sum(p.to_local().untyped_storage().nbytes() for p in big.parameters())
 
     # HSDP: sharded over pairs of processes, replicated across the two pairs
-    hs = stratagem.ShardedStrategy(shard_size=2)
+    hs = stratagem.ShardedStrategy(shard_size=2, devices="cpu")
     hmodel, hopt = train_sharded(hs, batches)
     out["hsdp_diff"] = max_diff(full_state(hmodel), want)
     out["hsdp_bytes"] = local_bytes(hmodel, hopt)
@@ -367,7 +367,7 @@ def _mesh_2d(steps: int) -> dict[str, Any]:
     from stratagem.distribute import DeviceMesh, ModelParallelStrategy
 
     mesh = DeviceMesh((2, 2), ("data", "model"))
-    s = ModelParallelStrategy(mesh, _layouts(mesh), batch_axis="data")
+    s = ModelParallelStrategy(mesh, _layouts(mesh), batch_axis="data", devices="cpu")
     torch.manual_seed(0)
     with s.scope():
         model = make_transformer()
@@ -385,7 +385,7 @@ def _mesh_2d(steps: int) -> dict[str, Any]:
 
 def fewer_processes(ckpt: str, steps_before: int, steps_after: int) -> dict[str, Any]:
     """Restore a checkpoint written by more processes and keep training."""
-    s = stratagem.ShardedStrategy()
+    s = stratagem.ShardedStrategy(devices="cpu")
     torch.manual_seed(7)  # different initial values: the checkpoint must replace them
     with s.scope():
         model = make_mlp()
@@ -446,7 +446,7 @@ def tensor_parallel(tmp: str, steps: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     mesh = DeviceMesh((2,), ("model",))
-    s = ModelParallelStrategy(mesh, _layouts(mesh))
+    s = ModelParallelStrategy(mesh, _layouts(mesh), devices="cpu")
     out["replicas"] = s.num_replicas_in_sync
     torch.manual_seed(0)
     with s.scope():

@@ -12,9 +12,10 @@ from typing import Any, final
 import torch
 
 from stratagem.cluster import ClusterSpec, ensure_replicas
+from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.engines.shard_plan import UnitSpec
 from stratagem.distribute.engines.sharded import ShardedExtended, ShardingOptions
-from stratagem.distribute.join import join, local_device
+from stratagem.distribute.join import join
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.strategy import Strategy
 
@@ -49,18 +50,18 @@ class ShardedStrategy(Strategy):
         gradient_reduction: ReduceOp | str = ReduceOp.SUM,
         shard_size: int | None = None,
         timeout: float = 120.0,
+        devices: str | None = None,
     ) -> None:
         if num_replicas is not None and num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         launched = ClusterSpec.from_environ()
-        if num_replicas is not None:
-            count = num_replicas
-        elif launched is not None:
-            count = launched.world_size
+        if launched is None:
+            plan = plan_devices(devices, num_replicas, torch.cuda.device_count(), what="ShardedStrategy")
+            spec = ensure_replicas(len(plan))
         else:
-            count = max(torch.cuda.device_count(), 1)
-        spec = ensure_replicas(count)
-        device = local_device(spec.local_rank)
+            spec = ensure_replicas(num_replicas)
+            plan = plan_devices(devices, spec.local_world_size, torch.cuda.device_count(), what="ShardedStrategy")
+        device = torch.device(plan[spec.local_rank % len(plan)])
         if offload is True:
             from torch.distributed.fsdp import CPUOffloadPolicy
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from typing import final
 
+import torch
+
 from stratagem.cluster import ClusterSpec, ensure_replicas
+from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap
 from stratagem.distribute.engines.tensor_parallel import TensorParallelExtended
-from stratagem.distribute.join import join, local_device
+from stratagem.distribute.join import join
 from stratagem.distribute.strategy import Strategy
 
 
@@ -30,6 +33,7 @@ class ModelParallelStrategy(Strategy):
         batch_axis: str | None = "data",
         model_axis: str = "model",
         timeout: float = 120.0,
+        devices: str | None = None,
     ) -> None:
         if layout_map.mesh != mesh:
             raise ValueError(f"ModelParallelStrategy: the layout map is for mesh {layout_map.mesh}, not {mesh}")
@@ -39,7 +43,8 @@ class ModelParallelStrategy(Strategy):
                 f"ModelParallelStrategy: the mesh {mesh.shape} needs {mesh.size} processes; this job has {launched.world_size}"
             )
         spec = ensure_replicas(mesh.size)
-        device = local_device(spec.local_rank)
+        plan = plan_devices(devices, spec.local_world_size, torch.cuda.device_count(), what="ModelParallelStrategy")
+        device = torch.device(plan[spec.local_rank % len(plan)])
         self.cluster_spec = spec
         self.device = device
         comm = join(spec, device, timeout=timeout)
