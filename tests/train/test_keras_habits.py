@@ -68,3 +68,28 @@ def test_keras_names_and_option_errors():
         TrainOptions(accumulate=0)
     with pytest.raises(ValueError, match="clipnorm must be > 0"):
         TrainOptions(clipnorm=-1.0)
+
+
+def test_model_checkpoint_takes_keras_filepath(tmp_path):
+    from torch import nn
+
+    from stratagem.callbacks import ModelCheckpoint
+    from stratagem.data import Dataset
+    from stratagem.train.checkpoint import load_state_dict
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
+    s = sg.OneDeviceStrategy("cpu")
+    with s.scope():
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cb = ModelCheckpoint(filepath=str(tmp_path / "ck" / "model-{epoch:02d}.keras"), monitor="loss", save_weights_only=True)
+    sg.fit(model, opt, "sparse_categorical_crossentropy", Dataset.from_tensor_slices((x, y)).batch(8),
+           epochs=2, callbacks=[cb], verbose=0)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("ckpt-")) == ["ckpt-1", "ckpt-2"]
+    weights = load_state_dict(cb.last_path, name="model")
+    torch.testing.assert_close(weights["weight"], model.weight.detach())
+    with pytest.raises(Exception, match="optimizer"):  # save_weights_only: no optimizer state kept
+        load_state_dict(cb.last_path, name="optimizer")
+    with pytest.raises(ValueError, match="exactly one"):
+        ModelCheckpoint()

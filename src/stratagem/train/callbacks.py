@@ -129,6 +129,16 @@ def _check_save_freq(save_freq: str | int) -> None:
         raise ValueError(f"save_freq must be 'epoch' or a positive number of steps; got {save_freq!r}")
 
 
+def _directory_of(filepath: str) -> Path:
+    """The checkpoint directory a Keras ``filepath`` stands for: before any ``{...}`` placeholder,
+    and without a file name that has a suffix (``.keras``, ``.h5``, ``.pt``, ...)."""
+    head = filepath.split("{", 1)[0]
+    path = Path(head)
+    if "{" in filepath or path.suffix:
+        path = path.parent if not head.endswith(os.sep) else path
+    return path if str(path) else Path(".")
+
+
 class ModelCheckpoint(Callback):
     """Save the model (and optimizer) with a CheckpointManager in ``directory/ckpt-<step>``.
 
@@ -137,22 +147,34 @@ class ModelCheckpoint(Callback):
     ``monitor`` improves (``mode`` min/max/auto, as EarlyStopping). Every replica takes part (the
     save is collective; the chief writes). ``max_to_keep`` bounds the checkpoints kept.
     Restore with ``CheckpointManager(Checkpoint(model=..., optimizer=...), directory).restore(path)``.
+
+    Keras's spellings work: ``ModelCheckpoint(filepath="ckpt/model-{epoch:02d}.keras",
+    monitor=..., save_best_only=..., save_weights_only=...)``. A stratagem checkpoint is a
+    directory of numbered checkpoints, so ``filepath`` names that directory: its part before
+    any ``{...}`` placeholder or file suffix (``ckpt/`` here); ``save_weights_only`` leaves out
+    the optimizer.
     """
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        directory: str | os.PathLike[str] | None = None,
         *,
+        filepath: str | os.PathLike[str] | None = None,
         monitor: str = "val_loss",
         save_best_only: bool = False,
         mode: str = "auto",
         save_freq: str | int = "epoch",
         save_optimizer: bool = True,
+        save_weights_only: bool = False,
         max_to_keep: int | None = None,
+        verbose: int = 0,
     ) -> None:
         super().__init__()
         _check_save_freq(save_freq)
-        self.directory = Path(directory)
+        if (directory is None) == (filepath is None):
+            raise ValueError("ModelCheckpoint needs a directory (or Keras's filepath=), exactly one of them")
+        self.directory = Path(directory) if directory is not None else _directory_of(os.fspath(filepath or ""))
+        save_optimizer = save_optimizer and not save_weights_only
         self.monitor = monitor
         self.save_best_only = save_best_only
         self.mode = _resolve_mode(mode, monitor)
