@@ -91,21 +91,51 @@ class _ListReader(_IndexIterator):
         self.i = int(state["index"] if state.get("mode") == "read" else state["count"])
 
 
+class CorruptCacheError(ValueError):
+    """A cache file cannot be read: truncated, garbled, or not written by cache()."""
+
+
+def _corrupt(path: str, what: str, exc: BaseException) -> CorruptCacheError:
+    return CorruptCacheError(
+        f"cache file {path!r} is corrupt ({what}: {type(exc).__name__}: {exc}); delete it "
+        "so that cache() re-creates it from the input on the next complete epoch"
+    )
+
+
 class _FileReader(_ListReader):
     def __init__(self, path: str) -> None:
-        self.npz = np.load(path, allow_pickle=False)
-        index = json.loads(bytes(self.npz[_INDEX.removesuffix(".json")]).decode())
-        self.skeleton = from_json(index["skeleton"])
-        self.kinds = index["kinds"]
-        super().__init__(int(index["count"]), self._element)
+        self.path = path
+        self.npz: Any = None
+        try:
+            self.npz = np.load(path, allow_pickle=False)
+            if not hasattr(self.npz, "files"):
+                raise ValueError("not a zip of npy entries")
+            key = _INDEX.removesuffix(".json")
+            if key not in self.npz.files:
+                raise KeyError(f"no {key}.npy index entry")
+            index = json.loads(bytes(self.npz[key]).decode())
+            self.skeleton = from_json(index["skeleton"])
+            self.kinds = index["kinds"]
+            count = int(index["count"])
+            if len(self.kinds) != count:
+                raise ValueError(f"index lists {len(self.kinds)} elements, count is {count}")
+        except Exception as e:
+            if self.npz is not None and hasattr(self.npz, "close"):
+                self.npz.close()
+            raise _corrupt(path, "cannot read its index", e) from e
+        super().__init__(count, self._element)
 
     def _element(self, i: int) -> Any:
-        kinds = self.kinds[i]
-        leaves = [_decode(self.npz[f"e{i}_{j}"], k) for j, k in enumerate(kinds)]
-        return pack_as(self.skeleton, leaves)
+        try:
+            kinds = self.kinds[i]
+            leaves = [_decode(self.npz[f"e{i}_{j}"], k) for j, k in enumerate(kinds)]
+            return pack_as(self.skeleton, leaves)
+        except Exception as e:
+            raise _corrupt(self.path, f"cannot read element {i}", e) from e
 
     def close(self) -> None:
-        self.npz.close()
+        if self.npz is not None:
+            self.npz.close()
 
 
 class _CacheWriter(StatefulIterator):
@@ -118,6 +148,28 @@ class _CacheWriter(StatefulIterator):
         self.tmp = ""
         self.kinds: list[list[str]] = []
         self.skeleton: Any = None
+
+    def _discard(self) -> None:
+        """Remove this writer's own temporary file (never another writer's)."""
+        zf, self.zip = self.zip, None
+        if zf is not None:
+            try:
+                zf.close()
+            except Exception:
+                pass
+        tmp, self.tmp = self.tmp, ""
+        if tmp:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+
+    def __del__(self) -> None:
+        if getattr(self, "tmp", ""):
+            try:
+                self._discard()
+            except Exception:
+                pass
 
     def _write(self, element: Any) -> None:
         if self.zip is None:
@@ -150,6 +202,7 @@ class _CacheWriter(StatefulIterator):
         with open(self.tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(self.tmp, self.ds._filename)
+        self.tmp = ""  # committed: nothing of ours left to remove
 
     def __next__(self) -> Any:
         try:
@@ -157,11 +210,20 @@ class _CacheWriter(StatefulIterator):
         except StopIteration:
             if self.recording:
                 self.recording = False
-                self._commit()
+                try:
+                    self._commit()
+                except BaseException:
+                    self._discard()
+                    raise
             raise
         if self.recording:
             if self.ds._filename:
-                self._write(x)
+                try:
+                    self._write(x)
+                except BaseException:
+                    self.recording = False
+                    self._discard()
+                    raise
             else:
                 self.elements.append(x)
         self.count += 1
@@ -183,10 +245,6 @@ class _CacheWriter(StatefulIterator):
         self.count = int(state["count"])
 
     def close(self) -> None:
-        if self.zip is not None:
-            self.zip.close()
-            self.zip = None
-            if os.path.exists(self.tmp):
-                os.remove(self.tmp)
+        self._discard()
         self.recording = False
         self.child.close()

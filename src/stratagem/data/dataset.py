@@ -54,7 +54,8 @@ class Dataset:
 
     def iterator_from_state(self, state: dict[str, Any]) -> DatasetIterator:
         """A fresh iterator restored from ``state`` (see DatasetIterator.state_dict)."""
-        it = DatasetIterator(self, epoch=int(state.get("epoch", 0)), seed=0)
+        epoch = state.get("epoch", 0) if isinstance(state, dict) else 0
+        it = DatasetIterator(self, epoch=int(epoch) if isinstance(epoch, int) else 0, seed=0)
         it.load_state_dict(state)
         return it
 

@@ -69,6 +69,47 @@ class StatefulIterator:
             child.close()
 
 
+def _failing_node(exc: BaseException) -> str:
+    """The innermost StatefulIterator whose load_state_dict was running when exc was raised."""
+    node = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, StatefulIterator):
+            node = type(owner).__name__
+        tb = tb.tb_next
+    return node
+
+
+def _first_difference(expected: Any, got: Any, path: str) -> str:
+    """Where ``got`` first differs in structure (dict keys, kinds) from ``expected``."""
+    if isinstance(expected, dict):
+        if not isinstance(got, dict):
+            return f"{path} is a {type(got).__name__}, this pipeline expects a dict"
+        if set(expected) != set(got):
+            lack = sorted(set(expected) - set(got), key=str)
+            extra = sorted(set(got) - set(expected), key=str)
+            parts = []
+            if lack:
+                parts.append(f"lacks key(s) {lack}")
+            if extra:
+                parts.append(f"has unexpected key(s) {extra}")
+            return f"{path} {' and '.join(parts)}"
+        for k in expected:
+            d = _first_difference(expected[k], got[k], f"{path}[{k!r}]")
+            if d:
+                return d
+        return ""
+    if isinstance(expected, list):
+        if not isinstance(got, list):
+            return f"{path} is a {type(got).__name__}, this pipeline expects a list"
+        for i, (a, b) in enumerate(zip(expected, got, strict=False)):
+            d = _first_difference(a, b, f"{path}[{i}]")
+            if d:
+                return d
+    return ""
+
+
 def _close_root(holder: list[StatefulIterator | None]) -> None:
     root = holder[0]
     holder[0] = None
@@ -141,10 +182,38 @@ class DatasetIterator:
                 f"not a stratagem.data iterator state (format {got!r}, expected "
                 f"{STATE_FORMAT!r}); pass the dict returned by iterator.state_dict()"
             )
+        missing = [k for k in ("epoch", "seed", "root") if k not in state]
+        if missing:
+            raise ValueError(
+                f"iterator state lacks key(s) {missing} (it has {sorted(state)}); pass the "
+                "dict returned by iterator.state_dict() of an iterator over this pipeline"
+            )
         self._build(int(state["epoch"]), int(state["seed"]))
         root = self._holder[0]
         assert root is not None
-        root.load_state_dict(state["root"])
+        try:
+            root.load_state_dict(state["root"])
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+            node = _failing_node(e)
+            try:  # the state a fresh iterator over this pipeline has, to compare with
+                self._build(self._epoch, self._seed)
+                fresh = self._holder[0]
+                diff = _first_difference(
+                    fresh.state_dict() if fresh is not None else None,
+                    state["root"],
+                    "state['root']",
+                )
+            except Exception:
+                diff = ""
+            _close_root(self._holder)
+            raise ValueError(
+                "iterator state does not match this pipeline"
+                + (f" ({diff})" if diff else "")
+                + (f"; restoring {node} failed with {type(e).__name__}: {e}" if node else
+                   f"; restoring failed with {type(e).__name__}: {e}")
+                + "; restore a state saved from an iterator over the same pipeline "
+                "(same transformations in the same order)"
+            ) from e
 
     def close(self) -> None:
         """Stop the pipeline's threads and processes (idempotent)."""

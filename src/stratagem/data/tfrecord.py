@@ -102,31 +102,68 @@ class TFRecordDataset(FileSource):
         return TensorSpec((), "bytes")
 
 
+_CHUNK = 1 << 24  # records longer than this are read in pieces, so a garbage length is
+# found to run past the end of the file before it is allocated
+
+
 class _RecordIterator(StatefulIterator):
     def __init__(self, files: list[str], verify: bool, kind: str = "") -> None:
         self.files, self.verify, self.kind = files, verify, kind
         self.file_index, self.offset = 0, 0
+        self.record: int | None = 0  # index of the next record in its file (None: unknown)
         self.fh: Any = None
+        self.size: int | None = None  # size of an uncompressed file
+
+    def _where(self) -> str:
+        rec = f"record {self.record}" if self.record is not None else "the record"
+        return (
+            f"TFRecord file {self.files[self.file_index]!r}: {rec} at byte offset {self.offset}"
+        )
+
+    def _hint(self) -> str:
+        if self.kind:
+            return (
+                f"the file is corrupt or not a {self.kind}-compressed TFRecord file; "
+                "re-create it, or skip bad records with ignore_errors()"
+            )
+        return (
+            "the file is corrupt or not a TFRecord file; re-create it, pass "
+            'compression_type="GZIP"/"ZLIB" if it is compressed, or skip bad records '
+            "with ignore_errors()"
+        )
 
     def _read(self, n: int, what: str) -> bytes:
         assert self.fh is not None
-        data = self.fh.read(n)
+        if n <= _CHUNK:
+            data = self.fh.read(n)
+        else:
+            parts, got = [], 0
+            while got < n:
+                part = self.fh.read(min(_CHUNK, n - got))
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+            data = b"".join(parts)
         if len(data) != n:
             raise CorruptRecordError(
-                f"truncated TFRecord file {self.files[self.file_index]!r}: record at byte "
-                f"offset {self.offset} ends inside its {what}; the file is incomplete"
+                f"truncated {self._where()} ends inside its {what} ({what} needs {n} bytes, "
+                f"{len(data)} remain); {self._hint()}"
             )
         return data
 
     def __next__(self) -> bytes:
         while self.file_index < len(self.files):
             if self.fh is None:
-                self.fh = compression.open_read(self.files[self.file_index], self.kind)
+                path = self.files[self.file_index]
+                self.fh = compression.open_read(path, self.kind)
                 self.fh.seek(self.offset)
+                self.size = None if self.kind else os.fstat(self.fh.fileno()).st_size
             header = self.fh.read(12)
             if not header:
                 self.fh.close()
                 self.fh, self.file_index, self.offset = None, self.file_index + 1, 0
+                self.record = 0
                 continue
             if len(header) != 12:
                 try:
@@ -137,10 +174,18 @@ class _RecordIterator(StatefulIterator):
             (length_crc,) = struct.unpack("<I", header[8:])
             if self.verify and masked_crc32c(header[:8]) != length_crc:
                 err = CorruptRecordError(
-                    f"corrupt TFRecord file {self.files[self.file_index]!r}: the length of the "
-                    f"record at byte offset {self.offset} fails its CRC check"
+                    f"corrupt {self._where()}: its length field fails its CRC check; "
+                    f"{self._hint()}"
                 )
                 self._skip_file()  # without a length the rest of the file cannot be read
+                raise err
+            if self.size is not None and length + 4 > self.size - self.offset - 12:
+                err = CorruptRecordError(
+                    f"corrupt {self._where()}: its length field says {length} bytes but only "
+                    f"{max(self.size - self.offset - 12, 0)} bytes remain in the file "
+                    f"({self.size} bytes); {self._hint()}"
+                )
+                self._skip_file()
                 raise err
             try:
                 data = self._read(length, "data")
@@ -150,25 +195,31 @@ class _RecordIterator(StatefulIterator):
                 raise
             if self.verify and masked_crc32c(data) != data_crc:
                 err = CorruptRecordError(
-                    f"corrupt TFRecord file {self.files[self.file_index]!r}: the record at byte "
-                    f"offset {self.offset} fails its CRC check"
+                    f"corrupt {self._where()}: its data fails its CRC check; {self._hint()}"
                 )
-                self.offset += 16 + length  # ignore_errors() goes on with the next record
+                self._advance(length)  # ignore_errors() goes on with the next record
                 raise err
-            self.offset += 16 + length
+            self._advance(length)
             return data
         raise StopIteration
+
+    def _advance(self, length: int) -> None:
+        self.offset += 16 + length
+        if self.record is not None:
+            self.record += 1
 
     def _skip_file(self) -> None:
         if self.fh is not None:
             self.fh.close()
         self.fh, self.file_index, self.offset = None, self.file_index + 1, 0
+        self.record = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"file": self.file_index, "offset": self.offset}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.file_index, self.offset = int(state["file"]), int(state["offset"])
+        self.record = 0 if self.offset == 0 else None
 
     def close(self) -> None:
         if self.fh is not None:
