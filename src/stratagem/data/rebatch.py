@@ -13,14 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from stratagem.core.batches import split_sizes
 from stratagem.data.dataset import Dataset
 from stratagem.data.iterator import Context, StatefulIterator
-
-
-def split_sizes(batch_size: int, parts: int) -> list[int]:
-    """How many elements of a global batch each worker gets (tf.distribute's rebatching)."""
-    base, extra = divmod(batch_size, parts)
-    return [base + (1 if r < extra else 0) for r in range(parts)]
 
 
 class RebatchShardDataset(Dataset):

@@ -14,7 +14,6 @@ import gc
 import os
 import sys
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,16 +29,6 @@ from stratagem.comm import (
 from stratagem.comm.failure import FailureMonitor, FailureOptions, job_probe
 
 _joined: dict[str, Any] = {}
-
-
-def local_device(local_rank: int, devices: Sequence[torch.device] | None = None) -> torch.device:
-    """This process's device: ``devices[local_rank]``, else GPU ``local_rank`` (mod the count)
-    when there are GPUs, else the CPU."""
-    if devices:
-        return devices[local_rank % len(devices)]
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 def share_cpu(device: torch.device, local_world_size: int) -> None:

@@ -157,3 +157,14 @@ def materialize(modules: list[nn.Module], rng: torch.Tensor | None, device: torc
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.copy_(_local_part(whole[n].detach(), p))
         del whole
+
+
+@contextlib.contextmanager
+def allocated_keeping_buffers(root: nn.Module, device: torch.device) -> Iterator[None]:
+    """Shard ``root`` inside; on exit give it real storage on ``device`` (``to_empty``), with
+    the buffers it was built with keeping their values (``to_empty`` would leave them empty)."""
+    buffers = [(m, n, b) for m in root.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta]
+    yield
+    root.to_empty(device=device)
+    for m, n, b in buffers:
+        m._buffers[n] = b.to(device)

@@ -4,7 +4,7 @@ of the pipeline over a replica communicator (a DataParallelExtended without mirr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,8 +13,8 @@ from torch import nn
 from stratagem.comm import Communicator
 from stratagem.distribute import context, ownership
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
-from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.strategy import ReplicaContext, StrategyExtended
+from stratagem.distribute.engines.over_replicas import OverReplicas
+from stratagem.distribute.strategy import ReplicaContext
 from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.errors import PipelineConfigError
 from stratagem.pipeline.materialize import flatten, materialize
@@ -27,7 +27,7 @@ from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.stage import Stage, describe
 
 
-class PipelineExtended(StrategyExtended):
+class PipelineExtended(OverReplicas):
     """Stages over a pipeline communicator; copies of the pipeline over a replica communicator."""
 
     def __init__(
@@ -125,25 +125,11 @@ class PipelineExtended(StrategyExtended):
         with context.replica_scope(ctx):
             return fn(*args, **kwargs)
 
-    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
-        return self._dp.all_reduce(op, value)
 
-    def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
-        return self._dp.reduce(op, value, axis)
 
-    def gather(self, value: Any, axis: int) -> Any:
-        return self._dp.gather(value, axis)
 
-    def merge_values(self, value: Any) -> list[Any]:
-        return self._dp.merge_values(value)
 
-    def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]:
-        return self._dp.distribute_dataset(dataset, options)
 
-    def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any
-    ) -> Iterable[Any]:
-        return self._dp.distribute_datasets_from_function(dataset_fn, options)
 
     # --- building the local stage --------------------------------------------------------------------
     def _partition(self, layers: list[tuple[str, nn.Module]], sample_input: Any) -> Partition:

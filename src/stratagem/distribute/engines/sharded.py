@@ -16,7 +16,7 @@ reductions, gathers and distributed datasets are the data-parallel engine's, com
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +27,10 @@ from torch import nn
 from stratagem.comm import Communicator
 from stratagem.distribute.engines.build import ShardedBuild
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
+from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
+from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.engines.shard_plan import UnitPlan, UnitSpec, plan_units
-from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.strategy import Strategy, StrategyExtended
+from stratagem.distribute.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def device_mesh_1d(comm: Communicator, device: torch.device) -> Any:
     return DeviceMesh.from_group(group, device.type)  # type: ignore[arg-type]
 
 
-class ShardedExtended(StrategyExtended):
+class ShardedExtended(OverReplicas):
     """Every process holds 1/N of each parameter, its gradient and its optimizer state."""
 
     def __init__(self, comm: Communicator, device: torch.device, options: ShardingOptions, *, name: str) -> None:
@@ -144,13 +145,10 @@ class ShardedExtended(StrategyExtended):
             kw["mp_policy"] = opts.mixed_precision
         if opts.offload is not None:
             kw["offload_policy"] = opts.offload
-        buffers = [(m, n, b) for m in root.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta]
-        for path in plan.units:
-            fully_shard(root.get_submodule(path), **kw)
-        fully_shard(root, **kw)
-        root.to_empty(device=self._device)
-        for m, n, b in buffers:  # to_empty emptied them: they keep the values they were built with
-            m._buffers[n] = b.to(self._device)
+        with allocated_keeping_buffers(root, self._device):
+            for path in plan.units:
+                fully_shard(root.get_submodule(path), **kw)
+            fully_shard(root, **kw)
         # summed gradients (tf.distribute's contract) or FSDP's mean; sum-type collectives only
         # (gloo has neither AVG nor PREMUL_SUM), FSDP divides before and after when needed
         from torch.distributed.fsdp import FSDPModule
@@ -167,19 +165,7 @@ class ShardedExtended(StrategyExtended):
         return self._dp.call_for_replica(fn, args, kwargs)
 
     # --- reductions and input: the data-parallel engine's ------------------------------------
-    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
-        return self._dp.all_reduce(op, value)
 
-    def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
-        return self._dp.reduce(op, value, axis)
 
-    def gather(self, value: Any, axis: int) -> Any:
-        return self._dp.gather(value, axis)
 
-    def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]:
-        return self._dp.distribute_dataset(dataset, options)
 
-    def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any
-    ) -> Iterable[Any]:
-        return self._dp.distribute_datasets_from_function(dataset_fn, options)

@@ -12,7 +12,7 @@ across replicas. Replicas are the data axis: processes along the model axis read
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,11 +22,12 @@ from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.distribute.engines.build import ShardedBuild
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap, tensor_parallel_plan
-from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.strategy import Strategy, StrategyExtended
+from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
+from stratagem.distribute.engines.over_replicas import OverReplicas
+from stratagem.distribute.strategy import Strategy
 
 
-class TensorParallelExtended(StrategyExtended):
+class TensorParallelExtended(OverReplicas):
     """A model split by a LayoutMap over a DeviceMesh's model axis (and sharded over its data axis)."""
 
     def __init__(
@@ -122,38 +123,23 @@ class TensorParallelExtended(StrategyExtended):
         plan = tensor_parallel_plan(root, self.layout_map, self.model_axis)
         self.plans.append(plan)
         styles: dict[str, ParallelStyle] = {path: ColwiseParallel() if kind == "colwise" else RowwiseParallel() for path, kind in plan.items()}
-        buffers = [(m, n, b) for m in root.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta]
-        if styles:
-            parallelize_module(root, self.torch_mesh[self.model_axis], styles)
-        if self.batch_axis is not None and self.mesh.axis_size(self.batch_axis) > 1:
-            from torch.distributed.fsdp import FSDPModule, fully_shard
+        with allocated_keeping_buffers(root, self._device):
+            if styles:
+                parallelize_module(root, self.torch_mesh[self.model_axis], styles)
+            if self.batch_axis is not None and self.mesh.axis_size(self.batch_axis) > 1:
+                from torch.distributed.fsdp import FSDPModule, fully_shard
 
-            fully_shard(root, mesh=self.torch_mesh[self.batch_axis])
-            assert isinstance(root, FSDPModule)
-            root.set_gradient_divide_factor(1.0)  # summed across replicas (compute_average_loss)
-            root.set_force_sum_reduction_for_comms(True)
-        root.to_empty(device=self._device)
-        for m, n, b in buffers:
-            m._buffers[n] = b.to(self._device)
+                fully_shard(root, mesh=self.torch_mesh[self.batch_axis])
+                assert isinstance(root, FSDPModule)
+                root.set_gradient_divide_factor(1.0)  # summed across replicas (compute_average_loss)
+                root.set_force_sum_reduction_for_comms(True)
 
     # --- run, reductions, input ---------------------------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         self.build.check_call(fn, args, kwargs)
         return self._dp.call_for_replica(fn, args, kwargs)
 
-    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
-        return self._dp.all_reduce(op, value)
 
-    def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
-        return self._dp.reduce(op, value, axis)
 
-    def gather(self, value: Any, axis: int) -> Any:
-        return self._dp.gather(value, axis)
 
-    def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]:
-        return self._dp.distribute_dataset(dataset, options)
 
-    def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any
-    ) -> Iterable[Any]:
-        return self._dp.distribute_datasets_from_function(dataset_fn, options)
