@@ -44,12 +44,11 @@ def map_structure(
     """``value`` with ``fn`` applied to every leaf (leaf-wise over ``others`` of the same
     structure); ``is_leaf`` marks containers to hand to ``fn`` whole."""
     if not others:
-        if is_leaf is None or not is_leaf(value):  # fast paths: a tensor, a flat tuple/list of them
-            if isinstance(value, torch.Tensor):
-                return fn(value)
-            kind = type(value)
-            if (kind is tuple or kind is list) and all(isinstance(v, torch.Tensor) for v in value):
-                return kind(fn(v) for v in value)
+        if is_leaf is None:  # plain tuples, lists and dicts in Python, the rest by pytree
+            try:
+                return _plain_map(fn, value)
+            except _NotPlain:
+                pass
         return pytree.tree_map(fn, value, is_leaf=is_leaf)
     flat, spec = flatten(value)
     rest = [flatten(o) for o in others]
@@ -59,6 +58,23 @@ def map_structure(
                 f"values have different structures: {signature(value)} and {signature(others[r])}"
             )
     return unflatten(spec, [fn(*xs) for xs in zip(flat, *(f for f, _ in rest))])
+
+
+class _NotPlain(Exception):
+    """A container other than a tuple, list or dict: left to pytree."""
+
+
+def _plain_map(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``pytree.tree_map(fn, value)`` for values nesting only tuples, lists and dicts (several
+    times faster than the general walker; raises _NotPlain on any other container)."""
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind([_plain_map(fn, v) for v in value])
+    if kind is dict:
+        return {k: _plain_map(fn, v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) or not (kind in pytree.SUPPORTED_NODES or issubclass(kind, tuple)):
+        return fn(value)
+    raise _NotPlain
 
 
 class _Shown(str):

@@ -12,7 +12,6 @@ skipped, and the scale lowered, everywhere alike. Keras's and Lightning's spelli
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,9 @@ _NAMES = {
     "bf16": "bf16", "bfloat16": "bf16", "mixed_bfloat16": "bf16", "bf16-mixed": "bf16",
     "fp16": "fp16", "float16": "fp16", "16": "fp16", "mixed_float16": "fp16", "16-mixed": "fp16",
 }  # fmt: skip
+
+
+_NOTHING = contextlib.nullcontext()  # reusable: entered once per step for "32"
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,12 @@ class Policy:
     def needs_loss_scaling(self) -> bool:
         return self.name == "fp16"
 
-    @contextlib.contextmanager
-    def autocast(self, device: torch.device | str | None) -> Iterator[None]:
+    def autocast(self, device: torch.device | str | None) -> contextlib.AbstractContextManager[Any]:
         """Autocast to the compute dtype on ``device`` (nothing for ``"32"``)."""
         if self.name == "32":
-            yield
-            return
+            return _NOTHING
         kind = torch.device(device).type if device is not None else "cpu"
-        with torch.autocast(kind, dtype=self.compute_dtype):
-            yield
+        return torch.autocast(kind, dtype=self.compute_dtype)
 
     def loss_scaler(self, device: torch.device | str | None) -> LossScaler | None:
         """A new LossScaler for fp16 (None for the other policies)."""

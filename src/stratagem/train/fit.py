@@ -87,8 +87,9 @@ def _make_steps(
 
 
 #: ``steps_per_execution="auto"``: the most steps between two reads of the logs, and the share of
-#: the step time that reading them (a collective and a host read-back) may cost.
-AUTO_MAX_STEPS_PER_EXECUTION = 32
+#: the step time that an execution's fixed cost (``strategy.run``, the metric updates, the sync
+#: and read-back of the logs) may add.
+AUTO_MAX_STEPS_PER_EXECUTION = 128
 AUTO_SYNC_SHARE = 0.01
 
 
@@ -101,10 +102,12 @@ def _acts_per_batch(cb: Callback) -> bool:
 
 class _Cadence:
     """How many steps each execution runs. A number is used as given; ``"auto"`` is 1 while a
-    callback acts per batch, else measured: the first two executions run one step each and time
-    the step and the sync; then every replica proposes the smallest count that keeps the sync
-    under ``AUTO_SYNC_SHARE`` of the steps (at most ``AUTO_MAX_STEPS_PER_EXECUTION``), and all
-    use the mean of the proposals (summed in the sync they already do, so they agree)."""
+    callback acts per batch, else measured: the first two executions run one step each, timing
+    the step (inside ``strategy.run``) and the execution's fixed cost around it; at the second
+    sync every replica proposes the smallest count that keeps the fixed cost under
+    ``AUTO_SYNC_SHARE`` of the steps' time (at most ``AUTO_MAX_STEPS_PER_EXECUTION``), and all
+    use the mean of the proposals (summed in the sync they already do, so they agree). So a
+    step of a few milliseconds or more keeps a log per step, as in Keras."""
 
     def __init__(self, value: int | str, callbacks: Sequence[Callback]) -> None:
         if value == "auto":
@@ -114,15 +117,25 @@ class _Cadence:
             raise ValueError(f"steps_per_execution must be a positive number of steps or 'auto', got {value!r}")
         else:
             self.size, self.measuring = value, False
-        self.samples: list[tuple[float, float]] = []  # (seconds per step, seconds per sync)
+        self.step_times: list[float] = []  # seconds per step
+        self.fixed_times: list[float] = []  # seconds of an execution outside its steps
 
-    def proposal(self) -> list[float]:
-        """What this replica adds to the next sync: nothing, or its proposed count."""
-        if not self.measuring or len(self.samples) < 2:
+    def timed(self, steps: int, seconds: float, in_steps: float | None, sync: float) -> None:
+        """One execution of ``steps`` steps took ``seconds`` to train (``in_steps`` of them in the
+        steps themselves, when known) and ``sync`` to sync."""
+        inner = seconds if in_steps is None else min(in_steps, seconds)
+        self.step_times.append(inner / steps)
+        self.fixed_times.append(seconds - inner + sync)
+
+    def proposal(self, seconds: float, in_steps: float | None, steps: int) -> list[float]:
+        """What this replica adds to the sync of an execution that trained ``steps`` steps in
+        ``seconds`` (``in_steps`` in the steps): nothing, or its proposed count."""
+        if not self.measuring or not self.fixed_times:
             return []
-        step = min(t for t, _ in self.samples)
-        sync = min(c for _, c in self.samples)
-        want = math.ceil(sync / max(AUTO_SYNC_SHARE * step, 1e-9))
+        inner = seconds if in_steps is None else min(in_steps, seconds)
+        step = min(*self.step_times, inner / steps)
+        fixed = min(self.fixed_times)
+        want = math.ceil(fixed / max(AUTO_SYNC_SHARE * step, 1e-9))
         return [float(min(max(want, 1), AUTO_MAX_STEPS_PER_EXECUTION))]
 
     def agreed(self, total: list[float], replicas: int) -> None:
@@ -213,7 +226,8 @@ def fit(
     are summed across replicas and read back every that many steps and at the end of each
     epoch; the progress bar, History and ``on_train_batch_end`` see logs at those points (as in
     Keras). ``"auto"``: 1 when a callback acts per batch (``on_train_batch_begin/end``), else
-    measured so that the sync costs under 1% of the step time (at most 32 steps). ``precision``: ``"32"`` (default), ``"bf16"``, ``"fp16"``
+    measured so that an execution's fixed cost (the sync among it) adds under 1% to the
+    time of its steps (at most 128 steps). ``precision``: ``"32"`` (default), ``"bf16"``, ``"fp16"``
     (autocast; fp16 adds a loss scaler whose skipped steps are the same on every replica) or a
     ``stratagem.mixed_precision.Policy``.
 
@@ -238,9 +252,8 @@ def fit(
         raise ValueError(f"epochs must be >= 0, got {epochs}")
     check_loss_fn(loss_fn)
     train_metrics = get_all(metrics)
-    val_metrics = [copy.deepcopy(m) for m in train_metrics]
     tracked = [Mean("loss"), *train_metrics]
-    val_tracked = [Mean("loss"), *val_metrics]
+    val_tracked = [Mean("loss"), *(copy.deepcopy(m) for m in train_metrics)] if validation_data is not None else []
     if validation_data is not None:
         check_iterable(validation_data, "validation_data")
         check_finite(validation_data, validation_steps, "validation_data", "validation_steps")
@@ -313,15 +326,16 @@ def fit(
                     break
                 cblist.call("on_train_batch_begin", state.step, None)
                 t0 = time.perf_counter()
-                steps.train(group, tracked[0], tracked[1:])
+                in_steps = steps.train(group, tracked[0], tracked[1:])
                 t1 = time.perf_counter()
                 state.step += len(group)
                 state.iterations += len(group)
                 # the sync also carries whether a callback asked to stop (TerminateOnNaN) after the
                 # previous execution: every replica stops at the same step, at no extra collective
-                summed = _end_execution(strategy, tracked, state, cblist, [float(state.stop_training), *cadence.proposal()])
+                proposal = cadence.proposal(t1 - t0, in_steps, len(group))
+                summed = _end_execution(strategy, tracked, state, cblist, [float(state.stop_training), *proposal])
                 if cadence.measuring:
-                    cadence.samples.append(((t1 - t0) / len(group), time.perf_counter() - t1))
+                    cadence.timed(len(group), t1 - t0, in_steps, time.perf_counter() - t1)
                     cadence.agreed(summed[1:], strategy.num_replicas_in_sync)
                 if summed[0] > 0:
                     state.stop_training = True

@@ -68,6 +68,10 @@ class Metric(abc.ABC):
     num_totals: int = 2
     #: The key under which ``fit`` logs the metric when no ``name`` is given.
     default_name: str = "metric"
+    #: Whether a batch's totals are the sum of its examples' totals (true of every built-in
+    #: metric), so that one update with several batches concatenated along the batch dimension
+    #: gives the totals of one update per batch: ``fit`` then updates it once per execution.
+    additive: bool = False
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name if name is not None else self.default_name
@@ -91,7 +95,11 @@ class Metric(abc.ABC):
 
         The totals stay on the batch's device (no host read-back per step); they are read when
         a result or a sync needs them."""
-        t = self.batch_totals(*args, **kwargs).detach()
+        self.add_totals(self.batch_totals(*args, **kwargs))
+
+    def add_totals(self, totals: torch.Tensor) -> None:
+        """Add totals computed elsewhere (``batch_totals``'s form) to this replica's totals."""
+        t = totals.detach()
         if t.dtype != torch.float64:
             t = t.to(torch.float64)
         if self._pending is None or self._pending.device != t.device:
@@ -193,6 +201,7 @@ class Mean(Metric):
     """The (weighted) mean of the values given: sum(w * v) / sum(w)."""
 
     default_name = "mean"
+    additive = True
 
     def batch_totals(self, values: Any, sample_weight: Any = None) -> torch.Tensor:
         v = _tensor(values).to(torch.float64)
@@ -210,6 +219,7 @@ class Sum(Metric):
     """The (weighted) sum of the values given."""
 
     default_name = "sum"
+    additive = True
     num_totals = 1
 
     def batch_totals(self, values: Any, sample_weight: Any = None) -> torch.Tensor:
@@ -226,6 +236,7 @@ class Sum(Metric):
 
 class _PerExample(Metric):
     """A metric that is the weighted mean of a per-example score of (y_true, y_pred)."""
+    additive = True
 
     @abc.abstractmethod
     def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:

@@ -128,7 +128,8 @@ class PipelineSteps:
         return int(self.strategy.reduce("sum", torch.tensor(n, dtype=torch.int64)))
 
     def train(self, group: Sequence[Any], loss_metric: Metric, metrics: Sequence[Metric]) -> None:
-        """Train on each batch of ``group`` in turn (one execution)."""
+        """Train on each batch of ``group`` in turn (one execution; None: the time of the steps
+        is the whole call's)."""
         for batch in group:
             self._train_one(batch, loss_metric, metrics)
 

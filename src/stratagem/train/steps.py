@@ -9,7 +9,7 @@ only (no communication); fit sums them across replicas afterwards.
 
 from __future__ import annotations
 
-import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,11 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.core.batches import batch_size_of, detach
+from stratagem.core import tree
+from stratagem.core.batches import batch_size_of
 from stratagem.distribute import current
 from stratagem.distribute.loss import compute_average_loss
 from stratagem.distribute.mixed_precision import Policy
 from stratagem.distribute.strategy import Strategy
+from stratagem.train.execution_metrics import ExecutionMetrics
 from stratagem.train.losses import LossFn, per_example_loss
 from stratagem.train.metrics import Metric
 
@@ -40,6 +42,26 @@ def unpack(batch: Any, *, need_y: bool = True) -> tuple[Any, Any, Any]:
         f"each batch must be a tuple (x, y) or (x, y, sample_weight); got a {kind}{size}. "
         "Map your data to that form (e.g. dataset.map(lambda e: (e['image'], e['label'])))"
     )
+
+
+#: torch loss modules whose ``reduction="mean"`` is the mean over examples of the per-example
+#: losses fit would compute from ``reduction="none"`` (each example's elements averaged first):
+#: a mean over all elements of same-shaped examples. Exact types only (a subclass may differ).
+_MEAN_OF_EXAMPLES = (
+    nn.CrossEntropyLoss, nn.NLLLoss, nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss,
+    nn.BCELoss, nn.BCEWithLogitsLoss,
+)  # fmt: skip
+
+
+def _examples(y: Any) -> int | None:
+    """The number of examples in labels ``y`` (the leading dimension of its first batched
+    tensor, as ``per_example_loss`` counts them); None when it has none."""
+    if type(y) is torch.Tensor:
+        return int(y.shape[0]) if y.dim() else None
+    for t in tree.leaves(y):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return None
 
 
 def _update(metrics: Sequence[Metric], y: Any, outputs: Any, sw: Any) -> None:
@@ -133,39 +155,41 @@ class DataParallelSteps:
             return flag
         return bool(self.strategy.reduce("sum", torch.tensor(int(flag), dtype=torch.int64)) > 0)
 
-    def train(self, group: Sequence[Any], loss_metric: Metric, metrics: Sequence[Metric]) -> None:
+    def train(self, group: Sequence[Any], loss_metric: Metric, metrics: Sequence[Metric]) -> float:
         """Train on the batches of ``group`` in one ``strategy.run`` (one execution): one optimizer
-        update per ``options.accumulate`` batches."""
+        update per ``options.accumulate`` batches, the loss and metrics updated at its end.
+        Returns the seconds spent in the steps themselves (for ``steps_per_execution="auto"``)."""
         model, optimizer, loss_fn, policy, scaler = self.model, self.optimizer, self.loss_fn, self.policy, self.scaler
         assert optimizer is not None and loss_fn is not None
         device, options, strategy = self.device, self.options, self.strategy
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        # the loss module's own mean is the mean over examples: one op, not three (no weights)
+        fused = type(loss_fn) in _MEAN_OF_EXAMPLES and loss_fn.reduction == "mean" and options.class_weight is None  # type: ignore[attr-defined]
+        record = ExecutionMetrics(loss_metric, metrics)
 
         def micro_step(x: Any, y: Any, sw: Any, total: int | None) -> None:
+            n = y.shape[0] if fused and total and sw is None and type(y) is torch.Tensor and y.dim() else 0
             with policy.autocast(device):
                 outputs = model(x)
-                losses = per_example_loss(loss_fn, outputs, y).float()
-            sw = options.weights_for(y, sw)
-            if sw is not None:
-                losses = losses * torch.as_tensor(sw, dtype=losses.dtype, device=losses.device)
-            loss = compute_average_loss(losses, global_batch_size=total)
+                if n:
+                    mean = loss_fn(outputs, y).float()
+                else:
+                    losses = per_example_loss(loss_fn, outputs, y).float()
+            if n:  # sum / total == mean * (n / total)
+                loss = mean if total == n else mean * (n / (total or n))
+                record.add_mean_loss(mean, n)
+            else:
+                sw = options.weights_for(y, sw)
+                if sw is not None:
+                    losses = losses * torch.as_tensor(sw, dtype=losses.dtype, device=losses.device)
+                loss = compute_average_loss(losses, global_batch_size=total)
+                record.add_losses(losses)
             (loss if scaler is None else scaler.scale(loss)).backward()
-            with torch.no_grad():
-                loss_metric.update_state(losses.detach())
-                _update(metrics, y, detach(outputs), sw)
+            record.add(y, outputs, sw)
 
-        def update(window: list[tuple[Any, Any, Any]]) -> None:
-            optimizer.zero_grad(set_to_none=True)
-            total = None  # one batch: compute_average_loss counts its global size
-            if len(window) > 1:  # the examples of every micro-batch of the update, all replicas
-                local = sum(batch_size_of(y, "y") for _, y, _ in window)
-                ctx = current.get_replica_context()
-                assert ctx is not None
-                total = int(ctx.all_reduce("sum", torch.tensor(local, dtype=torch.int64)))
-            for i, (x, y, sw) in enumerate(window):
-                last = i == len(window) - 1
-                with contextlib.nullcontext() if last else strategy.no_sync():
-                    micro_step(x, y, sw, total)
+        plain_step = scaler is None and not options.clips
+
+        def apply_gradients() -> None:
             if options.clips:  # the reduced gradient: identical on every replica
                 if scaler is not None:
                     scaler.unscale_(optimizer)
@@ -175,12 +199,56 @@ class DataParallelSteps:
             else:  # gradients are summed across replicas first: every replica skips alike
                 scaler.step(optimizer)
 
+        in_steps = [0.0]
+
         def execution(items: list[tuple[Any, Any, Any]]) -> None:
             k = options.accumulate
-            for start in range(0, len(items), k):
-                update(items[start : start + k])
+            # the examples of every update over all replicas (None: each step counts its own,
+            # as compute_average_loss does)
+            counts = self._global_counts([y for _, y, _ in items])
+            t0 = time.perf_counter()
+            if k == 1:  # the common case, lean: one update per batch
+                for i, (x, y, sw) in enumerate(items):
+                    optimizer.zero_grad(set_to_none=True)
+                    micro_step(x, y, sw, None if counts is None else counts[i])
+                    if plain_step:
+                        optimizer.step()
+                    else:
+                        apply_gradients()
+            else:
+                for start in range(0, len(items), k):
+                    window = items[start : start + k]
+                    total = None if counts is None else sum(counts[start : start + k])
+                    optimizer.zero_grad(set_to_none=True)
+                    for x, y, sw in window[:-1]:
+                        with strategy.no_sync():
+                            micro_step(x, y, sw, total)
+                    x, y, sw = window[-1]  # the gradients are reduced in this one's backward
+                    micro_step(x, y, sw, total)
+                    apply_gradients()
+            in_steps[0] = time.perf_counter() - t0
+            record.apply()
 
-        self.strategy.run(execution, args=([unpack(b) for b in group],))
+        items = [unpack(b) for b in group]
+        # a closure, not args: the distributed iterator already placed the batches on the device
+        self.strategy.run(lambda: execution(items))
+        return in_steps[0]
+
+    def _global_counts(self, ys: list[Any]) -> list[int] | None:
+        """Each step's number of examples over all replicas, in one collective per execution;
+        None when a step's labels have no batch dimension to count (then single steps count
+        their own and accumulation is refused)."""
+        local = [_examples(y) for y in ys]
+        if any(c is None for c in local):
+            if self.options.accumulate > 1:
+                for y in ys:
+                    batch_size_of(y, "y")  # the clear error
+            return None
+        if self.strategy.num_replicas_in_sync == 1:
+            return local  # type: ignore[return-value]
+        ctx = current.get_replica_context()
+        assert ctx is not None
+        return [int(c) for c in ctx.all_reduce("sum", torch.tensor(local, dtype=torch.int64)).tolist()]
 
     def test(self, batch: Any, loss_metric: Metric, metrics: Sequence[Metric]) -> None:
         model, loss_fn = self.model, self.loss_fn

@@ -78,6 +78,27 @@ class _Agreement:
         return bool(t[0] > 0), bool(-t[1] > 0), bool(t[2] == -t[3])
 
 
+def _as_is(batch: Any, device: torch.device | None) -> Any:
+    """``batch`` itself when it is a tuple or list of tensors with one batch size, already on
+    ``device`` (nothing to convert, check or move); else None."""
+    if type(batch) is not tuple and type(batch) is not list:
+        return None
+    size = -1
+    for t in batch:
+        if type(t) is not torch.Tensor or t.dim() == 0 or (device is not None and t.device != device):
+            return None
+        if size < 0:
+            size = t.shape[0]
+        elif t.shape[0] != size:
+            return None
+    return batch if size >= 0 else None
+
+
+def _checked_batch(batch: Any) -> Any:
+    batch_size_of(batch)  # every leaf a tensor with one batch size, or a clear error
+    return batch
+
+
 def _signature(batch: Any) -> int:
     """A 31-bit digest of a batch's structure, shapes and dtypes (what the replicas compare)."""
     return zlib.crc32(tree.signature(batch).encode()) & 0x7FFFFFFF
@@ -148,6 +169,10 @@ class DistributedIterator:
         return states[0]
 
     def __next__(self) -> Any:
+        if self.comm.world_size == 1:  # nothing to split or agree on
+            batch = next(self.source)
+            self._step += 1
+            return _as_is(batch, self.device) or place(_checked_batch(to_tensors(batch)), self.device)
         batch = next(self.source, _END)
         if batch is not _END:
             batch = to_tensors(batch)
@@ -284,6 +309,9 @@ class PerReplicaIterator:
         self.source.load_state_dict(state["source"])
 
     def __next__(self) -> Any:
+        if self.comm.world_size == 1:  # nothing to agree on
+            batch = next(self.source)
+            return _as_is(batch, self.device) or place(_checked_batch(to_tensors(batch)), self.device)
         batch = next(self.source, _END)
         anyone, everyone, _ = self.vote.vote(batch is not _END)
         if not anyone or (self.stop_when_uneven and not everyone):

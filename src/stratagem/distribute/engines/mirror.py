@@ -27,12 +27,12 @@ from stratagem.distribute.strategy import Strategy
 
 
 class _IdSet:
-    """A set of tensors by identity that does not keep them alive (tensors compare by value)."""
+    """A set of objects by identity that does not keep them alive (tensors compare by value)."""
 
     def __init__(self) -> None:
-        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._refs: dict[int, weakref.ref[Any]] = {}
 
-    def add(self, t: torch.Tensor) -> None:
+    def add(self, t: Any) -> None:
         key = id(t)
         refs = self._refs
 
@@ -55,10 +55,10 @@ _hooks_installed: list[bool] = []
 
 
 def _check_module_hook(module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace the context variable
         return
     reg = _checking.get()
-    if reg is not None:
+    if reg is not None and module not in reg._checked_modules:
         reg.check_module(module)
 
 
@@ -66,7 +66,7 @@ def _check_optimizer_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) ->
     if torch.compiler.is_compiling():
         return
     reg = _checking.get()
-    if reg is not None:
+    if reg is not None and opt not in reg._checked_optimizers:
         reg.check_optimizer(opt)
 
 
@@ -105,8 +105,8 @@ class MirrorRegistry:
         self._params: list[tuple[weakref.ref[torch.Tensor], str]] = []
         self._buffers: list[tuple[weakref.ref[torch.Tensor], str]] = []
         self._new: list[tuple[torch.Tensor, str]] = []
-        self._checked_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._checked_modules = _IdSet()  # by identity: a copy of a checked module is checked anew
+        self._checked_optimizers = _IdSet()
         self.reducer: GradientReducer | None = None
         self.armed = False  # inside this strategy's run: backward may reduce gradients
         self._depth = 0
