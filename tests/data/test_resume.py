@@ -49,7 +49,8 @@ PIPELINES = {
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", list(PIPELINES))
 def test_resumes_exactly(name):
-    assert_resumes_exactly(PIPELINES[name], KS)
+    # deterministic=False may reorder: the contract is every element once, none lost
+    assert_resumes_exactly(PIPELINES[name], KS, ordered="nondeterministic" not in name)
 
 
 @pytest.mark.timeout(60)
