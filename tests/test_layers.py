@@ -141,3 +141,14 @@ def test_distribute_rooms_point_down_without_circles():
 
     for m in list(graph):
         visit(m, [])
+
+
+def test_train_sees_strategies_through_their_interface():
+    """train uses StrategyExtended's facts and methods, never an engine or a concrete strategy."""
+    bad = []
+    for path in sorted((PACKAGE / "train").rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        for line, target in imports(path):
+            if target.startswith(("stratagem.distribute.engines", "stratagem.distribute.strategies")):
+                bad.append(f"{rel}.py:{line} imports {target}")
+    assert not bad, "train reaching past the strategy interface:\n" + "\n".join(bad)

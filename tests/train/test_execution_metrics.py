@@ -14,7 +14,6 @@ from stratagem.train.execution_metrics import ExecutionMetrics
 from stratagem.train.metrics import (
     KerasAccuracy,
     Mean,
-    MeanSquaredError,
     Metric,
     SparseCategoricalAccuracy,
     TopKCategoricalAccuracy,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stratagem.core.finalizers import interrupt_safe
 from stratagem.data.dataset import Dataset
 from stratagem.data.iterator import Context, StatefulIterator
 from stratagem.data.sources import _IndexIterator
@@ -164,6 +165,7 @@ class _CacheWriter(StatefulIterator):
             except FileNotFoundError:
                 pass
 
+    @interrupt_safe
     def __del__(self) -> None:
         if getattr(self, "tmp", ""):
             try:

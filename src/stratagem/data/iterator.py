@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stratagem.core.finalizers import interrupt_safe
 from stratagem.data.options import Options
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class DatasetIterator:
         self._dataset = dataset
         self._options = dataset.options()
         self._holder: list[StatefulIterator | None] = [None]
-        self._finalizer = weakref.finalize(self, _close_root, self._holder)
+        self._finalizer = weakref.finalize(self, interrupt_safe(_close_root), self._holder)
         self._final_state: dict[str, Any] | None = None
         self._build(epoch, seed)
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from stratagem.core.finalizers import install_interrupt_handler
+
 WATCH_SECONDS = 0.25  # how often a worker checks that its parent is alive
 
 _context_lock = threading.Lock()
@@ -70,6 +72,7 @@ def check_can_start(what: str) -> None:
 
 def start(target: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
     """Start one daemon worker process running ``target(*args)`` after :func:`init_worker`."""
+    install_interrupt_handler()  # the batches they send are freed by finalizers: Ctrl-C must not be lost there
     ctx = process_context()
     proc = ctx.Process(  # type: ignore[attr-defined]
         target=_run, args=(os.getpid() if forks() else None, target, args), name=name,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stratagem.core.finalizers import interrupt_safe
 from stratagem.data.structure import flatten, map_structure, pack_as
 
 ALIGN = 64
@@ -319,7 +320,7 @@ def read_batch(
         else:
             leaves.append(torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
                           .view(shape))
-    weakref.finalize(view, on_free)
+    weakref.finalize(view, interrupt_safe(on_free))
     batch = pack_as(skel, leaves)
     leaves.clear()  # pack_as's closure is a cycle that keeps the list until the next GC
     return batch

@@ -91,6 +91,12 @@ class StrategyExtended(abc.ABC):
         """Whether the model runs as stages (``build_pipe``) rather than whole on every replica."""
         return False
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer`` stepping the parameters this strategy placed: a sharding strategy builds
+        the model on meta in its scope and replaces the parameters an optimizer made there
+        holds. Done before a first step anyway; a checkpoint asks for it before reading state."""
+        return optimizer
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Inside: backward passes accumulate gradients locally, not reduced (see Strategy.no_sync)."""
         return contextlib.nullcontext()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.comm import Communicator
-from stratagem.distribute.engines.build import ShardedBuild
+from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
@@ -80,6 +80,9 @@ class ShardedExtended(OverReplicas):
         self._mesh: Any = None
         self.build = ShardedBuild(comm, device, name, self._shard, self.owner)
         self.plans: list[UnitPlan] = []
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return retarget_optimizer(optimizer)
 
     def bind(self, strategy: Strategy) -> None:
         super().bind(strategy)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from stratagem.comm import Communicator, LocalCommunicator
-from stratagem.distribute.engines.build import ShardedBuild
+from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap, tensor_parallel_plan
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
@@ -62,6 +62,9 @@ class TensorParallelExtended(OverReplicas):
         self._torch_mesh: Any = None
         self.build = ShardedBuild(world, device, name, self._shard, self.owner)
         self.plans: list[dict[str, str]] = []
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return retarget_optimizer(optimizer)
 
     def bind(self, strategy: Strategy) -> None:
         super().bind(strategy)

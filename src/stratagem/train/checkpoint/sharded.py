@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from stratagem.distribute.engines.build import retarget_optimizer
+from stratagem.distribute.ownership import strategy_of
 from stratagem.train.checkpoint.codec import encode_value
 from stratagem.train.checkpoint.files import (
     FORMAT,
@@ -48,7 +48,9 @@ def _split(checkpoint: Checkpoint) -> tuple[dict[str, nn.Module], dict[str, tupl
     for name, o in objects.items():
         if not isinstance(o, torch.optim.Optimizer):
             continue
-        retarget_optimizer(o)
+        owner_strategy = strategy_of(o)
+        if owner_strategy is not None:  # pointed at the shards that replaced its meta parameters
+            owner_strategy.extended.prepare_optimizer(o)
         ids = {id(p) for g in o.param_groups for p in g["params"]}
         owner = next((mn for mn, m in modules.items() if any(id(p) in ids for p in m.parameters())), None)
         if owner is None:

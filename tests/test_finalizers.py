@@ -1,0 +1,81 @@
+"""A Ctrl-C raised while a finalizer runs is not swallowed (Python ignores exceptions there)."""
+
+import gc
+import signal
+import time
+import weakref
+
+import pytest
+
+from stratagem.core import finalizers
+from stratagem.core.finalizers import interrupt_safe
+
+
+class _Owner:
+    pass
+
+
+@pytest.mark.timeout(30)
+def test_an_interrupt_inside_a_finalizer_reaches_the_main_thread():
+    calls = []
+
+    def on_free():
+        calls.append("ran")
+        raise KeyboardInterrupt  # as if SIGINT arrived while the finalizer ran
+
+    owner = _Owner()
+    weakref.finalize(owner, interrupt_safe(on_free))
+    with pytest.raises(KeyboardInterrupt):
+        del owner
+        gc.collect()
+        for _ in range(2000):  # the re-delivered interrupt is raised here, outside the finalizer
+            time.sleep(0.001)
+    assert calls == ["ran"]
+
+
+def test_a_finalizer_returns_its_value_and_keeps_its_name():
+    def close(x):
+        return x + 1
+
+    safe = interrupt_safe(close)
+    assert safe(1) == 2 and safe.__name__ == "close"
+
+
+@pytest.mark.timeout(30)
+def test_the_handler_defers_an_interrupt_that_arrives_inside_a_finalizer():
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        finalizers.install_interrupt_handler()
+        assert signal.getsignal(signal.SIGINT) is finalizers._handler
+        ran = []
+
+        def on_free():
+            signal.raise_signal(signal.SIGINT)  # SIGINT arrives while the finalizer runs
+            ran.append("finished")  # not cut short
+
+        owner = _Owner()
+        weakref.finalize(owner, on_free)
+        with pytest.raises(KeyboardInterrupt):
+            del owner
+            gc.collect()
+            for _ in range(2000):  # delivered again here, after the finalizer
+                time.sleep(0.001)
+        assert ran == ["finished"]
+        with pytest.raises(KeyboardInterrupt):  # outside a finalizer: at once, as by default
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_handler_of_the_users_is_left_alone():
+    def mine(signum, frame):
+        pass
+
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, mine)
+    try:
+        finalizers.install_interrupt_handler()
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)
