@@ -69,7 +69,6 @@ def install_interrupt_handler() -> None:
 def interrupt_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` for use as a finalizer: a KeyboardInterrupt raised while it runs is re-delivered."""
 
-    @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
@@ -79,4 +78,4 @@ def interrupt_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
             return None
 
     _FINALIZER_CODES.add(call.__code__)
-    return call
+    return functools.update_wrapper(call, fn)
