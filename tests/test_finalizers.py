@@ -23,13 +23,18 @@ def test_an_interrupt_inside_a_finalizer_reaches_the_main_thread():
         calls.append("ran")
         raise KeyboardInterrupt  # as if SIGINT arrived while the finalizer ran
 
-    owner = _Owner()
-    weakref.finalize(owner, interrupt_safe(on_free))
-    with pytest.raises(KeyboardInterrupt):
-        del owner
-        gc.collect()
-        for _ in range(2000):  # the re-delivered interrupt is raised here, outside the finalizer
-            time.sleep(0.001)
+    previous = signal.getsignal(signal.SIGINT)  # Python's own handler (another test may have left SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        owner = _Owner()
+        weakref.finalize(owner, interrupt_safe(on_free))
+        with pytest.raises(KeyboardInterrupt):
+            del owner
+            gc.collect()
+            for _ in range(2000):  # the re-delivered interrupt is raised here, outside the finalizer
+                time.sleep(0.001)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert calls == ["ran"]
 
 
