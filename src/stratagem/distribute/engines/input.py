@@ -94,9 +94,14 @@ def _as_is(batch: Any, device: torch.device | None) -> Any:
     return batch if size >= 0 else None
 
 
-def _checked_batch(batch: Any) -> Any:
+def _local(batch: Any, device: torch.device | None) -> Any:
+    """A one-replica batch: as it is when possible, else converted, checked and placed."""
+    same = _as_is(batch, device)
+    if same is not None:
+        return same
+    batch = to_tensors(batch)
     batch_size_of(batch)  # every leaf a tensor with one batch size, or a clear error
-    return batch
+    return place(batch, device)
 
 
 def _signature(batch: Any) -> int:
@@ -172,7 +177,7 @@ class DistributedIterator:
         if self.comm.world_size == 1:  # nothing to split or agree on
             batch = next(self.source)
             self._step += 1
-            return _as_is(batch, self.device) or place(_checked_batch(to_tensors(batch)), self.device)
+            return _local(batch, self.device)
         batch = next(self.source, _END)
         if batch is not _END:
             batch = to_tensors(batch)
@@ -311,7 +316,7 @@ class PerReplicaIterator:
     def __next__(self) -> Any:
         if self.comm.world_size == 1:  # nothing to agree on
             batch = next(self.source)
-            return _as_is(batch, self.device) or place(_checked_batch(to_tensors(batch)), self.device)
+            return _local(batch, self.device)
         batch = next(self.source, _END)
         anyone, everyone, _ = self.vote.vote(batch is not _END)
         if not anyone or (self.stop_when_uneven and not everyone):
