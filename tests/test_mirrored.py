@@ -352,3 +352,75 @@ def test_a_stuck_replica_becomes_a_timeout_error_not_a_hang():
     assert r0.value.startswith("CollectiveTimeoutError"), r0.value
     assert "timed out" in r0.value and float(r0.value.split(" after ")[1].split("s")[0]) < 15
     assert r1.value == "slept"
+
+
+# --- garbage collected at different moments on different replicas -----------------------------
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("factor", torch.full((8,), 0.5))
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def make_buffered_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 8), _Scale(), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _dropped_in_a_cycle(strategy) -> None:
+    """A model made in the scope, then dropped while caught in a reference cycle: Python frees it
+    only when its collector runs, which is not at the same moment on every replica."""
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    model.cycle = [model]  # type: ignore[assignment]
+
+
+def collected_unevenly_worker() -> str:
+    import copy
+    import gc
+
+    gc.disable()  # the collector runs only where this test says
+    try:
+        strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
+        first_replica = strategy.extended.replica_id == 0
+        # 1. dropped before the next model's scope closes, freed on replica 0 only: the
+        #    replicas agree on which parameters to reduce and which buffers to broadcast
+        _dropped_in_a_cycle(strategy)
+        if first_replica:
+            gc.collect()
+        assert_matches_single_device(strategy, make_buffered_model, make_sgd, per_example, global_batches([8, 8, 3]))
+        # 2. dropped after the scopes closed, freed on replica 0 only between steps: the buckets
+        #    reduced and the buffers broadcast at the next step stay the same on both
+        with strategy.scope():
+            torch.manual_seed(0)
+            kept = make_buffered_model()
+            opt = make_sgd(kept.parameters())
+        _dropped_in_a_cycle(strategy)
+        if first_replica:
+            gc.collect()
+        ref = copy.deepcopy(kept)
+        ref_opt = make_sgd(ref.parameters())
+        x, y = global_batches([8])[0]
+        per_example(ref(x), y).mean().backward()
+        ref_opt.step()
+        batches = iter(strategy.experimental_distribute_dataset([(x, y)]))
+
+        def step(xb, yb):
+            opt.zero_grad()
+            (per_example(kept(xb), yb).sum() / 8).backward()
+            opt.step()
+
+        strategy.run(step, args=next(batches))
+        for (name, a), b in zip(kept.state_dict().items(), ref.state_dict().values()):
+            torch.testing.assert_close(a, b, msg=name)
+        return "ok"
+    finally:
+        gc.enable()
+
+
+@pytest.mark.timeout(120)
+def test_models_garbage_collected_at_different_moments_on_each_replica():
+    assert [r.value for r in run_workers(collected_unevenly_worker, 2)] == ["ok"] * 2

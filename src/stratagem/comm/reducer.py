@@ -14,6 +14,10 @@ Accumulation is exact: a gradient this reducer already reduced (no ``zero_grad``
 aside before the next backward pass accumulates (a tensor pre-hook) and added back after, so only
 the new part is reduced; gradients accumulated while the reducer is disabled (the pipeline's
 micro-batches, like DDP's ``no_sync``) are reduced whole at the next enabled backward pass.
+
+Parameters are held weakly: a model dropped by the user is freed as usual. A parameter that is
+gone on a replica contributes zeros and a 0 flag there, so every replica still sends the same
+buckets, whenever its garbage collector happens to run.
 """
 
 from __future__ import annotations
@@ -53,14 +57,16 @@ class GradientReducer:
         if op not in ("sum", "mean"):
             raise ValueError(f"gradients can be reduced by 'sum' or 'mean', not {op!r}")
         self.comm = comm
-        self.params = list(params)
+        self._refs = [weakref.ref(p) for p in params]
+        self._numels = [p.numel() for p in params]
+        self._dtypes = [p.dtype for p in params]
         self.op = op
         kw: dict[str, int] = {}
         if first_bucket_bytes is not None:
             kw["first_cap"] = first_bucket_bytes
         if bucket_bytes is not None:
             kw["cap"] = bucket_bytes
-        self.buckets: tuple[Bucket, ...] = plan_buckets(param_specs(self.params, names), **kw)
+        self.buckets: tuple[Bucket, ...] = plan_buckets(param_specs(params, names), **kw)
         self._bucket_of: dict[int, int] = {}
         for b in self.buckets:
             for i in b.params:
@@ -75,7 +81,7 @@ class GradientReducer:
         self.enabled = True
         self.armed = armed  # asked at each backward pass whether to reduce (it may raise)
         if comm.world_size > 1:
-            for i, p in enumerate(self.params):
+            for i, p in enumerate(params):
                 if p.requires_grad:
                     self._handles.append(p.register_hook(self._pre_hook(i)))
                     self._handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
@@ -108,11 +114,15 @@ class GradientReducer:
 
         return hook
 
+    def param(self, i: int) -> torch.nn.Parameter | None:
+        """Parameter ``i``, or None once it was garbage collected."""
+        return self._refs[i]()  # type: ignore[return-value]
+
     def _before_accumulate(self, i: int) -> None:
         # before this backward's gradient is accumulated: an already reduced .grad (no
         # zero_grad since the last step) is set aside, so only the new part is reduced
-        p = self.params[i]
-        if self._is_reduced(i, p.grad):
+        p = self.param(i)
+        if p is not None and self._is_reduced(i, p.grad):
             assert p.grad is not None
             self._prev[i] = p.grad
             p.grad = None
@@ -140,7 +150,8 @@ class GradientReducer:
 
     def _contribution(self, i: int) -> torch.Tensor | None:
         """What this replica adds for parameter ``i``: its gradient unless already reduced."""
-        g = self.params[i].grad
+        p = self.param(i)
+        g = None if p is None else p.grad
         if g is None or (i not in self._touched and self._is_reduced(i, g)):
             return None
         return g
@@ -149,12 +160,11 @@ class GradientReducer:
         buf = self._buffers[b.index]
         n = len(b.params)
         if buf is None:
-            p0 = self.params[b.params[0]]
-            buf = torch.empty(b.numel + n, dtype=p0.dtype, device=self.comm.device)
+            buf = torch.empty(b.numel + n, dtype=self._dtypes[b.params[0]], device=self.comm.device)
             self._buffers[b.index] = buf
         flags = torch.zeros(n, dtype=buf.dtype)
         for k, (i, off) in enumerate(zip(b.params, b.offsets)):
-            view = buf[off : off + self.params[i].numel()]
+            view = buf[off : off + self._numels[i]]
             g = self._contribution(i)
             if g is not None:
                 view.copy_(g.reshape(-1))
@@ -177,14 +187,16 @@ class GradientReducer:
                 for k, (i, off) in enumerate(zip(b.params, b.offsets)):
                     if flags[k] == 0:
                         continue  # no replica had a new gradient for it: .grad is left alone
-                    self._write(i, buf[off : off + self.params[i].numel()])
+                    self._write(i, buf[off : off + self._numels[i]])
         finally:
             self._reset()
 
     def _write(self, i: int, reduced: torch.Tensor) -> None:
         """.grad = (the reduced gradient set aside, if any) + this reduction, in its own tensor."""
-        p = self.params[i]
+        p = self.param(i)
         prev = self._prev.pop(i, None)
+        if p is None:
+            return  # gone here (garbage not yet collected elsewhere): nothing to write to
         if prev is None and i not in self._touched and self._is_reduced(i, p.grad):
             prev = p.grad  # untouched here, reduced before, new contributions elsewhere
         r = reduced.view(p.shape)

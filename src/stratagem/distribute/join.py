@@ -127,6 +127,7 @@ def _leave() -> None:
                 obj.group = None
     finally:
         guard.cancel()
+        guard.join()  # it ends at once once cancelled: no thread of ours left running at exit
     monitor = _joined.pop("monitor", None)
     if monitor is not None:
         monitor.close()

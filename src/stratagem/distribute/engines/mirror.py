@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -24,6 +24,18 @@ from stratagem.comm.reducer import GradientReducer
 from stratagem.distribute import ownership
 from stratagem.distribute.ownership import OutsideScopeError
 from stratagem.distribute.strategy import Strategy
+
+
+class _BufferSlot(NamedTuple):
+    ref: weakref.ref[torch.Tensor]
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _alive_or_scratch(slot: _BufferSlot) -> torch.Tensor:
+    t = slot.ref()
+    return t if t is not None else torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)
 
 
 class _IdSet:
@@ -104,6 +116,7 @@ class MirrorRegistry:
         self._mirrored = _IdSet()
         self._params: list[tuple[weakref.ref[torch.Tensor], str]] = []
         self._buffers: list[tuple[weakref.ref[torch.Tensor], str]] = []
+        self._step_buffers: list[_BufferSlot] = []  # the buffers agreed at the last sync
         self._new: list[tuple[torch.Tensor, str]] = []
         self._checked_modules = _IdSet()  # by identity: a copy of a checked module is checked anew
         self._checked_optimizers = _IdSet()
@@ -170,25 +183,28 @@ class MirrorRegistry:
         self._new.append((t, name))
 
     # --- sync -------------------------------------------------------------------------------
-    def live_params(self) -> list[tuple[torch.Tensor, str]]:
-        live = [(r(), n) for r, n in self._params]
-        self._params = [(r, n) for r, n in self._params if r() is not None]
-        return [(t, n) for t, n in live if t is not None]
-
-    def live_buffers(self) -> list[tuple[torch.Tensor, str]]:
-        live = [(r(), n) for r, n in self._buffers]
-        self._buffers = [(r, n) for r, n in self._buffers if r() is not None]
-        return [(t, n) for t, n in live if t is not None]
-
     def sync(self) -> None:
-        """Make the tensors created since the last sync identical everywhere; rebuild the reducer."""
+        """Make the tensors created since the last sync identical everywhere; rebuild the reducer.
+
+        Every replica also says which of the tensors it tracks were garbage collected: Python
+        frees a model caught in a reference cycle whenever its collector happens to run, which is
+        not at the same moment on every replica. The tensors kept are those alive on all of them,
+        so the reducer's buckets and the buffers broadcast before each step are the same list on
+        every replica. Both hold them weakly; one that dies later on one replica only is stood in
+        for there (zeros in the reducer, a scratch tensor in the broadcast) until the next sync."""
         new, self._new = self._new, []
         if not new and self.comm.world_size == 1:
             return
+        params = [(r(), n) for r, n in self._params]  # held while the replicas agree
+        buffers = [r() for r, _ in self._buffers]
         new = [(t, n) for t, n in new if t.device.type != "meta"]
+        gone_params = {i for i, (t, _) in enumerate(params) if t is None}
+        gone_buffers = {i for i, t in enumerate(buffers) if t is None}
         if self.comm.world_size > 1:  # every replica takes part, also one that created nothing
             shapes = [(n, tuple(t.shape), str(t.dtype)) for t, n in new]
-            sigs = self.comm.all_gather_object(shapes)
+            mine = (shapes, len(params), len(buffers), sorted(gone_params), sorted(gone_buffers))
+            everyone = self.comm.all_gather_object(mine)
+            sigs = [e[0] for e in everyone]
             if any(s != sigs[0] for s in sigs):
                 diff = next(r for r, s in enumerate(sigs) if s != sigs[0])
                 raise ValueError(
@@ -196,16 +212,34 @@ class MirrorRegistry:
                     f"replica 0 created {_summary(sigs[0])}, replica {diff} created "
                     f"{_summary(sigs[diff])}; build the same model on every replica"
                 )
+            counts = [(e[1], e[2]) for e in everyone]
+            if any(c != counts[0] for c in counts):
+                raise ValueError(
+                    f"replicas created different numbers of tensors in {self.strategy_name}.scope() "
+                    f"since the strategy was made (parameters, buffers by replica: {counts}); "
+                    "build the same models on every replica"
+                )
+            for e in everyone:
+                gone_params.update(e[3])
+                gone_buffers.update(e[4])
             if new:
                 self.comm.broadcast_tensors_([t.data for t, _ in new], src=0)
-        if new:
-            self._rebuild_reducer()
+        self._params = [e for i, e in enumerate(self._params) if i not in gone_params]
+        self._buffers = [e for i, e in enumerate(self._buffers) if i not in gone_buffers]
+        if self.comm.world_size > 1:  # broadcast before every step (one process has nothing to sync)
+            self._step_buffers = [
+                _BufferSlot(weakref.ref(t), t.shape, t.dtype, t.device)
+                for i, t in enumerate(buffers)
+                if i not in gone_buffers and t is not None and t.device.type != "meta"
+            ]
+        if new or gone_params:
+            self._rebuild_reducer([(t, n) for i, (t, n) in enumerate(params) if i not in gone_params and t is not None])
 
-    def _rebuild_reducer(self) -> None:
+    def _rebuild_reducer(self, params: list[tuple[torch.Tensor, str]]) -> None:
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
-        params = [(p, n) for p, n in self.live_params() if p.device.type != "meta" and p.requires_grad]
+        params = [(p, n) for p, n in params if p.device.type != "meta" and p.requires_grad]
         if self.comm.world_size > 1 and params:
             self.reducer = GradientReducer(
                 self.comm,
@@ -230,7 +264,9 @@ class MirrorRegistry:
         """Broadcast rank 0's buffers (BatchNorm statistics) before a step, as DDP does."""
         if self.comm.world_size == 1:
             return
-        bufs = [b for b, _ in self.live_buffers() if b.device.type != "meta"]
+        # one agreed list on every replica: a buffer gone here (its model garbage collected,
+        # maybe not yet elsewhere) is stood in for by a scratch tensor of its shape
+        bufs = [_alive_or_scratch(slot) for slot in self._step_buffers]
         if bufs:
             self.comm.broadcast_tensors_(bufs, src=0)
 
