@@ -81,6 +81,44 @@ def test_meta_build_replays_single_device_init() -> None:
         assert torch.equal(got, ref), name
 
 
+def test_meta_build_replays_modules_dropped_in_the_scope() -> None:
+    """A layer replaced in the scope (a new head, as when fine-tuning) and a module made and
+    dropped there drew random numbers on one device: the replay draws them too, so what is
+    kept, and the random state after, equal single-device initialisation."""
+    import gc
+
+    from stratagem.distribute.engines.meta_init import MetaCapture, materialize
+
+    def build() -> nn.Module:
+        model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+        model[2] = nn.Linear(6, 2)  # the old head is freed at once
+        nn.Linear(5, 5)  # made and dropped
+        cyclic = nn.Linear(3, 5)
+        cyclic.cycle = [cyclic]  # type: ignore[assignment]  # freed only when the collector runs
+        del cyclic
+        gc.collect()
+        model.extra = nn.Linear(2, 2)
+        return model
+
+    cap = MetaCapture()
+    torch.manual_seed(5)
+    with cap.capture():
+        model = build()
+    modules, rng = cap.take()
+    roots = cap.roots(modules)
+    # the dropped layers are replayed, not sharded; one kept alive by a reference cycle is
+    # sharded like a model (wasted work, never a different set on another replica)
+    assert roots[0] is model and [tuple(r.weight.shape) for r in roots[1:]] == [(5, 3)]
+    model.to_empty(device="cpu")
+    materialize(modules, rng, torch.device("cpu"))
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    want = build()
+    assert torch.equal(after, torch.rand(3))
+    for (name, got), ref in zip(model.state_dict().items(), want.state_dict().values()):
+        assert torch.equal(got, ref), name
+
+
 # --- 2 processes -----------------------------------------------------------------------------------
 @pytest.mark.timeout(150)
 def test_sharded_two_processes(tmp_path: Path) -> None:
@@ -225,3 +263,22 @@ def test_tensor_parallel_two_processes(tmp_path: Path) -> None:
     x, y = w.seq_batches(1, seed=11)[0]
     with torch.no_grad():
         assert torch.isfinite(w.seq_mse(model(x), y)).all()
+
+
+def test_a_failed_scope_leaves_nothing_for_the_next_one() -> None:
+    """What a scope that raised had captured is neither built nor replayed by the next scope:
+    the next model still equals single-device initialisation from the same seed."""
+    s = stratagem.ShardedStrategy(devices="cpu")
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        with s.scope():
+            half_built = nn.Linear(4, 4)
+            raise RuntimeError("on purpose")
+    torch.manual_seed(1)
+    with s.scope():
+        model = nn.Linear(4, 3)
+    torch.manual_seed(1)
+    want = nn.Linear(4, 3)
+    assert half_built.weight.is_meta
+    assert torch.equal(model.weight.full_tensor(), want.weight)
+    assert torch.equal(model.bias.full_tensor(), want.bias)

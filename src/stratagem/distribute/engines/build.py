@@ -112,6 +112,9 @@ class ShardedBuild:
             self._depth -= 1
             if ok:
                 self._shard_new()
+            else:  # the scope failed: what it captured is not built, nor replayed by the next one
+                self._capture.take()
+                self._capture.forget_structure()
 
     def _shard_new(self) -> None:
         modules, rng = self._capture.take()

@@ -8,7 +8,10 @@ in creation order, from the random state the first module saw: the module's para
 built whole on the device, its ``reset_parameters()`` runs (drawing exactly the random numbers
 the same construction draws on one device), this process's part is copied into its shard and the
 whole tensors are dropped. So values equal single-device initialisation from the same seed, and
-no process holds more than one module's parameters whole at any time.
+no process holds more than one module's parameters whole at any time. A module made and dropped
+in the scope (a replaced head, a scratch layer) is replayed too, for the random numbers it drew
+on one device, and not kept; the capture holds every module until the scope closes, so what it
+saw never depends on when Python's garbage collector ran on each replica.
 
 The contract (the one torch documents for meta-device initialisation): a module that holds
 parameters initialises them in ``reset_parameters()``, as torch's own layers do. A module with
@@ -18,6 +21,7 @@ parameters but no ``reset_parameters`` is refused with an error naming it.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,10 +52,13 @@ class MetaCapture:
     """Parameters registered while :meth:`capture` is open are created on the meta device."""
 
     def __init__(self) -> None:
-        self._order: list[weakref.ref[nn.Module]] = []
+        # held (not weakly) while the scope is open: a module dropped there (a replaced head, a
+        # scratch layer) drew random numbers on one device, so the replay draws them too, and
+        # what was captured never depends on when Python's garbage collector happened to run
+        self._order: list[nn.Module] = []
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._children: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._parents: list[weakref.ref[nn.Module]] = []
+        self._parents: list[nn.Module] = []
         self._parent_set: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._rng: torch.Tensor | None = None
 
@@ -74,7 +81,7 @@ class MetaCapture:
             if not self._order:
                 self._rng = torch.get_rng_state()  # the state the first module's init starts from
             self._seen.add(module)
-            self._order.append(weakref.ref(module))
+            self._order.append(module)
         if param.is_meta:
             return None
         return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
@@ -84,28 +91,34 @@ class MetaCapture:
             self._children.add(child)
             if parent not in self._parent_set:
                 self._parent_set.add(parent)
-                self._parents.append(weakref.ref(parent))
+                self._parents.append(parent)
         return None
 
     def roots(self, modules: list[nn.Module]) -> list[nn.Module]:
         """The outermost modules holding ``modules`` (those no module built in the scope
-        registered as a child), in the order they were first seen."""
-        roots: dict[int, nn.Module] = {}
-        for m in [*self._parents_in_order(), *modules]:
+        registered as a child) that something besides this capture still holds, in the order
+        they were first seen. A module dropped in the scope is no root (only replayed)."""
+        candidates: dict[int, nn.Module] = {}
+        for m in [*self._parents, *modules]:
             if m not in self._children:
-                roots.setdefault(id(m), m)
+                candidates.setdefault(id(m), m)
         wanted = {id(m) for m in modules}
-        return [r for r in roots.values() if any(id(sub) in wanted for sub in r.modules())]
-
-    def _parents_in_order(self) -> list[nn.Module]:
-        return [m for m in (r() for r in self._parents) if m is not None]
+        roots = []
+        for key in list(candidates):
+            m = candidates.pop(key)
+            # the references counted here: getrefcount's argument, ``m``, and one per entry in
+            # this capture's parents and the caller's ``modules``; any more is someone else's
+            ours = 2 + sum(x is m for x in self._parents) + sum(x is m for x in modules)
+            if sys.getrefcount(m) > ours and any(id(sub) in wanted for sub in m.modules()):
+                roots.append(m)
+        _check_disjoint(roots)
+        return roots
 
     def take(self) -> tuple[list[nn.Module], torch.Tensor | None]:
         """The modules captured since the last call, in creation order, and the random state
         their initialisation starts from; forgets them."""
-        mods = [m for m in (r() for r in self._order) if m is not None]
+        mods, self._order = self._order, []
         rng, self._rng = self._rng, None
-        self._order = []
         self._seen = weakref.WeakSet()
         return mods, rng
 
@@ -113,6 +126,20 @@ class MetaCapture:
         self._parents = []
         self._parent_set = weakref.WeakSet()
         self._children = weakref.WeakSet()
+
+
+def _check_disjoint(roots: list[nn.Module]) -> None:
+    owner: dict[int, nn.Module] = {}
+    for r in roots:
+        for sub in r.modules():
+            first = owner.setdefault(id(sub), r)
+            if first is not r:
+                raise ValueError(
+                    f"{type(sub).__name__} built in the scope is part of two top-level modules, "
+                    f"a {type(first).__name__} and a {type(r).__name__}; each is sharded whole, so "
+                    "a module can belong to one of them only: build the second one outside the "
+                    "scope, or drop it before the scope closes"
+                )
 
 
 def check_resettable(modules: list[nn.Module], where: str) -> None:
@@ -155,7 +182,8 @@ def materialize(modules: list[nn.Module], rng: torch.Tensor | None, device: torc
             for n, p in kept.items():
                 assert p is not None
                 local = p.to_local() if hasattr(p, "to_local") else p
-                local.copy_(_local_part(whole[n].detach(), p))
+                if not local.is_meta:  # still meta: a module dropped in the scope, replayed for its draws
+                    local.copy_(_local_part(whole[n].detach(), p))
         del whole
 
 
