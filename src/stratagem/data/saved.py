@@ -37,61 +37,68 @@ METADATA = "metadata.json"
 def encode(element: Any) -> bytes:
     """One element as bytes: a 4-byte header length, a JSON header, then tensor payloads."""
     payloads: list[bytes] = []
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return {"u": [walk(v) for v in x]}
-        if isinstance(x, dict):
-            return {"d": [[to_json(k), walk(v)] for k, v in x.items()]}
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            payloads.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-            return {"T": str(t.dtype).replace("torch.", ""), "s": list(t.shape)}
-        if isinstance(x, np.ndarray) and x.dtype.kind in "biufc":
-            payloads.append(np.ascontiguousarray(x).tobytes())
-            return {"N": x.dtype.str, "s": list(x.shape)}
-        if isinstance(x, Ragged):
-            return {"R": walk(x.values), "splits": walk(x.row_splits)}
-        return {"j": to_json(x)}
-
-    header = json.dumps(walk(element), separators=(",", ":")).encode()
+    header = json.dumps(_encode_node(element, payloads), separators=(",", ":")).encode()
     return struct.pack("<I", len(header)) + header + b"".join(payloads)
+
+
+# The recursions are module-level functions passed their state: a closure calling itself is a
+# reference cycle, and would hold every element's bytes until Python's garbage collector ran.
+def _encode_node(x: Any, payloads: list[bytes]) -> Any:
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return {"u": [_encode_node(v, payloads) for v in x]}
+    if isinstance(x, dict):
+        return {"d": [[to_json(k), _encode_node(v, payloads)] for k, v in x.items()]}
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous()
+        payloads.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return {"T": str(t.dtype).replace("torch.", ""), "s": list(t.shape)}
+    if isinstance(x, np.ndarray) and x.dtype.kind in "biufc":
+        payloads.append(np.ascontiguousarray(x).tobytes())
+        return {"N": x.dtype.str, "s": list(x.shape)}
+    if isinstance(x, Ragged):
+        return {"R": _encode_node(x.values, payloads), "splits": _encode_node(x.row_splits, payloads)}
+    return {"j": to_json(x)}
+
+
+class _Payloads:
+    """The tensor bytes after a record's header, read in order."""
+
+    def __init__(self, record: bytes, offset: int) -> None:
+        self.record, self.offset = record, offset
+
+    def take(self, nbytes: int) -> bytes:
+        out = self.record[self.offset:self.offset + nbytes]
+        self.offset += nbytes
+        return out
 
 
 def decode(record: bytes) -> Any:
     """The inverse of :func:`encode`."""
     (n,) = struct.unpack("<I", record[:4])
     tree = json.loads(record[4:4 + n])
-    offset = [4 + n]
+    return _decode_node(tree, _Payloads(record, 4 + n))
 
-    def take(nbytes: int) -> bytes:
-        out = record[offset[0]:offset[0] + nbytes]
-        offset[0] += nbytes
-        return out
 
-    def build(node: dict[str, Any]) -> Any:
-        if "u" in node:
-            return tuple(build(v) for v in node["u"])
-        if "d" in node:
-            return {from_json(k): build(v) for k, v in node["d"]}
-        if "T" in node:
-            dtype = getattr(torch, node["T"])
-            count = int(np.prod(node["s"], dtype=np.int64))
-            size = torch.empty((), dtype=dtype).element_size() * count
-            raw = bytearray(take(size))
-            flat = (torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if size
-                    else torch.empty(0, dtype=dtype))
-            return flat.reshape(node["s"])
-        if "N" in node:
-            dtype = np.dtype(node["N"])
-            count = int(np.prod(node["s"], dtype=np.int64))
-            return np.frombuffer(take(dtype.itemsize * count), dtype=dtype).reshape(
-                node["s"]).copy()
-        if "R" in node:
-            return Ragged(build(node["R"]), build(node["splits"]))
-        return from_json(node["j"])
-
-    return build(tree)
+def _decode_node(node: dict[str, Any], payloads: _Payloads) -> Any:
+    if "u" in node:
+        return tuple(_decode_node(v, payloads) for v in node["u"])
+    if "d" in node:
+        return {from_json(k): _decode_node(v, payloads) for k, v in node["d"]}
+    if "T" in node:
+        dtype = getattr(torch, node["T"])
+        count = int(np.prod(node["s"], dtype=np.int64))
+        size = torch.empty((), dtype=dtype).element_size() * count
+        raw = bytearray(payloads.take(size))
+        flat = (torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if size
+                else torch.empty(0, dtype=dtype))
+        return flat.reshape(node["s"])
+    if "N" in node:
+        dtype = np.dtype(node["N"])
+        count = int(np.prod(node["s"], dtype=np.int64))
+        return np.frombuffer(payloads.take(dtype.itemsize * count), dtype=dtype).reshape(node["s"]).copy()
+    if "R" in node:
+        return Ragged(_decode_node(node["R"], payloads), _decode_node(node["splits"], payloads))
+    return from_json(node["j"])
 
 
 # -- save / load -------------------------------------------------------------------------

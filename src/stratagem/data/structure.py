@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -20,17 +20,18 @@ def flatten(element: Any) -> list[Any]:
 
 def pack_as(template: Any, leaves: list[Any]) -> Any:
     """Rebuild ``template``'s structure from ``leaves`` (the inverse of :func:`flatten`)."""
-    it = iter(leaves)
+    # a module-level recursion, not a closure calling itself: that closure would be a reference
+    # cycle holding the leaves (the batch's tensors) until Python's garbage collector ran
+    return _build(template, iter(leaves))
 
-    def build(node: Any) -> Any:
-        if isinstance(node, tuple):
-            items = [build(item) for item in node]
-            return type(node)(*items) if hasattr(node, "_fields") else tuple(items)
-        if isinstance(node, dict):
-            return {key: build(node[key]) for key in sorted(node)}
-        return next(it)
 
-    return build(template)
+def _build(node: Any, it: Iterator[Any]) -> Any:
+    if isinstance(node, tuple):
+        items = [_build(item, it) for item in node]
+        return type(node)(*items) if hasattr(node, "_fields") else tuple(items)
+    if isinstance(node, dict):
+        return {key: _build(node[key], it) for key in sorted(node)}
+    return next(it)
 
 
 def map_structure(fn: Callable[..., Any], *elements: Any) -> Any:
