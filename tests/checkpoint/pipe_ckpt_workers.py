@@ -41,3 +41,25 @@ def pipeline_checkpoint_worker(directory: str) -> dict:
         "same": all(torch.equal(straight[k], resumed[k]) for k in straight),
         "latest": manager.latest == path,
     }
+
+
+def pipeline_portable_worker(unsplit_dir: str, out_dir: str, first: int, then: int) -> dict:
+    """2 pipeline stages restore the model of a checkpoint written by one process (no strategy),
+    train steps ``first..then`` with a fresh Adam (per stage) and save the model."""
+    from ckpt_workers import global_batch, portable_model
+
+    strategy = PipelineStrategy(2, 2, devices="cpu")
+    with strategy.scope():
+        torch.manual_seed(123)  # not the saved values: restore must bring those
+        model = portable_model()
+        pipe = strategy.pipeline(model, nn.MSELoss(), verbose=False)
+    restored = CheckpointManager(Checkpoint(model=model), unsplit_dir, strategy=strategy).restore_or_initialize()
+    after_restore = {k: v.clone() for k, v in pipe.state_dict().items()}
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    for s in range(first, then):
+        x, y = global_batch(s)
+        strategy.run(pipe.train_step, args=(x, y))
+        opt.step()
+        opt.zero_grad()
+    CheckpointManager(Checkpoint(model=model), out_dir, strategy=strategy).save(then)
+    return {"restored": restored, "after_restore": after_restore, "params": {k: v.clone() for k, v in pipe.state_dict().items()}}

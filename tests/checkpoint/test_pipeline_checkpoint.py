@@ -19,3 +19,57 @@ def test_pipeline_stages_checkpoint_and_resume_exactly(tmp_path):
     meta = json.loads((tmp_path / "ckpt-2" / "metadata.json").read_text())
     assert {"rank-0.safetensors", "rank-1.safetensors"} <= set(meta["files"])
     assert Path(tmp_path / "ckpt-2" / "rank-1.json").read_text().count("3.weight") >= 1
+
+
+@pytest.mark.timeout(150)
+def test_unsplit_to_pipeline_stages_and_back(tmp_path):
+    """One process saves a model; 2 pipeline stages restore it (each its own layers), train on
+    with single-device parity and save; one process (and a plain module) restores the joined
+    model."""
+    import torch
+    from ckpt_workers import global_batch, portable_model
+    from pipe_ckpt_workers import pipeline_portable_worker
+
+    from stratagem import Checkpoint, CheckpointManager
+    from stratagem.train.checkpoint import load_state_dict
+
+    K, M = 3, 2
+
+    def train(model, steps):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for s in steps:
+            x, y = global_batch(s)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    unsplit, split = tmp_path / "unsplit", tmp_path / "split"
+    model = portable_model()
+    train(model, range(K))
+    writer = CheckpointManager(Checkpoint(model=model), unsplit)
+    writer.save(K)
+    writer.close()  # the directory's writer lock goes with it
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    stages = [r.value for r in run_workers(pipeline_portable_worker, 2, args=(str(unsplit), str(split), K, K + M))]
+    assert [sorted(s["params"]) for s in stages] == [["0.bias", "0.weight"], ["2.bias", "2.weight"]]
+    for s in stages:
+        assert s["restored"].endswith(f"ckpt-{K}")
+        for k, v in s["after_restore"].items():
+            assert torch.equal(v, saved[k]), k  # each stage took its own layers, exactly
+    joined = {**stages[0]["params"], **stages[1]["params"]}
+
+    train(model, range(K, K + M))  # one device goes on from the same point, fresh Adam too
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(joined[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+    # back to one process: the stages' files join into the whole model
+    plain = portable_model()
+    plain.load_state_dict(load_state_dict(split))
+    restored = portable_model()
+    reader = CheckpointManager(Checkpoint(model=restored), split)
+    assert reader.restore_or_initialize().endswith(f"ckpt-{K + M}")
+    reader.close()
+    for k in joined:
+        assert torch.equal(plain.state_dict()[k], joined[k]), k
+        assert torch.equal(restored.state_dict()[k], joined[k]), k
