@@ -206,3 +206,29 @@ def multi_worker_worker() -> dict[str, Any]:
         "list": (params_of(m_model), _history(m_hist)), "ref_list": (params_of(r_model), _history(r_hist)),
         "dataset": (params_of(d_model), _history(d_hist)), "ref_dataset": (params_of(o_model), _history(o_hist)),
     }
+
+
+def elastic_backup_run(replicas: int, backup_dir: str, kill_at: int | None, split: bool = True) -> dict[str, Any]:
+    """3 epochs of a shuffled Dataset (36 examples, global batches of 6) with BackupAndRestore
+    every 2 steps, on ``replicas`` replicas (1: OneDeviceStrategy), killed after step ``kill_at``.
+    ``split``: each replica's pipeline reads its share (auto-shard DATA); else every replica reads
+    the global batches and splits them (auto-shard OFF)."""
+    strategy = sg.OneDeviceStrategy() if replicas == 1 else sg.MirroredStrategy(devices="cpu", num_replicas=replicas, timeout=60)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(36, 5, generator=g), torch.randint(0, 3, (36,), generator=g)
+    data = Dataset.from_tensor_slices((x, y)).shuffle(36, seed=7).batch(6)
+    if not split:
+        from stratagem.data import AutoShardPolicy, Options
+
+        options = Options()
+        options.experimental_distribute.auto_shard_policy = AutoShardPolicy.OFF
+        data = data.with_options(options)
+    backup = C.BackupAndRestore(backup_dir, save_freq=2, delete_checkpoint=False)
+    cbs: list[C.Callback] = [backup] + ([Killer(kill_at)] if kill_at is not None else [])
+    hist = fit(model, opt, nn.CrossEntropyLoss(), data, epochs=3, metrics=["sparse_categorical_accuracy"],
+               callbacks=cbs, strategy=strategy, verbose=0)
+    return {"params": params_of(model), "history": _history(hist), "restored_from": backup.restored_from}

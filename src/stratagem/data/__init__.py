@@ -35,6 +35,7 @@ from stratagem.data.sharding import (
     rebatch_and_shard,
     shard_data,
     shard_files,
+    shards_by_files,
 )
 from stratagem.data.sources import TextLineDataset
 from stratagem.data.spec import RaggedSpec, TensorSpec
@@ -95,6 +96,7 @@ __all__ = [
     "parse_example",
     "parse_single_example",
     "rebatch_and_shard",
+    "shards_by_files",
     "sample_from_datasets",
     "shard_data",
     "shard_files",

@@ -131,6 +131,14 @@ def last_batch(dataset: Dataset) -> BatchDataset | None:
     return None
 
 
+def shards_by_files(dataset: Dataset) -> bool:
+    """Whether splitting ``dataset`` over workers gives each worker its own files (the FILE
+    policy, or AUTO over a file source): then which examples a worker reads depends on the
+    number of workers, not only on the global batches."""
+    policy = dataset.options().resolved_auto_shard_policy
+    return policy == AutoShardPolicy.FILE or (policy == AutoShardPolicy.AUTO and bool(file_sources(dataset)))
+
+
 def rebatch_and_shard(dataset: Dataset, num_shards: int, index: int) -> Dataset | None:
     """Worker ``index``'s pipeline when global batches of B are split over ``num_shards``.
 
@@ -148,8 +156,7 @@ def rebatch_and_shard(dataset: Dataset, num_shards: int, index: int) -> Dataset 
         return None
     smaller = copy.copy(batch)
     smaller.batch_size = batch.batch_size // num_shards
-    policy = dataset.options().resolved_auto_shard_policy
-    if policy == AutoShardPolicy.FILE or (policy == AutoShardPolicy.AUTO and file_sources(dataset)):
+    if shards_by_files(dataset):
         rebatched = _rewrite(dataset, lambda d: smaller if d is batch else None)
         return auto_shard(rebatched, num_shards, index)
     # DATA: this worker's contiguous run of each global batch (tf's rebatching), cut below the

@@ -228,8 +228,10 @@ class BackupAndRestore(Callback):
     other data are replayed from the start of the pass (exact only when re-iterating them gives
     the same batches). When training ends normally the backups are deleted
     (``delete_checkpoint=False`` keeps them). Put it before callbacks that should see the
-    restored state; resume with the same number of replicas. The state of other callbacks
-    (e.g. EarlyStopping's patience counter) is not backed up.
+    restored state. A backup also resumes on another number of replicas (position, History and
+    the epoch's metric totals carry over; input auto-sharded by files is an error, and replicas
+    beyond the saved ones keep their own RNG streams). The state of other callbacks (e.g.
+    EarlyStopping's patience counter) is not backed up.
     """
 
     def __init__(

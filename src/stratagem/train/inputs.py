@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from stratagem.data import INFINITE_CARDINALITY, Dataset
+from stratagem.data import INFINITE_CARDINALITY, Dataset, shards_by_files
 from stratagem.distribute.strategy import Strategy
 
 
@@ -129,6 +129,11 @@ class GlobalBatches:
             "consumed": self._consumed,
             "epoch_step": self._epoch_step,
             "exhausted": self._it is None,
+            # for a restore on another number of replicas: the position is the same on every
+            # replica (global batches split), or pass ``pass``'s first ``consumed`` global batches
+            # can be skipped on any number (a stratagem Dataset split by examples, not by files)
+            "global": self._it is None or bool(getattr(self._it, "global_position", False)),
+            "replayable": isinstance(self.data, Dataset) and not shards_by_files(self.data),
         }
         if self.resumable and self._it is not None:
             state["iterator"] = self._it.state_dict()  # type: ignore[attr-defined]

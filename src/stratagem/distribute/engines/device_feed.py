@@ -34,6 +34,10 @@ class DeviceFeed:
     def __iter__(self) -> DeviceFeed:
         return self
 
+    @property
+    def global_position(self) -> bool:
+        return bool(getattr(self.source, "global_position", False))
+
     def _position(self) -> Any:
         return self.source.state_dict() if hasattr(self.source, "state_dict") else None
 

@@ -141,6 +141,9 @@ class DistributedIterator:
     shapes and dtypes across replicas (no extra collective); the first batch's values are
     compared once."""
 
+    #: every replica's position is the same global one (so it maps to any number of replicas)
+    global_position = True
+
     def __init__(self, source: Iterator[Any], comm: Communicator, device: torch.device | None) -> None:
         self.source = source
         self.comm = comm
@@ -288,6 +291,8 @@ class ShardedDataset:
 
 class PerReplicaIterator:
     """Yields this replica's batches; once its pipeline ends while others go on, zero-size ones."""
+
+    global_position = False  # each replica's own pipeline: positions are per replica
 
     def __init__(
         self, source: Iterator[Any], comm: Communicator, device: torch.device | None, *, stop_when_uneven: bool = False
