@@ -424,3 +424,38 @@ def collected_unevenly_worker() -> str:
 @pytest.mark.timeout(120)
 def test_models_garbage_collected_at_different_moments_on_each_replica():
     assert [r.value for r in run_workers(collected_unevenly_worker, 2)] == ["ok"] * 2
+
+
+def accumulate_across_a_scope_worker() -> list[float]:
+    """Gradients accumulated over two strategy.run calls with a scope in between (a model made
+    there rebuilds the reducer): the first call's already reduced gradients are not reduced again."""
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = make_model()
+        opt = make_sgd(model.parameters())
+    (x1, y1), (x2, y2) = global_batches([8, 8])
+    batches = iter(strategy.experimental_distribute_dataset([(x1, y1), (x2, y2)]))
+
+    def backward(x, y):
+        (per_example(model(x), y).sum() / 16).backward()  # the mean over both global batches
+
+    strategy.run(backward, args=next(batches))
+    with strategy.scope():
+        nn.Linear(2, 2)  # new parameters: the reducer is rebuilt between the two backward passes
+    strategy.run(backward, args=next(batches))
+    strategy.run(opt.step)
+    return [float(v) for v in torch.cat([p.detach().reshape(-1) for p in model.parameters()])]
+
+
+@pytest.mark.timeout(120)
+def test_accumulation_across_a_scope_reduces_each_gradient_once():
+    torch.manual_seed(0)
+    model = make_model()
+    opt = make_sgd(model.parameters())
+    for x, y in global_batches([8, 8]):
+        (per_example(model(x), y).sum() / 16).backward()
+    opt.step()
+    want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for r in run_workers(accumulate_across_a_scope_worker, 2):
+        torch.testing.assert_close(torch.tensor(r.value), want, rtol=1e-5, atol=1e-6)

@@ -209,6 +209,16 @@ class GradientReducer:
         p.grad = g
         self._reduced[i] = (weakref.ref(g), g._version)
 
+    def adopt(self, old: GradientReducer) -> None:
+        """Take over what ``old`` (the reducer this one replaces) knew: which ``.grad`` it already
+        reduced. Without it, a backward pass after the rebuild (gradients accumulating, no
+        ``zero_grad`` in between) would reduce the already reduced part again."""
+        index = {id(p): i for i, r in enumerate(self._refs) if (p := r()) is not None}
+        for j, rec in old._reduced.items():
+            p = old.param(j)
+            if p is not None and id(p) in index:
+                self._reduced[index[id(p)]] = rec
+
     def remove(self) -> None:
         """Stop reducing (hooks removed)."""
         for h in self._handles:

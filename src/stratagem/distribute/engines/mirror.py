@@ -236,9 +236,9 @@ class MirrorRegistry:
             self._rebuild_reducer([(t, n) for i, (t, n) in enumerate(params) if i not in gone_params and t is not None])
 
     def _rebuild_reducer(self, params: list[tuple[torch.Tensor, str]]) -> None:
-        if self.reducer is not None:
-            self.reducer.remove()
-            self.reducer = None
+        old, self.reducer = self.reducer, None
+        if old is not None:
+            old.remove()
         params = [(p, n) for p, n in params if p.device.type != "meta" and p.requires_grad]
         if self.comm.world_size > 1 and params:
             self.reducer = GradientReducer(
@@ -249,6 +249,8 @@ class MirrorRegistry:
                 armed=self._is_armed,
                 **{k: v for k, v in self.bucket_kw.items() if v is not None},
             )
+            if old is not None:  # gradients accumulating across this scope are reduced once
+                self.reducer.adopt(old)
 
     def _is_armed(self) -> bool:
         if not self.armed:
