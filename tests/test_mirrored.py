@@ -459,3 +459,42 @@ def test_accumulation_across_a_scope_reduces_each_gradient_once():
     want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     for r in run_workers(accumulate_across_a_scope_worker, 2):
         torch.testing.assert_close(torch.tensor(r.value), want, rtol=1e-5, atol=1e-6)
+
+
+def _freeze_then_unfreeze(model, opt, batches, run) -> None:
+    """Fine-tuning's gradual unfreezing: a step with the first layer frozen, then two with it
+    trainable (its parameters were in the optimizer all along)."""
+    for i, (x, y) in enumerate(batches):
+        for p in model[0].parameters():
+            p.requires_grad_(i > 0)
+
+        def step(x, y):
+            opt.zero_grad()
+            (per_example(model(x), y).sum() / 8).backward()
+            opt.step()
+
+        run(step, x, y)
+
+
+def unfreeze_worker() -> list[float]:
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=2)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = make_model()
+        model[0].requires_grad_(False)  # frozen when the scope closes
+        opt = make_sgd(model.parameters())
+    batches = list(strategy.experimental_distribute_dataset(global_batches([8, 8, 8])))
+    _freeze_then_unfreeze(model, opt, batches, lambda f, x, y: strategy.run(f, args=(x, y)))
+    return [float(v) for v in torch.cat([p.detach().reshape(-1) for p in model.parameters()])]
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_unfrozen_after_the_scope_has_its_gradients_reduced():
+    torch.manual_seed(0)
+    model = make_model()
+    opt = make_sgd(model.parameters())
+    _freeze_then_unfreeze(model, opt, global_batches([8, 8, 8]), lambda f, x, y: f(x, y))
+    want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    got = [torch.tensor(r.value) for r in run_workers(unfreeze_worker, 2)]
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)  # replicas stay identical
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)

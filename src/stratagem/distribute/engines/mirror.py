@@ -117,6 +117,7 @@ class MirrorRegistry:
         self._params: list[tuple[weakref.ref[torch.Tensor], str]] = []
         self._buffers: list[tuple[weakref.ref[torch.Tensor], str]] = []
         self._step_buffers: list[_BufferSlot] = []  # the buffers agreed at the last sync
+        self._trainable: list[tuple[weakref.ref[torch.Tensor], bool]] = []  # when the reducer was built
         self._new: list[tuple[torch.Tensor, str]] = []
         self._checked_modules = _IdSet()  # by identity: a copy of a checked module is checked anew
         self._checked_optimizers = _IdSet()
@@ -183,7 +184,7 @@ class MirrorRegistry:
         self._new.append((t, name))
 
     # --- sync -------------------------------------------------------------------------------
-    def sync(self) -> None:
+    def sync(self, *, retrain: bool = False) -> None:
         """Make the tensors created since the last sync identical everywhere; rebuild the reducer.
 
         Every replica also says which of the tensors it tracks were garbage collected: Python
@@ -195,6 +196,7 @@ class MirrorRegistry:
         new, self._new = self._new, []
         if not new and self.comm.world_size == 1:
             return
+        retrain = retrain or self._trainable_changed()
         params = [(r(), n) for r, n in self._params]  # held while the replicas agree
         buffers = [r() for r, _ in self._buffers]
         new = [(t, n) for t, n in new if t.device.type != "meta"]
@@ -232,14 +234,23 @@ class MirrorRegistry:
                 for i, t in enumerate(buffers)
                 if i not in gone_buffers and t is not None and t.device.type != "meta"
             ]
-        if new or gone_params:
+        if new or gone_params or retrain:
             self._rebuild_reducer([(t, n) for i, (t, n) in enumerate(params) if i not in gone_params and t is not None])
+
+    def _trainable_changed(self) -> bool:
+        """Whether a parameter's ``requires_grad`` changed since the reducer was built. Every
+        replica runs the same program, so all see the change at the same ``run`` (a parameter
+        already collected here keeps the flag it had, as it does where it is not yet)."""
+        return any((t := r()) is not None and t.requires_grad != was for r, was in self._trainable)
 
     def _rebuild_reducer(self, params: list[tuple[torch.Tensor, str]]) -> None:
         old, self.reducer = self.reducer, None
         if old is not None:
             old.remove()
-        params = [(p, n) for p, n in params if p.device.type != "meta" and p.requires_grad]
+        params = [(p, n) for p, n in params if p.device.type != "meta"]
+        if self.comm.world_size > 1:  # one process reduces nothing
+            self._trainable = [(weakref.ref(p), p.requires_grad) for p, _ in params]
+        params = [(p, n) for p, n in params if p.requires_grad]
         if self.comm.world_size > 1 and params:
             self.reducer = GradientReducer(
                 self.comm,
@@ -278,6 +289,8 @@ class MirrorRegistry:
         """Inside ``strategy.run``: modules called and optimizers stepped must be mirrored, and
         backward passes reduce the gradients (the reducer is armed)."""
         _install_hooks()
+        if self._trainable_changed():  # e.g. a frozen layer unfrozen: its gradients must be reduced
+            self.sync(retrain=True)
         token = _checking.set(self)
         was, self.armed = self.armed, True
         try:
