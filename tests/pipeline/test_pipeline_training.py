@@ -305,6 +305,26 @@ def hybrid_worker() -> list[str]:
             ref_opt.step()
             ref_opt.zero_grad()
         compare(pipe, ref, f"hybrid {schedule} after 2 steps", errors, grads=False)
+    # gradual unfreezing: every layer frozen when the pipeline is built, all trainable from step 1
+    s = PipelineStrategy(2, 2, data_parallel=2, devices="cpu")
+    loss_fn = nn.CrossEntropyLoss()
+    frozen = lambda: build().requires_grad_(False)  # noqa: E731
+    pipe, opt = make_pipe(s, frozen, loss_fn)
+    ref, ref_opt = reference(frozen)
+    global_batches = batches([12, 12, 12], seed=4)
+    for step, (x, y) in enumerate(s.experimental_distribute_dataset(global_batches)):
+        ref.requires_grad_(step > 0)
+        for _, p in pipe.named_parameters():
+            p.requires_grad_(step > 0)
+        if step > 0:
+            s.run(pipe.train_step, args=(x, y))
+            loss_fn(ref(global_batches[step][0]), global_batches[step][1]).backward()
+            compare(pipe, ref, f"unfrozen step {step}", errors)
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    compare(pipe, ref, "unfrozen after 2 steps", errors, grads=False)
     return errors
 
 

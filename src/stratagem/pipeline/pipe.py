@@ -57,12 +57,24 @@ class Pipe:
         owned = {id(p) for p in stage.module.parameters()}
         self._named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
         self.reducer: GradientReducer | None = None
+        self._trainable: list[bool] = []
+        self._build_reducer()
+
+    def _build_reducer(self) -> None:
+        """Reduce this stage's trainable gradients across the pipeline replicas; rebuilt when a
+        parameter's ``requires_grad`` changes (a layer unfrozen), keeping what the old one knew."""
+        old, self.reducer = self.reducer, None
+        if old is not None:
+            old.remove()
+        self._trainable = [p.requires_grad for _, p in self._named]
         trainable = [(n, p) for n, p in self._named if p.requires_grad]
-        if replicas.world_size > 1 and trainable:
+        if self.replicas.world_size > 1 and trainable:
             self.reducer = GradientReducer(
-                replicas, [p for _, p in trainable], [n for n, _ in trainable], op="sum"
+                self.replicas, [p for _, p in trainable], [n for n, _ in trainable], op="sum"
             )
             self.reducer.enabled = False
+            if old is not None:
+                self.reducer.adopt(old)
 
     # --- the local stage as a module ----------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -124,6 +136,8 @@ class Pipe:
         scales = loss_scales(sizes, self.loss_reduction, total)
         xs = scatter(self._place(x), sizes) if self.stage.is_first else [None] * len(sizes)
         ys = scatter(self._place(y), sizes) if self.stage.is_last else [None] * len(sizes)
+        if self.replicas.world_size > 1 and [p.requires_grad for _, p in self._named] != self._trainable:
+            self._build_reducer()  # every replica of this stage runs the same program: all do
         reducer = self.reducer
 
         def arm(last: bool) -> None:
