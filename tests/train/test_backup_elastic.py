@@ -1,6 +1,7 @@
 """BackupAndRestore into another number of replicas: a run killed mid-epoch on 2 replicas
-resumes on 3, and one killed on 3 resumes on one process; each ends where an uninterrupted
-single-device run ends (parameters, and the History with its mid-epoch metric totals)."""
+resumes on 3, one killed on 3 resumes on one process, one process's on 2 replicas; each ends
+where an uninterrupted single-device run ends (parameters, and the History with its mid-epoch
+metric totals)."""
 
 from __future__ import annotations
 
@@ -19,28 +20,20 @@ def _close(got: dict, want: dict) -> None:
         assert got["history"][k] == pytest.approx(want["history"][k], rel=1e-5), k
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("split", [True, False], ids=["each-replica-reads-its-share", "replicas-split-global-batches"])
 def test_a_backup_resumes_on_another_number_of_replicas(tmp_path, split):
     want = elastic_backup_run(1, str(tmp_path / "reference"), None, split)
     assert want["restored_from"] is None
-
-    # 2 replicas are killed after step 8 (epoch 2, step 2); 3 replicas take over from its backup
-    backup = str(tmp_path / "two-then-three")
-    killed = run_workers(elastic_backup_run, 2, args=(2, backup, 8, split), timeout=120, check=False)
-    assert all(r.returncode == -9 for r in killed), [r.stderr[-500:] for r in killed]
-    three = run_workers(elastic_backup_run, 3, args=(3, backup, None, split), timeout=120)
-    for r in three:
-        assert r.value["restored_from"].endswith("ckpt-8")
-        _close(r.value, want)
-
-    # 3 replicas are killed after step 14 (epoch 3, step 2); one process takes over
-    backup = str(tmp_path / "three-then-one")
-    killed = run_workers(elastic_backup_run, 3, args=(3, backup, 14, split), timeout=120, check=False)
-    assert all(r.returncode == -9 for r in killed), [r.stderr[-500:] for r in killed]
-    one = elastic_backup_run(1, backup, None, split)
-    assert one["restored_from"].endswith("ckpt-14")
-    _close(one, want)
+    # (killed on, after step, resumed on): mid-epoch 2 on 2 -> 3 replicas, mid-epoch 3 on 3 -> one
+    # process, and one process -> 2 replicas (its pipeline had no per-replica split at all)
+    for before, step, after in ((2, 8, 3), (3, 14, 1), (1, 8, 2)):
+        backup = str(tmp_path / f"{before}-then-{after}")
+        killed = run_workers(elastic_backup_run, before, args=(before, backup, step, split), timeout=120, check=False)
+        assert all(r.returncode == -9 for r in killed), [r.stderr[-500:] for r in killed]
+        for r in run_workers(elastic_backup_run, after, args=(after, backup, None, split), timeout=120):
+            assert r.value["restored_from"].endswith(f"ckpt-{step}"), (before, after)
+            _close(r.value, want)
 
 
 def _record(data: dict, totals: list[float], epoch: int = 1) -> dict:
@@ -60,15 +53,15 @@ def test_fit_progress_maps_to_another_number_of_replicas_or_says_why_not():
 
     from stratagem.train.resume import FitProgress
 
-    split = {"global": False, "replayable": True, "iterator": {"source": "this replica's"}}
+    split = {"replayable": True, "iterator": {"source": {"seed": "123", "root": "this replica's pipeline"}}}
     saved = [_record(split, [3.0, 2.0]), _record(split, [5.0, 4.0])]
     new = [json.loads(FitProgress.reshard_state(saved, r, 3)["json"]) for r in range(3)]
     assert [n["metrics"] for n in new] == [[["loss", [8.0, 6.0]]], [["loss", [0.0, 0.0]]], [["loss", [0.0, 0.0]]]]
-    assert all("iterator" not in n["data"] and n["data"]["consumed"] == 2 for n in new)  # replayed
-    whole = {"global": True, "replayable": True, "iterator": {"source": "the global position"}}
-    assert json.loads(FitProgress.reshard_state([_record(whole, [1.0])] * 2, 0, 1)["json"])["data"]["iterator"] == whole["iterator"]
+    for n in new:  # the pass is replayed with its seed; no pipeline state is carried over
+        assert "iterator" not in n["data"] and n["data"]["consumed"] == 2 and n["data"]["seed"] == 123
+        assert (n["epoch"], n["step"], n["iterations"]) == (1, 2, 8)
 
-    by_files = {"global": False, "replayable": False}
+    by_files = {"replayable": False}
     with pytest.raises(ValueError, match="reading its own files or pipeline .* cannot resume on 3. Resume with 2"):
         FitProgress.reshard_state([_record(by_files, [1.0])] * 2, 0, 3)
     with pytest.raises(ValueError, match="disagree on 'epoch'"):

@@ -80,6 +80,9 @@ class GlobalBatches:
         self.dist = distributed(strategy, data)
         self.steps_per_epoch = steps_per_epoch
         self.resumable = bool(self.dist.resumable)
+        # whether a job with another number of replicas can take over this position by replaying
+        # the pass (global batches, the same whatever their split; not a pipeline per replica)
+        self.replayable = not is_distributed(data) and not (isinstance(data, Dataset) and shards_by_files(data))
         self._it: Iterator[Any] | None = None
         self._pass = -1
         self._consumed = 0  # batches taken from the current pass
@@ -129,11 +132,7 @@ class GlobalBatches:
             "consumed": self._consumed,
             "epoch_step": self._epoch_step,
             "exhausted": self._it is None,
-            # for a restore on another number of replicas: the position is the same on every
-            # replica (global batches split), or pass ``pass``'s first ``consumed`` global batches
-            # can be skipped on any number (a stratagem Dataset split by examples, not by files)
-            "global": self._it is None or bool(getattr(self._it, "global_position", False)),
-            "replayable": isinstance(self.data, Dataset) and not shards_by_files(self.data),
+            "replayable": self.replayable,
         }
         if self.resumable and self._it is not None:
             state["iterator"] = self._it.state_dict()  # type: ignore[attr-defined]
@@ -149,7 +148,7 @@ class GlobalBatches:
         if self.resumable and "iterator" in state:
             self._it = self.dist.iterator_from_state(state["iterator"])
             return
-        self._it = self.dist.iterator(epoch=self._pass)
+        self._it = self.dist.iterator(epoch=self._pass, seed=state.get("seed"))
         for _ in range(self._consumed):
             if next(self._it, _END) is _END:
                 raise RuntimeError(
@@ -157,6 +156,29 @@ class GlobalBatches:
                     f"{self._consumed} batches already consumed; the data must give the same "
                     "batches when iterated again"
                 )
+
+
+    @staticmethod
+    def reshard_state(states: list[dict[str, Any]], world: int) -> dict[str, Any]:
+        """The position for a job of ``world`` replicas from the positions saved by another
+        number: the pass is replayed from its start (with its seed, so unseeded shuffles repeat)
+        and the global batches consumed are skipped. A pipeline's own state is never carried
+        over: its shape depends on the number of replicas (each replica's share of a batch)."""
+        if not all(s.get("replayable", False) for s in states):
+            raise ValueError(
+                f"the backup was made by {len(states)} replicas each reading its own files or "
+                f"pipeline (a Dataset auto-sharded by files, or a distributed dataset passed to "
+                f"fit), so which examples a replica reads depends on their number: it cannot resume "
+                f"on {world}. Resume with {len(states)} replicas, or shard by examples (options = "
+                "Options(); options.experimental_distribute.auto_shard_policy = AutoShardPolicy.DATA; "
+                "dataset = dataset.with_options(options))"
+            )
+        first = states[0]
+        out = {k: v for k, v in first.items() if k != "iterator"}
+        source = first.get("iterator", {}).get("source")  # a stratagem Dataset iterator's state
+        if isinstance(source, dict) and source.get("seed") is not None:
+            out["seed"] = int(source["seed"])
+        return out
 
 
 _END: Any = object()

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from stratagem.train.inputs import GlobalBatches
 from stratagem.train.metrics import Metric
 
 FORMAT = "stratagem.train.fit_progress/1"
@@ -64,13 +65,10 @@ class FitProgress:
     def reshard_state(states: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
         """Replica ``rank`` of ``world``'s progress from the records of another number of
         replicas (``Checkpoint`` asks for it when a backup is restored into another job size):
-        epoch, step, history and the data position are every replica's (global batches, split
-        alike); the epoch's metric totals are summed into replica 0 (the others start at zero),
-        so the global totals, and the logs, are what they were."""
-        records = [json.loads(s["json"]) for s in states]
-        for r in records:
-            if r.get("format") != FORMAT:
-                raise ValueError(f"not a stratagem fit progress record (format {r.get('format')!r}, expected {FORMAT!r})")
+        epoch, step and history are every replica's; the data position is replayed
+        (``GlobalBatches.reshard_state``); the epoch's metric totals are summed into replica 0
+        (the others start at zero), so the global totals, and the logs, are what they were."""
+        records = [_record(s) for s in states]
         first = records[0]
         for key in ("epoch", "step", "iterations", "history"):
             if any(r[key] != first[key] for r in records):
@@ -78,26 +76,10 @@ class FitProgress:
                     f"the backup's replicas disagree on {key!r} ({[r[key] for r in records]}); it was "
                     "not written by one fit run: start over in a new backup directory"
                 )
-        datas = [r["data"] for r in records]
-        if all(d.get("global", False) for d in datas):
-            data = datas[0]  # every replica's position is the global one, with the pipeline's state
-        elif all(d.get("replayable", False) for d in datas):
-            # each replica read its share of every global batch through its own pipeline: the new
-            # replicas replay the pass from its start and skip the global batches consumed
-            data = {k: v for k, v in datas[0].items() if k != "iterator"}
-        else:
-            raise ValueError(
-                f"the backup was made by {len(records)} replicas each reading its own files or "
-                f"pipeline (a Dataset auto-sharded by files, or distribute_datasets_from_function), "
-                f"so which examples a replica reads depends on their number: it cannot resume on "
-                f"{world}. Resume with {len(records)} replicas, or shard by examples (options = "
-                "Options(); options.experimental_distribute.auto_shard_policy = AutoShardPolicy.DATA; "
-                "dataset = dataset.with_options(options))"
-            )
         names = [n for n, _ in first["metrics"]]
         summed = [[float(sum(col)) for col in zip(*(r["metrics"][i][1] for r in records))] for i in range(len(names))]
         record = dict(first)
-        record["data"] = data
+        record["data"] = GlobalBatches.reshard_state([r["data"] for r in records], world)
         record["metrics"] = [[n, t if rank == 0 else [0.0] * len(t)] for n, t in zip(names, summed)]
         return {"json": json.dumps(record)}
 
@@ -105,10 +87,14 @@ class FitProgress:
         return {"json": json.dumps(self.state)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        loaded = json.loads(state["json"])
-        if loaded.get("format") != FORMAT:
-            raise ValueError(
-                f"not a stratagem fit progress record (format {loaded.get('format')!r}, expected "
-                f"{FORMAT!r}); was this directory written by BackupAndRestore?"
-            )
-        self.state = loaded
+        self.state = _record(state)
+
+
+def _record(state: dict[str, Any]) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(state["json"])
+    if loaded.get("format") != FORMAT:
+        raise ValueError(
+            f"not a stratagem fit progress record (format {loaded.get('format')!r}, expected "
+            f"{FORMAT!r}); was this directory written by BackupAndRestore?"
+        )
+    return loaded

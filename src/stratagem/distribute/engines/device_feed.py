@@ -34,10 +34,6 @@ class DeviceFeed:
     def __iter__(self) -> DeviceFeed:
         return self
 
-    @property
-    def global_position(self) -> bool:
-        return bool(getattr(self.source, "global_position", False))
-
     def _position(self) -> Any:
         return self.source.state_dict() if hasattr(self.source, "state_dict") else None
 
@@ -106,8 +102,8 @@ class DeviceFedDataset:
     def __iter__(self) -> DeviceFeed:
         return DeviceFeed(iter(self.inner), self.device, self.depth)
 
-    def iterator(self, epoch: int | None = None) -> DeviceFeed:
-        return DeviceFeed(self.inner.iterator(epoch), self.device, self.depth)
+    def iterator(self, epoch: int | None = None, seed: int | None = None) -> DeviceFeed:
+        return DeviceFeed(self.inner.iterator(epoch, seed), self.device, self.depth)
 
     def iterator_from_state(self, state: dict[str, Any]) -> DeviceFeed:
         return DeviceFeed(self.inner.iterator_from_state(state), self.device, self.depth)

@@ -45,11 +45,11 @@ def _fingerprint(batch: Any) -> list[float]:
     return [float(t.double().sum()) if t.numel() else 0.0 for t in leaves]
 
 
-def _source(dataset: Iterable[Any], epoch: int | None) -> Iterator[Any]:
+def _source(dataset: Iterable[Any], epoch: int | None, seed: int | None = None) -> Iterator[Any]:
     """A fresh iterator over ``dataset``: pass ``epoch`` of a stratagem Dataset (its shuffles
-    are reseeded per epoch), else ``iter(dataset)``."""
+    are reseeded per epoch; ``seed`` for its unseeded randomness), else ``iter(dataset)``."""
     if epoch is not None and hasattr(dataset, "iterator_from_state"):
-        return dataset.iterator(epoch=epoch)  # type: ignore[attr-defined, no-any-return]
+        return dataset.iterator(epoch=epoch, seed=seed)  # type: ignore[attr-defined, no-any-return]
     return iter(dataset)
 
 
@@ -125,9 +125,9 @@ class DistributedDataset:
     def __iter__(self) -> Iterator[Any]:
         return DistributedIterator(iter(self.dataset), self.comm, self.device)
 
-    def iterator(self, epoch: int | None = None) -> DistributedIterator:
+    def iterator(self, epoch: int | None = None, seed: int | None = None) -> DistributedIterator:
         """An iterator over pass ``epoch`` of the dataset."""
-        return DistributedIterator(_source(self.dataset, epoch), self.comm, self.device)
+        return DistributedIterator(_source(self.dataset, epoch, seed), self.comm, self.device)
 
     def iterator_from_state(self, state: dict[str, Any]) -> DistributedIterator:
         """An iterator resumed from ``DistributedIterator.state_dict()``."""
@@ -140,9 +140,6 @@ class DistributedIterator:
     """Splits each global batch. Every step's vote also compares the global batch's structure,
     shapes and dtypes across replicas (no extra collective); the first batch's values are
     compared once."""
-
-    #: every replica's position is the same global one (so it maps to any number of replicas)
-    global_position = True
 
     def __init__(self, source: Iterator[Any], comm: Communicator, device: torch.device | None) -> None:
         self.source = source
@@ -250,8 +247,8 @@ class PerReplicaDatasets:
     def __iter__(self) -> Iterator[Any]:
         return PerReplicaIterator(iter(self.dataset), self.comm, self.device)
 
-    def iterator(self, epoch: int | None = None) -> PerReplicaIterator:
-        return PerReplicaIterator(_source(self.dataset, epoch), self.comm, self.device)
+    def iterator(self, epoch: int | None = None, seed: int | None = None) -> PerReplicaIterator:
+        return PerReplicaIterator(_source(self.dataset, epoch, seed), self.comm, self.device)
 
     def iterator_from_state(self, state: dict[str, Any]) -> PerReplicaIterator:
         return PerReplicaIterator(_restored(self.dataset, state), self.comm, self.device)
@@ -278,9 +275,9 @@ class ShardedDataset:
     def __iter__(self) -> Iterator[Any]:
         return self.iterator()
 
-    def iterator(self, epoch: int | None = None) -> PerReplicaIterator:
+    def iterator(self, epoch: int | None = None, seed: int | None = None) -> PerReplicaIterator:
         return PerReplicaIterator(
-            _source(self.dataset, epoch), self.comm, self.device, stop_when_uneven=self.drop_remainder
+            _source(self.dataset, epoch, seed), self.comm, self.device, stop_when_uneven=self.drop_remainder
         )
 
     def iterator_from_state(self, state: dict[str, Any]) -> PerReplicaIterator:
@@ -291,8 +288,6 @@ class ShardedDataset:
 
 class PerReplicaIterator:
     """Yields this replica's batches; once its pipeline ends while others go on, zero-size ones."""
-
-    global_position = False  # each replica's own pipeline: positions are per replica
 
     def __init__(
         self, source: Iterator[Any], comm: Communicator, device: torch.device | None, *, stop_when_uneven: bool = False
