@@ -80,6 +80,35 @@ def test_nest_roundtrip_and_signature():
     assert tree.signature(value) == "{'x': (float32[2,3], [float32[1]]), 'n': int}"
 
 
+def test_map_structure_equals_pytree_and_calls_fn_once_per_leaf():
+    import collections
+
+    from torch.utils import _pytree as pytree
+
+    pair = collections.namedtuple("pair", "x y")
+    values = [
+        torch.ones(2),
+        (torch.ones(2), [torch.zeros(1), 3]),
+        {"b": (torch.ones(1),), "a": pair(torch.ones(2), [torch.zeros(1), "s"])},  # a leaf first
+        {"a": torch.ones(1), "b": collections.OrderedDict(c=torch.ones(2))},  # pytree's own node
+    ]
+    seen: list[object] = []
+
+    def double(t):
+        seen.append(t)
+        return t * 2 if isinstance(t, torch.Tensor) else t
+
+    for value in values:
+        seen.clear()
+        got = tree.map_structure(double, value)
+        want = pytree.tree_map(lambda t: t * 2 if isinstance(t, torch.Tensor) else t, value)
+        assert pytree.tree_structure(got) == pytree.tree_structure(want)
+        for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        if not isinstance(value, dict) or not isinstance(value["b"], collections.OrderedDict):
+            assert len(seen) == len(pytree.tree_leaves(value))  # plain and named tuples: once each
+
+
 def test_compute_average_loss_divides_by_the_global_batch():
     per_example = torch.tensor([1.0, 2.0, 3.0, 6.0])
     assert sg.compute_average_loss(per_example).item() == 3.0
