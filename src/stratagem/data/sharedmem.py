@@ -321,6 +321,4 @@ def read_batch(
             leaves.append(torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
                           .view(shape))
     weakref.finalize(view, interrupt_safe(on_free))
-    batch = pack_as(skel, leaves)
-    leaves.clear()  # pack_as's closure is a cycle that keeps the list until the next GC
-    return batch
+    return pack_as(skel, leaves)

@@ -125,12 +125,6 @@ class PipelineExtended(OverReplicas):
         with context.replica_scope(ctx):
             return fn(*args, **kwargs)
 
-
-
-
-
-
-
     # --- building the local stage --------------------------------------------------------------------
     def _partition(self, layers: list[tuple[str, nn.Module]], sample_input: Any) -> Partition:
         cfg = self.config

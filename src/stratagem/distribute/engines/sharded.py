@@ -166,9 +166,3 @@ class ShardedExtended(OverReplicas):
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         self.build.check_call(fn, args, kwargs)
         return self._dp.call_for_replica(fn, args, kwargs)
-
-    # --- reductions and input: the data-parallel engine's ------------------------------------
-
-
-
-

@@ -137,12 +137,7 @@ class TensorParallelExtended(OverReplicas):
                 root.set_gradient_divide_factor(1.0)  # summed across replicas (compute_average_loss)
                 root.set_force_sum_reduction_for_comms(True)
 
-    # --- run, reductions, input ---------------------------------------------------------------
+    # --- run (reductions and input: OverReplicas) ----------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         self.build.check_call(fn, args, kwargs)
         return self._dp.call_for_replica(fn, args, kwargs)
-
-
-
-
-
