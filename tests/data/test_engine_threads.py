@@ -52,6 +52,32 @@ def test_engine_decision_table():
     assert decide(3.1, 4.0, 4) == "threads" and decide(1.2, 3.9, 4) == "processes"
 
 
+@pytest.mark.timeout(120)
+def test_gil_bound_work_never_looks_parallel_on_a_busy_machine():
+    """CI failure: pure Python measured 1.75x on 2 threads (serial run slowed by another
+    process), so AUTOTUNE put it on threads. With two busy processes beside it, about 1 in 40
+    wall-clock measurements crossed the threshold; the CPU-time bound keeps them near 1.0."""
+    import subprocess
+    import sys
+
+    import engine_helpers as eh
+
+    from stratagem.data.autotune import SCALES, thread_speedup
+
+    def run() -> None:
+        for i in range(9):
+            eh.py_work(i)
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        got = [thread_speedup(run, 2) for _ in range(40)]
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert max(got) < SCALES * 2, sorted(got)[-5:]
+
+
 @pytest.mark.timeout(60)
 def test_stacked_autotune_maps_measure_one_inside_the_other():
     import engine_helpers as eh

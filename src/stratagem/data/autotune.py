@@ -19,7 +19,9 @@ once per map by :func:`choose_engine`: with torch on one intra-op thread (as wor
 it computes a small sample of the map's first elements
 (a separate iterator over its input, results discarded) on one thread, then the same sample on
 ``P = min(cores, 4)`` threads at once. Speed-up ``>= SCALES * P`` means the function releases the
-GIL (file reads, numpy, large tensor ops): threads. Below that, the same is measured for a
+GIL (file reads, numpy, large tensor ops): threads. For mostly-CPU work the speed-up counts
+only what CPU time confirms (see :func:`thread_speedup`), so another process slowing the serial
+run cannot make GIL-bound work look parallel. Below that, the same is measured for a
 GIL-free reference (hashlib), the scaling the machine offers right now (other jobs may share
 it): a function reaching ``SCALES`` of the reference's speed-up runs on threads, one that does
 not (small torch ops, pure Python) on processes, which run torch with one intra-op thread each;
@@ -105,7 +107,14 @@ class Tuner:
 def thread_speedup(run: Callable[[], None], threads: int, repeats: int = 3) -> float:
     """How many times faster ``threads`` threads each calling ``run`` once finish than one
     thread calling it ``threads`` times (1.0: no scaling, ``threads``: perfect). Each side is
-    the fastest of ``repeats`` runs, so a stall from another process does not decide it."""
+    the fastest of ``repeats`` runs, so a stall from another process does not decide it.
+
+    Wall-clock time alone can mislead on a shared machine: a serial run slowed by another
+    process makes GIL-bound threads look like they scale (seen as 1.75x on 2 threads for pure
+    Python on a busy 2-core machine). So when ``run`` is mostly CPU work (its serial run keeps
+    the CPU busy at least half the time), the result is at most what CPU time shows: the cores
+    the threads kept busy at once over those the serial run did. Holding the GIL caps that
+    near 1.0 however busy the machine is; waiting on I/O or sleep is measured by wall time."""
     errors: list[BaseException] = []
 
     def work() -> None:
@@ -114,21 +123,34 @@ def thread_speedup(run: Callable[[], None], threads: int, repeats: int = 3) -> f
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    serial = parallel = float("inf")
+    serial = parallel = (float("inf"), 0.0)  # (wall seconds, process CPU seconds)
     for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        serial = min(serial, time.perf_counter() - start)
-        pool = [threading.Thread(target=work, name="stratagem-probe") for _ in range(threads)]
-        start = time.perf_counter()
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-        parallel = min(parallel, time.perf_counter() - start)
+        serial = min(serial, _timed(run))
+        parallel = min(parallel, _timed(lambda: _together(work, threads)))
         if errors:
             raise errors[0]
-    return threads * serial / max(parallel, 1e-9)
+    wall = threads * serial[0] / max(parallel[0], 1e-9)
+    busy = serial[1] / max(serial[0], 1e-9)  # cores the serial run kept busy
+    if busy < 0.5:
+        return wall
+    cores = parallel[1] / max(parallel[0], 1e-9)  # cores the threads kept busy at once
+    return min(wall, cores / busy)
+
+
+def _together(work: Callable[[], None], threads: int) -> None:
+    """``work`` on ``threads`` threads at once; returns when all have finished."""
+    pool = [threading.Thread(target=work, name="stratagem-probe") for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+
+
+def _timed(call: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) one call takes."""
+    start, cpu = time.perf_counter(), time.process_time()
+    call()
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _warm_up(call: Callable[[], None], budget: float = 0.2) -> float:
