@@ -41,7 +41,6 @@ def test_nondeterministic_resume_between_snapshots():
     assert sorted(head + rest) == [float(i) for i in range(100)]
 
 
-
 def test_engine_decision_table():
     from stratagem.data.autotune import decide
 

@@ -352,7 +352,6 @@ class OptionsDataset(Dataset):
         return self._inputs[0]._make_iterator(ctx.child(0))
 
 
-
 class AssertCardinalityDataset(Dataset):
     """``assert_cardinality(n)``: declares the cardinality and checks it while iterating."""
 

@@ -105,7 +105,6 @@ class Callback:
     def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
 
 
-
 class CallbackList:
     """Calls a hook on every callback in order."""
 
