@@ -54,8 +54,9 @@ def test_engine_decision_table():
 @pytest.mark.timeout(120)
 def test_gil_bound_work_never_looks_parallel_on_a_busy_machine():
     """CI failure: pure Python measured 1.75x on 2 threads (serial run slowed by another
-    process), so AUTOTUNE put it on threads. With two busy processes beside it, about 1 in 40
-    wall-clock measurements crossed the threshold; the CPU-time bound keeps them near 1.0."""
+    process), so AUTOTUNE put it on threads. With busy processes beside it, up to 1 in 40
+    wall-clock measurements crossed the threshold (2.24x with three); the CPU-time bound keeps
+    them at or under 1.0 (the run queue wait is not counted as waiting work)."""
     import subprocess
     import sys
 
@@ -63,18 +64,25 @@ def test_gil_bound_work_never_looks_parallel_on_a_busy_machine():
 
     from stratagem.data.autotune import SCALES, thread_speedup
 
-    def run() -> None:
+    def held() -> None:
         for i in range(9):
             eh.py_work(i)
 
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    def waits() -> None:
+        for i in range(9):
+            eh.sleepy(i)
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
     try:
-        got = [thread_speedup(run, 2) for _ in range(40)]
+        got = [thread_speedup(held, 2) for _ in range(40)]
+        waiting = sorted(thread_speedup(waits, 2) for _ in range(5))
     finally:
         for h in hogs:
             h.kill()
             h.wait()
-    assert max(got) < SCALES * 2, sorted(got)[-5:]
+    # the lowest speed-up decide() takes for threads: SCALES times a reference of 1.5
+    assert max(got) < SCALES * 1.5, sorted(got)[-5:]
+    assert waiting[2] >= SCALES * 2, waiting  # waiting work still counts as scaling
 
 
 @pytest.mark.timeout(60)

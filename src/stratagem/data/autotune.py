@@ -53,6 +53,7 @@ logger = logging.getLogger("stratagem.data")
 SCALES = 0.75  # threads scale when P threads are at least this fraction of P times faster
 CHEAP_SECONDS = 20e-6  # a function cheaper than this per element stays on threads
 PROBE_SECONDS = 0.02  # one pass over the probe's sample aims at about this much work
+OVERLAP = 1.2  # probe threads of mostly-CPU work keeping fewer cores busy at once did not overlap
 
 MAX_BUFFER = 64
 STAGE_SHARE = 4  # a stage may use at most 1/STAGE_SHARE of the ram budget
@@ -109,48 +110,65 @@ def thread_speedup(run: Callable[[], None], threads: int, repeats: int = 3) -> f
     thread calling it ``threads`` times (1.0: no scaling, ``threads``: perfect). Each side is
     the fastest of ``repeats`` runs, so a stall from another process does not decide it.
 
-    Wall-clock time alone can mislead on a shared machine: a serial run slowed by another
-    process makes GIL-bound threads look like they scale (seen as 1.75x on 2 threads for pure
-    Python on a busy 2-core machine). So when ``run`` is mostly CPU work (its serial run keeps
-    the CPU busy at least half the time), the result is at most what CPU time shows: the cores
-    the threads kept busy at once over those the serial run did. Holding the GIL caps that
-    near 1.0 however busy the machine is; waiting on I/O or sleep is measured by wall time."""
+    Wall-clock time alone misleads on a shared machine: a serial run slowed by other processes
+    makes GIL-bound threads look like they scale (1.75x on 2 threads, pure Python, seen on a
+    loaded 2-core CI machine). So for mostly-CPU work (the serial run kept its thread on a core
+    at least half the time it was not waiting for one) the result is also bounded by the
+    threads' own CPU time: ``cores``, the cores they kept busy at once, over the serial run's
+    share. Holding the GIL keeps ``cores`` at or under 1 however busy the machine is, and
+    without clear overlap (``cores < OVERLAP``) the result is at most 1.0. Work that mostly
+    waits (I/O, sleep) is measured by wall time."""
     errors: list[BaseException] = []
+    spent: list[float] = []  # CPU seconds of each probe thread
 
     def work() -> None:
+        start = _thread_cpu()
         try:
             run()
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
+        spent.append(_thread_cpu()[0] - start[0])
 
-    serial = parallel = (float("inf"), 0.0)  # (wall seconds, process CPU seconds)
+    serial = parallel = float("inf")
+    busy = cores = 0.0
     for _ in range(repeats):
-        serial = min(serial, _timed(run))
-        parallel = min(parallel, _timed(lambda: _together(work, threads)))
+        wall, (cpu, queued) = time.perf_counter(), _thread_cpu()
+        run()
+        wall, after = time.perf_counter() - wall, _thread_cpu()
+        cpu, queued = after[0] - cpu, after[1] - queued
+        serial = min(serial, wall)
+        busy = max(busy, cpu / max(wall - queued, 1e-9))
+        spent.clear()
+        pool = [threading.Thread(target=work, name="stratagem-probe") for _ in range(threads)]
+        wall = time.perf_counter()
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        wall = time.perf_counter() - wall
         if errors:
             raise errors[0]
-    wall = threads * serial[0] / max(parallel[0], 1e-9)
-    busy = serial[1] / max(serial[0], 1e-9)  # cores the serial run kept busy
+        if wall < parallel:
+            parallel, cores = wall, sum(spent) / max(wall, 1e-9)
+    speedup = threads * serial / max(parallel, 1e-9)
     if busy < 0.5:
-        return wall
-    cores = parallel[1] / max(parallel[0], 1e-9)  # cores the threads kept busy at once
-    return min(wall, cores / busy)
+        return speedup
+    if cores < OVERLAP:
+        return min(speedup, 1.0)
+    return min(speedup, cores / busy)
 
 
-def _together(work: Callable[[], None], threads: int) -> None:
-    """``work`` on ``threads`` threads at once; returns when all have finished."""
-    pool = [threading.Thread(target=work, name="stratagem-probe") for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-
-
-def _timed(call: Callable[[], None]) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) one call takes."""
-    start, cpu = time.perf_counter(), time.process_time()
-    call()
-    return time.perf_counter() - start, time.process_time() - cpu
+def _thread_cpu() -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far.
+    The wait is Linux's schedstat run delay (its CPU field lags by up to a tick; thread_time
+    does not); elsewhere it is 0 (other processes then make work look like it waits, and wall
+    time decides)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            queued = int(f.read().split()[1]) * 1e-9
+    except (OSError, ValueError, IndexError):
+        queued = 0.0
+    return time.thread_time(), queued
 
 
 def _warm_up(call: Callable[[], None], budget: float = 0.2) -> float:
