@@ -426,6 +426,10 @@ def test_models_garbage_collected_at_different_moments_on_each_replica():
     assert [r.value for r in run_workers(collected_unevenly_worker, 2)] == ["ok"] * 2
 
 
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def accumulate_across_a_scope_worker() -> list[float]:
     """Gradients accumulated over two strategy.run calls with a scope in between (a model made
     there rebuilds the reducer): the first call's already reduced gradients are not reduced again."""
@@ -445,7 +449,7 @@ def accumulate_across_a_scope_worker() -> list[float]:
         nn.Linear(2, 2)  # new parameters: the reducer is rebuilt between the two backward passes
     strategy.run(backward, args=next(batches))
     strategy.run(opt.step)
-    return [float(v) for v in torch.cat([p.detach().reshape(-1) for p in model.parameters()])]
+    return _flat(model).tolist()
 
 
 @pytest.mark.timeout(120)
@@ -456,7 +460,7 @@ def test_accumulation_across_a_scope_reduces_each_gradient_once():
     for x, y in global_batches([8, 8]):
         (per_example(model(x), y).sum() / 16).backward()
     opt.step()
-    want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    want = _flat(model)
     for r in run_workers(accumulate_across_a_scope_worker, 2):
         torch.testing.assert_close(torch.tensor(r.value), want, rtol=1e-5, atol=1e-6)
 
@@ -485,7 +489,7 @@ def unfreeze_worker() -> list[float]:
         opt = make_sgd(model.parameters())
     batches = list(strategy.experimental_distribute_dataset(global_batches([8, 8, 8])))
     _freeze_then_unfreeze(model, opt, batches, lambda f, x, y: strategy.run(f, args=(x, y)))
-    return [float(v) for v in torch.cat([p.detach().reshape(-1) for p in model.parameters()])]
+    return _flat(model).tolist()
 
 
 @pytest.mark.timeout(120)
@@ -494,7 +498,7 @@ def test_a_layer_unfrozen_after_the_scope_has_its_gradients_reduced():
     model = make_model()
     opt = make_sgd(model.parameters())
     _freeze_then_unfreeze(model, opt, global_batches([8, 8, 8]), lambda f, x, y: f(x, y))
-    want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    want = _flat(model)
     got = [torch.tensor(r.value) for r in run_workers(unfreeze_worker, 2)]
     torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)  # replicas stay identical
     torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)

@@ -53,10 +53,25 @@ def test_unit_plans() -> None:
         plan_units(net, "blocks")  # type: ignore[arg-type]
 
 
+def _assert_replay_is_single_device_init(model, modules, rng, make, *, seed: int) -> None:
+    """Materializing the captured ``modules`` gives ``model`` the values ``make()`` gives on one
+    device from ``seed``, and leaves the random state where that construction leaves it."""
+    from stratagem.distribute.engines.meta_init import materialize
+
+    model.to_empty(device="cpu")
+    materialize(modules, rng, torch.device("cpu"))
+    after = torch.rand(3)
+    torch.manual_seed(seed)
+    want = make()
+    assert torch.equal(after, torch.rand(3))
+    for (name, got), ref in zip(model.state_dict().items(), want.state_dict().values()):
+        assert torch.equal(got, ref), name
+
+
 def test_meta_build_replays_single_device_init() -> None:
     """Built on meta, materialized module by module: the values one device gives, and the
     random state after it (no process group needed: plain tensors keep all of their part)."""
-    from stratagem.distribute.engines.meta_init import MetaCapture, materialize
+    from stratagem.distribute.engines.meta_init import MetaCapture
 
     def make() -> nn.Module:
         return nn.Sequential(
@@ -71,14 +86,7 @@ def test_meta_build_replays_single_device_init() -> None:
     assert all(p.is_meta for p in model.parameters())
     modules, rng = cap.take()
     assert cap.roots(modules) == [model]
-    model.to_empty(device="cpu")
-    materialize(modules, rng, torch.device("cpu"))
-    after = torch.rand(3)
-    torch.manual_seed(3)
-    want = make()
-    assert torch.equal(after, torch.rand(3))
-    for (name, got), ref in zip(model.state_dict().items(), want.state_dict().values()):
-        assert torch.equal(got, ref), name
+    _assert_replay_is_single_device_init(model, modules, rng, make, seed=3)
 
 
 def test_meta_build_replays_modules_dropped_in_the_scope() -> None:
@@ -87,7 +95,7 @@ def test_meta_build_replays_modules_dropped_in_the_scope() -> None:
     kept, and the random state after, equal single-device initialisation."""
     import gc
 
-    from stratagem.distribute.engines.meta_init import MetaCapture, materialize
+    from stratagem.distribute.engines.meta_init import MetaCapture
 
     def build() -> nn.Module:
         model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
@@ -109,14 +117,7 @@ def test_meta_build_replays_modules_dropped_in_the_scope() -> None:
     # the dropped layers are replayed, not sharded; one kept alive by a reference cycle is
     # sharded like a model (wasted work, never a different set on another replica)
     assert roots[0] is model and [tuple(r.weight.shape) for r in roots[1:]] == [(5, 3)]
-    model.to_empty(device="cpu")
-    materialize(modules, rng, torch.device("cpu"))
-    after = torch.rand(3)
-    torch.manual_seed(5)
-    want = build()
-    assert torch.equal(after, torch.rand(3))
-    for (name, got), ref in zip(model.state_dict().items(), want.state_dict().values()):
-        assert torch.equal(got, ref), name
+    _assert_replay_is_single_device_init(model, modules, rng, build, seed=5)
 
 
 # --- 2 processes -----------------------------------------------------------------------------------

@@ -96,8 +96,8 @@ __all__ = [
     "parse_example",
     "parse_single_example",
     "rebatch_and_shard",
-    "shards_by_files",
     "sample_from_datasets",
     "shard_data",
     "shard_files",
+    "shards_by_files",
 ]

@@ -122,20 +122,20 @@ def thread_speedup(run: Callable[[], None], threads: int, repeats: int = 3) -> f
     spent: list[float] = []  # CPU seconds of each probe thread
 
     def work() -> None:
-        start = _thread_cpu()
+        start = time.thread_time()
         try:
             run()
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
-        spent.append(_thread_cpu()[0] - start[0])
+        spent.append(time.thread_time() - start)
 
     serial = parallel = float("inf")
     busy = cores = 0.0
     for _ in range(repeats):
-        wall, (cpu, queued) = time.perf_counter(), _thread_cpu()
+        cpu, queued, wall = time.thread_time(), _run_queue_wait(), time.perf_counter()
         run()
-        wall, after = time.perf_counter() - wall, _thread_cpu()
-        cpu, queued = after[0] - cpu, after[1] - queued
+        wall = time.perf_counter() - wall
+        cpu, queued = time.thread_time() - cpu, _run_queue_wait() - queued
         serial = min(serial, wall)
         busy = max(busy, cpu / max(wall - queued, 1e-9))
         spent.clear()
@@ -158,17 +158,15 @@ def thread_speedup(run: Callable[[], None], threads: int, repeats: int = 3) -> f
     return min(speedup, cores / busy)
 
 
-def _thread_cpu() -> tuple[float, float]:
-    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far.
-    The wait is Linux's schedstat run delay (its CPU field lags by up to a tick; thread_time
-    does not); elsewhere it is 0 (other processes then make work look like it waits, and wall
-    time decides)."""
+def _run_queue_wait() -> float:
+    """Seconds the calling thread has been runnable but waiting for a core (Linux's schedstat
+    run delay); 0 elsewhere (other processes then make work look like it waits, and wall time
+    decides)."""
     try:
         with open("/proc/thread-self/schedstat", "rb") as f:
-            queued = int(f.read().split()[1]) * 1e-9
+            return int(f.read().split()[1]) * 1e-9
     except (OSError, ValueError, IndexError):
-        queued = 0.0
-    return time.thread_time(), queued
+        return 0.0
 
 
 def _warm_up(call: Callable[[], None], budget: float = 0.2) -> float:

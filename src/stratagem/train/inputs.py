@@ -157,7 +157,6 @@ class GlobalBatches:
                     "batches when iterated again"
                 )
 
-
     @staticmethod
     def reshard_state(states: list[dict[str, Any]], world: int) -> dict[str, Any]:
         """The position for a job of ``world`` replicas from the positions saved by another
