@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from stratagem.testing import run_script
+from stratagem.testing import assert_clean_run, run_script
 
 
 @pytest.mark.timeout(180)
 def test_demo_trains_to_high_accuracy_and_prints_once(tmp_path):
     plot = tmp_path / "history.png"
     r = run_script(["-m", "stratagem", "demo", "--epochs", "6", "--plot", str(plot)], timeout=170)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert_clean_run(r, what="stratagem demo")
     assert r.stdout.count("final held-out accuracy") == 1
     assert r.stdout.count("Epoch 6/6") == 1
     assert float(r.stdout.split("final held-out accuracy")[1].split()[0]) > 0.95
@@ -21,5 +21,5 @@ def test_demo_trains_to_high_accuracy_and_prints_once(tmp_path):
 @pytest.mark.timeout(180)
 def test_custom_loop_demo(tmp_path):
     r = run_script(["-m", "stratagem", "demo", "--custom-loop", "--epochs", "6"], timeout=170, cwd=str(tmp_path))
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert_clean_run(r, what="stratagem demo --custom-loop")
     assert r.stdout.count("epoch  6/6") == 1

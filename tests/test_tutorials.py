@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.testing import run_script
+from stratagem.testing import assert_clean_run, run_script
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "examples" / "tutorials"
 
@@ -17,7 +17,7 @@ def _run(name: str, tmp_path: Path, timeout: float):
     env = {**os.environ, "CHECKPOINT_DIR": str(tmp_path / "ckpt")}
     env.pop("TF_CONFIG", None)
     r = run_script([str(TUTORIALS / name)], timeout=timeout, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert_clean_run(r, what=name)
     return r.stdout
 
 

@@ -8,9 +8,20 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+#: what ``stratagem --help`` prints above the commands (plain text)
+DESCRIPTION = """\
+stratagem: tf.distribute's strategies, tf.data's pipelines and GPipe for PyTorch.
+
+commands:
+  stratagem run -n 2 train.py    run a script on 2 replicas (see: stratagem run --help)
+  stratagem demo                 the main job: a convnet on scikit-learn's digits, 2 replicas
+"""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stratagem", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="stratagem", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a convnet on scikit-learn's digits on 2 replicas")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import logging
 import os
 import socket
 import struct
@@ -23,6 +24,23 @@ from stratagem.cluster.launch import find_free_port
 from stratagem.cluster.resolvers import split_address
 
 _SIOCGIFADDR = 0x8915
+
+#: what ``stratagem run --help`` prints above the options (plain text: argparse shows it as is)
+DESCRIPTION = """\
+Launch a script as N replicas (processes) on this machine, or as one node of a job on many.
+
+Built on torch's elastic agent (torch.distributed.run). A failing replica stops every other
+one with an error naming it, and the command exits non-zero.
+
+examples:
+  stratagem run -n 2 train.py --lr 0.1          2 replicas on this machine
+  stratagem run -n 2 --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 train.py
+                                                machine 0 of 2 (machine 1: --node-rank 1)
+
+Gloo is pinned to the interface that holds --bind (default: 127.0.0.1 on one node, else the
+address this machine reaches the endpoint from). torch.distributed has no authentication:
+run it only on a network you trust.
+"""
 
 
 def interface_of(address: str) -> str | None:
@@ -49,7 +67,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "run",
         help="run a script on N replicas (processes), on this machine or as one node of many",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-n", "--nproc-per-node", "--replicas", dest="nproc", type=int, default=1,
@@ -111,6 +129,10 @@ def torchrun_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     if iface is None:
         raise ValueError(f"--bind {bind}: no network interface of this machine has that address")
     env["GLOO_SOCKET_IFNAME"] = iface
+    if "OMP_NUM_THREADS" not in os.environ:
+        # the replicas on this machine split its cores, as self-launched replicas do (and torch's
+        # agent prints no banner about setting it to 1 for us)
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.nproc))
     return out, env
 
 
@@ -148,11 +170,29 @@ def main(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(_said_by_us)
     try:
         torchrun.main(targs)
-    except ChildFailedError:
-        return 1  # torch's agent has printed which rank failed, its exit code and error
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(f"stratagem run: replica {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
+        return 1
+    finally:
+        agent_log.removeFilter(_said_by_us)
     return 0
+
+
+class _SaidByUs(logging.Filter):
+    """The agent's notes that one worker failed ("failed (exitcode: 1) local_rank: ...") and that
+    it stops the others ("Sending process N closing signal SIGTERM"): each replica says why it
+    ends, and ``main`` prints the one line naming the replica that failed first."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("failed (exitcode:", "Sending process"))
+
+
+_said_by_us = _SaidByUs()
 
 
 def _standalone(argv: Sequence[str] | None = None) -> int:

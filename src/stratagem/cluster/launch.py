@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stratagem.cluster.spec import ClusterSpec
+from stratagem.cluster.stopping import mark_reported, reported
 
 _PR_SET_PDEATHSIG = 1
 
@@ -73,6 +74,8 @@ class ReplicaProcesses:
         self.grace = grace
         self.on_failure = on_failure
         self.failed: tuple[int, int] | None = None  # (rank, exit code)
+        #: how long to wait for the children after rank 0 crashed (they may be reporting)
+        self.crash_wait = 2.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stratagem-replica-watch", daemon=True)
         self._thread.start()
@@ -102,6 +105,7 @@ class ReplicaProcesses:
                         f"rank 0 did not stop within {self.grace:.0f}s, stopping it\n"
                     )
                     sys.stderr.flush()
+                    mark_reported()
                     self.kill()
                     os._exit(1)
             if all(p.poll() is not None for p in self.procs) and self.failed is None:
@@ -124,7 +128,7 @@ class ReplicaProcesses:
         If rank 0 ends normally but a child failed, the command still exits non-zero.
         """
         self._stop.set()
-        deadline = time.monotonic() + (2.0 if self._crashed else wait)
+        deadline = time.monotonic() + (self.crash_wait if self._crashed else wait)
         for p in self.procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
@@ -136,7 +140,9 @@ class ReplicaProcesses:
             self.failed = failed[0]
         if self.failed is not None and not self._crashed:
             rank, code = self.failed
-            sys.stderr.write(f"stratagem: replica {rank} failed (exit code {code})\n")
+            if not reported():  # rank 0 has not already said which replica failed
+                sys.stderr.write(f"stratagem: replica {rank} failed (exit code {code})\n")
+                mark_reported()
             sys.stderr.flush()
             os._exit(1)
 

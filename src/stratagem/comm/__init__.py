@@ -6,6 +6,7 @@ from stratagem.comm.communicator import (
     LocalCommunicator,
     ProcessGroupCommunicator,
     init_process_group,
+    release_groups,
 )
 from stratagem.comm.errors import (
     CollectiveError,
@@ -23,4 +24,5 @@ __all__ = [
     "ReplicaMismatchError",
     "WorkerFailedError",
     "init_process_group",
+    "release_groups",
 ]

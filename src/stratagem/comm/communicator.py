@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
@@ -255,6 +256,18 @@ class _Done:
         return True
 
 
+#: every ProcessGroupCommunicator alive in this process (held weakly): what ``release_groups``
+#: tears down at exit, without looking anywhere else
+_live_groups: weakref.WeakSet[ProcessGroupCommunicator] = weakref.WeakSet()
+
+
+def release_groups() -> None:
+    """Every live communicator lets go of its process group (at exit, after the groups are
+    destroyed), so their C++ objects go while the interpreter is whole."""
+    for comm in list(_live_groups):
+        comm.group = None
+
+
 class ProcessGroupCommunicator(Communicator):
     """A torch.distributed process group (gloo on CPU, NCCL on CUDA) seen as a Communicator."""
 
@@ -272,6 +285,7 @@ class ProcessGroupCommunicator(Communicator):
         self.world_size = dist.get_world_size(group)
         self.global_ranks = list(ranks) if ranks is not None else list(range(self.world_size))
         self.probe = probe
+        _live_groups.add(self)
 
     @contextlib.contextmanager
     def _guard(self, op: str) -> Iterator[None]:

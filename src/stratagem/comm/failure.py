@@ -19,6 +19,7 @@ import datetime
 import json
 import multiprocessing
 import os
+import re
 import socket
 import sys
 import threading
@@ -32,6 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stratagem.cluster.launch import children
+from stratagem.cluster.stopping import mark_reported
 from stratagem.comm.errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -397,6 +399,7 @@ class FailureMonitor:
             f"(exit code {ABORT_EXIT_CODE})",
             rank=self.failure.rank if self.failure else None,
         )
+        mark_reported()
         sys.stderr.write(f"stratagem: rank {self.rank}: WorkerFailedError: {err}\n")
         sys.stderr.flush()
         self._mark("aborted")
@@ -416,6 +419,7 @@ class FailureMonitor:
         self, etype: type[BaseException], value: BaseException, tb: TracebackType | None
     ) -> None:
         self._closing = True
+        mark_reported()  # what follows says why this rank ends: a stop signal adds nothing
         consequence = isinstance(value, WorkerFailedError) or (
             isinstance(value, CollectiveError) and self.failure is not None
         )
@@ -474,6 +478,21 @@ def job_probe(monitor: FailureMonitor | None) -> FailureProbe:
     return probe
 
 
+#: a C++ source location torch's backends put before their messages: ``[/path/pair.cc:553] ``
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|cu|h|hpp):\d+\]\s*")
+
+
+def backend_text(text: str) -> str:
+    """The first line of a backend's error without its source location and advice boilerplate
+    (gloo: "This is typically caused by ... GLHF!"): what happened, in a few words."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    first = _SOURCE_PREFIX.sub("", first)
+    cut = first.find(" This is typically caused")
+    if cut > 0:
+        first = first[:cut]
+    return first.rstrip(" .")
+
+
 def classify_failure(exc: BaseException, probe: FailureProbe | None, op: str) -> CollectiveError:
     """Turn a torch.distributed error into a CollectiveError that says what happened."""
     rank, why = (None, "")
@@ -482,7 +501,7 @@ def classify_failure(exc: BaseException, probe: FailureProbe | None, op: str) ->
             rank, why = probe(exc)
         except Exception:  # noqa: BLE001 - explaining must never hide the original error
             rank, why = (None, "")
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = backend_text(str(exc)) or type(exc).__name__
     lowered = str(exc).lower()
     who = f"worker {rank}" if rank is not None else "a peer worker"
     if rank is None and ("timed out" in lowered or "timeout" in lowered):

@@ -9,6 +9,22 @@ from typing import Any
 
 log = logging.getLogger("stratagem.function")
 
+#: dynamo's loggers that note, once per process, that it drops the profiler labels
+#: (``record_function``) torch's optimizers put around ``step`` and ``zero_grad``
+_PROFILER_NOTE_LOGGERS = ("torch._dynamo.variables.ctx_manager", "torch._dynamo.variables.torch")
+
+
+class _DropProfilerNotes(logging.Filter):
+    """Drops dynamo's "Profiler (record) function ... will be ignored" note: a compiled step that
+    calls ``optimizer.step()`` loses only a profiler label, and the user did not ask for it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Profiler record function", "Profiler function"))
+
+
+_drop_profiler_notes = _DropProfilerNotes()
+_profiler_note_loggers = [logging.getLogger(name) for name in _PROFILER_NOTE_LOGGERS]
+
 
 def _guard_failures() -> dict[Any, int]:
     """How many recompilations dynamo has recorded so far, by code object."""
@@ -70,7 +86,13 @@ class Function:
             disable_for_compiler()  # collectives and gradient hooks run eagerly
             self._compiled = torch.compile(self.python_function, **self.compile_kwargs)
         before = _guard_failures()
-        out = self._compiled(*args, **kwargs)
+        for lg in _profiler_note_loggers:
+            lg.addFilter(_drop_profiler_notes)
+        try:
+            out = self._compiled(*args, **kwargs)
+        finally:
+            for lg in _profiler_note_loggers:
+                lg.removeFilter(_drop_profiler_notes)
         if _guard_failures() != before:
             for line in recompilation_reasons(before):
                 self.recompilations += 1

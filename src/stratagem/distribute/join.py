@@ -10,7 +10,6 @@ failed collectives by rank (``comm.failure.job_probe``).
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import sys
 import threading
@@ -20,11 +19,14 @@ import torch
 import torch.distributed as dist
 
 from stratagem.cluster import ClusterSpec
+from stratagem.cluster.launch import children
+from stratagem.cluster.stopping import report_stops
 from stratagem.comm import (
     Communicator,
     LocalCommunicator,
     ProcessGroupCommunicator,
     init_process_group,
+    release_groups,
 )
 from stratagem.comm.failure import FailureMonitor, FailureOptions, job_probe
 
@@ -81,6 +83,13 @@ def join(
     _joined["store"] = store
     if options.enabled:
         _joined["monitor"] = monitor.start()
+        kids = children()
+        if kids is not None:
+            # a replica this process started and that saw a peer fail says so itself, within
+            # the monitor's grace: wait that long before stopping it at a crash
+            kids.crash_wait = max(kids.crash_wait, options.grace_seconds + 2 * options.heartbeat_seconds + 1.0)
+    # a replica stopped from outside (the launcher, its parent's end) says so in one line
+    report_stops(spec.rank, parent_pid=os.getppid() if spec.source == "self" and spec.rank != 0 else None)
     # registered after the monitor's own exit hook, so it runs first (atexit is LIFO)
     atexit.register(_leave)
     return comm
@@ -121,10 +130,8 @@ def _leave() -> None:
         _joined.pop("comm", None)
         # the process groups' C++ objects (gloo threads, the store they hold) go now, not during
         # interpreter finalization: every communicator over them (the world's, a pipeline's
-        # sub-groups') lets go of its group
-        for obj in gc.get_objects():
-            if isinstance(obj, ProcessGroupCommunicator):
-                obj.group = None
+        # sub-groups'; each registered itself, weakly, when made) lets go of its group
+        release_groups()
     finally:
         guard.cancel()
         guard.join()  # it ends at once once cancelled: no thread of ours left running at exit

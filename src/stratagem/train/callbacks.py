@@ -11,13 +11,13 @@ import csv
 import math
 import os
 import shutil
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
+from stratagem.core.warn import warn_user
 from stratagem.train.callback import Callback, FitState, Logs
 from stratagem.train.progress import Progress
 from stratagem.train.resume import FitProgress
@@ -53,7 +53,7 @@ def _improved(mode: str, current: float, best: float, min_delta: float) -> bool:
 def _monitored(logs: Logs | None, monitor: str, who: str) -> float | None:
     value = (logs or {}).get(monitor)
     if value is None:
-        warnings.warn(
+        warn_user(
             f"{who}: the monitored log {monitor!r} is not available (logs: "
             f"{sorted(logs or {})}); pass validation_data for val_ logs or monitor one of these",
             stacklevel=3,

@@ -8,8 +8,8 @@ epoch or step without a collective of their own. Messages are printed by the chi
 from __future__ import annotations
 
 import math
-import warnings
 
+from stratagem.core.warn import warn_user
 from stratagem.train.callback import Callback, Logs
 
 __all__ = ["ReduceLROnPlateau", "TerminateOnNaN"]
@@ -17,7 +17,7 @@ __all__ = ["ReduceLROnPlateau", "TerminateOnNaN"]
 
 def _mode(mode: str, monitor: str) -> str:
     if mode not in ("auto", "min", "max"):
-        warnings.warn(f"ReduceLROnPlateau mode {mode!r} is unknown, falling back to 'auto'", stacklevel=3)
+        warn_user(f"ReduceLROnPlateau mode {mode!r} is unknown, falling back to 'auto'", stacklevel=3)
         mode = "auto"
     if mode == "auto":  # Keras: a monitored accuracy is maximized, anything else minimized
         return "max" if "acc" in monitor else "min"
@@ -93,7 +93,7 @@ class ReduceLROnPlateau(Callback):
             logs["learning_rate"] = float(groups[0]["lr"])  # type: ignore[arg-type]
         current = (logs or {}).get(self.monitor)
         if current is None:
-            warnings.warn(
+            warn_user(
                 f"ReduceLROnPlateau conditioned on the log {self.monitor!r}, which is not available; "
                 f"available logs: {sorted(logs or {})}",
                 stacklevel=2,

@@ -11,7 +11,6 @@ copy sees the same slice of the global batch).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
@@ -20,6 +19,7 @@ from torch import nn
 
 from stratagem.cluster import ClusterSpec, ensure_replicas
 from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.core.warn import warn_user
 from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.engines.pipeline import PipelineExtended
 from stratagem.distribute.join import join
@@ -59,7 +59,7 @@ class PipelineStrategy(Strategy):
         checkpoint: str | None = None,
     ) -> None:
         if checkpoint is not None:
-            warnings.warn(
+            warn_user(
                 "PipelineStrategy(checkpoint=...) is now rematerialize=... (activation "
                 "recomputation; checkpoints saved to disk are stratagem.Checkpoint)",
                 DeprecationWarning,

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from stratagem.core.warn import warn_user
 from stratagem.distribute import current, ownership
 from stratagem.distribute.strategy import Strategy
 from stratagem.train.checkpoint.codec import CheckpointCorruptError, encode_value
@@ -490,7 +491,7 @@ class CheckpointManager:
                 try:
                     verify(p)
                 except CheckpointCorruptError as e:
-                    warnings.warn(f"skipping checkpoint {p}: {e}", stacklevel=2)
+                    warn_user(f"skipping checkpoint {p}: {e}", stacklevel=2)
                     continue
                 chosen = str(p)
                 break

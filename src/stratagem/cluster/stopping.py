@@ -1,0 +1,122 @@
+"""Say, in one line, why a replica stops when it is told to (SIGTERM), even while it is blocked.
+
+A replica is stopped from outside in two ways: torch's agent (``stratagem run``, torchrun) sends
+SIGTERM to every replica once one has failed, and a replica that ``python train.py`` started
+gets SIGTERM when that process (rank 0) ends (``PR_SET_PDEATHSIG``). By default SIGTERM ends the
+process without a word, and a Python handler would run only when the main thread leaves the
+collective it may be blocked in. So Python's own C-level handler is used as a doorbell: it writes
+the signal's number to a socket (``signal.set_wakeup_fd``) from whatever thread it interrupts, and
+a small thread here reads it, waits a moment for the replica's own report (a failure it is
+already raising says more), then prints one line and ends the process with 143 (128 + SIGTERM),
+the exit code the default action gives.
+
+Installed only where nothing else handles SIGTERM or owns the wakeup descriptor (a user's
+handler, an asyncio loop), and only by the main thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import sys
+import threading
+from types import FrameType
+
+_reported = threading.Event()
+_installed: list[object] = []
+
+
+def mark_reported() -> None:
+    """This process has said why it ends (a traceback, a one-line failure): nothing more to add."""
+    _reported.set()
+
+
+def reported() -> bool:
+    """Whether this process has already said why it ends."""
+    return _reported.is_set()
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM seen by the main thread: the watcher thread acts on it."""
+
+
+def report_stops(rank: int, *, parent_pid: int | None = None, wait_for_report: float = 1.0) -> bool:
+    """From now on a SIGTERM prints ``stratagem: rank R: stopped ...`` once and ends the process.
+
+    ``parent_pid``: the rank-0 process that started this one (self-launched replicas); the line
+    then says that it ended. Returns whether the reporter was installed (once per process).
+    """
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False  # the program handles SIGTERM itself (e.g. to checkpoint on preemption)
+    bell, ring = socket.socketpair()
+    ring.setblocking(False)
+    try:
+        previous = signal.set_wakeup_fd(ring.fileno(), warn_on_full_buffer=False)
+    except ValueError:
+        bell.close()
+        ring.close()
+        return False
+    if previous != -1:  # someone else (an event loop) listens there: leave it to them
+        signal.set_wakeup_fd(previous)
+        bell.close()
+        ring.close()
+        return False
+    signal.signal(signal.SIGTERM, _ignore)
+    thread = threading.Thread(
+        target=_watch, args=(bell, rank, parent_pid, wait_for_report), name="stratagem-stop-reporter", daemon=True
+    )
+    thread.start()
+    _installed.append(thread)
+
+    def uninstall() -> None:
+        # at exit, in the main thread: hand SIGTERM back, wake the watcher so it returns
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except ValueError:
+            pass
+        ring.close()
+        thread.join(timeout=1.0)
+
+    atexit.register(uninstall)
+    return True
+
+
+def _watch(bell: socket.socket, rank: int, parent_pid: int | None, wait_for_report: float) -> None:
+    handled = False
+    with bell:  # read until uninstalled at exit, so that the doorbell is never a broken pipe
+        while True:
+            try:
+                rung = bell.recv(64)
+            except OSError:
+                return
+            if not rung:
+                return
+            # other signals with Python handlers (SIGINT) ring too; act on the first SIGTERM
+            if signal.SIGTERM in rung and not handled:
+                handled = True
+                _stop(rank, parent_pid, wait_for_report)
+
+
+def _stop(rank: int, parent_pid: int | None, wait_for_report: float) -> None:
+    if _reported.wait(wait_for_report):
+        # the replica is already ending with its own explanation; SIGTERM's default would
+        # have ended it at once, so do not let it run on for long
+        stop = threading.Timer(10.0, os._exit, args=(143,))
+        stop.daemon = True
+        stop.start()
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        line = f"stopped: rank 0 (pid {parent_pid}), which started this replica, ended"
+    else:
+        line = "stopped by SIGTERM (the launcher stops every replica when one fails, or the job was stopped)"
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(f"stratagem: rank {rank}: {line}\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(143)

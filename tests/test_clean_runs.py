@@ -1,0 +1,164 @@
+"""Clean runs: what the docs show runs as written and prints nothing on stderr that the user did
+not cause, on every replica; a failing run prints one clear error per rank.
+
+The other documented programs are checked where they already run (share the runs): the README's
+example (tests/test_examples.py), the demo (tests/test_demo.py), the tutorials
+(tests/test_tutorials.py), all with ``assert_clean_run``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from stratagem.testing import (
+    assert_clean_run,
+    run_script,
+    stderr_problems,
+    stratagem_lines,
+    tracebacks,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARK = re.compile(r"<!-- (program|fragment): (.+?) -->\n```python\n")
+SCRIPT = str(ROOT / "tests" / "scripts" / "mirrored_train.py")
+#: torch's own log lines ("W1124 20:16:04.076000 4726 torch/...")
+TORCH_LOG = re.compile(r"^(\[rank\d+\]:)?[WEI]\d{4} \d")
+
+
+def _blocks() -> list[tuple[str, str, str | None, str | None]]:
+    """(where, code, kind, reason) of every python block of the README and the docs."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in re.finditer(r"```python\n(.*?)```", text, re.S):
+            line = text[: m.start()].count("\n") + 1
+            mark = MARK.search(text, max(0, m.start() - 300), m.start() + len("```python\n"))
+            kind = reason = None
+            if mark is not None and mark.end() == m.start() + len("```python\n"):
+                kind, reason = mark.group(1), mark.group(2)
+            found.append((f"{doc.relative_to(ROOT)}:{line}", m.group(1), kind, reason))
+    return found
+
+
+BLOCKS = _blocks()
+PROGRAMS = [(where, code) for where, code, kind, _ in BLOCKS if kind is None]
+
+
+def test_every_python_block_is_a_program_or_says_why_not():
+    assert len(BLOCKS) >= 10
+    for where, code, kind, reason in BLOCKS:
+        if kind == "fragment":
+            assert reason and len(reason) > 20, f"{where}: a fragment says what it needs and where it runs"
+        elif kind == "program":
+            file = ROOT / reason.split()[0]
+            assert code in file.read_text(), f"{where}: the block is not, as written, in {file}"
+    assert PROGRAMS, "no whole program found in the docs"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("where,code", PROGRAMS, ids=[w for w, _ in PROGRAMS])
+def test_a_documented_program_runs_as_written_with_a_clean_stderr(where, code, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    r = run_script([str(script)], timeout=140, cwd=str(tmp_path))
+    assert_clean_run(r, what=where)
+
+
+@pytest.mark.timeout(120)
+def test_stratagem_run_of_the_readme_example_is_clean(tmp_path):
+    r = run_script(["-m", "stratagem", "run", "-n", "2", str(ROOT / "examples" / "quickstart.py")],
+                   timeout=110, cwd=str(tmp_path), env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})  # fmt: skip
+    assert_clean_run(r, what="stratagem run -n 2 examples/quickstart.py")
+    assert not [ln for ln in r.stderr.splitlines() if TORCH_LOG.match(ln)], r.stderr
+    assert re.fullmatch(r"loss \d+\.\d{4}", r.stdout.strip()), r.stdout  # once, by the chief
+
+
+@pytest.mark.timeout(90)
+def test_launch_from_python_c_is_clean():
+    code = textwrap.dedent(
+        """
+        import torch, stratagem as sg
+
+        def train():
+            strategy = sg.MirroredStrategy("cpu", num_replicas=2)
+            with strategy.scope():
+                model = torch.nn.Linear(4, 1)
+            return float(strategy.reduce("sum", strategy.run(lambda: model(torch.ones(2, 4)).sum())))
+
+        print("RESULT", sg.launch(train, num_replicas=2, timeout=60))
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=80)
+    assert_clean_run(r, what="sg.launch from python -c")
+    assert r.stdout.count("RESULT") == 1
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["demo", "--help"]])
+def test_help_reads_as_plain_text(argv):
+    r = subprocess.run([sys.executable, "-m", "stratagem", *argv], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "``" not in r.stdout and ":func:" not in r.stdout and ":class:" not in r.stdout, r.stdout
+    assert r.stdout.startswith("usage: stratagem")
+
+
+def test_the_problem_filter_needs_a_reason_and_sees_warnings():
+    assert stderr_problems("x.py:3: FutureWarning: old\nfine\n") == ["x.py:3: FutureWarning: old"]
+    assert stderr_problems("x.py:3: UserWarning: mine\n", allow=[("UserWarning: mine", "the user's own warn()")]) == []
+    with pytest.raises(ValueError, match="needs a reason"):
+        stderr_problems("", allow=[("x", " ")])
+
+
+# --- failing runs: one clear error per rank ------------------------------------------------------
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    # read until every process holding stderr (the replicas too) has ended
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=100, env=env)
+
+
+def _no_noise(stderr: str) -> None:
+    assert "Exception ignored" not in stderr and "Warning" not in stderr, stderr
+    assert not [ln for ln in stderr.splitlines() if TORCH_LOG.match(ln)], stderr  # torch's agent logs
+    assert "GLHF" not in stderr and "pair.cc" not in stderr, stderr  # the backend's boilerplate
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launch", ["self", "stratagem run"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_raising_replica_gives_its_traceback_and_one_line_from_the_other(launch, rank):
+    prefix = ["-m", "stratagem", "run", "-n", "2"] if launch != "self" else []
+    r = _run([*prefix, SCRIPT, "--fail-rank", str(rank)])
+    assert r.returncode != 0
+    assert tracebacks(r.stderr) == 1 and f"RuntimeError: boom on replica {rank}" in r.stderr, r.stderr
+    lines = stratagem_lines(r.stderr)
+    other = [ln for ln in lines if ln.startswith(f"stratagem: rank {1 - rank}:")]
+    assert len(other) == 1, r.stderr
+    if "stopped by SIGTERM" not in other[0]:  # the agent may stop it before it explains
+        assert f"worker {rank} failed" in other[0], r.stderr
+    launcher = [ln for ln in lines if not ln.startswith("stratagem: rank ")]
+    assert launcher == ([] if launch == "self" else [f"stratagem run: replica {rank} failed (exit code 1)"]), r.stderr
+    _no_noise(r.stderr)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launch", ["self", "stratagem run"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_killed_replica_gives_one_line_from_the_other(launch, rank):
+    prefix = ["-m", "stratagem", "run", "-n", "2"] if launch != "self" else []
+    r = _run([*prefix, SCRIPT, "--kill-rank", str(rank)])
+    assert r.returncode != 0
+    assert tracebacks(r.stderr) == 0, r.stderr
+    lines = stratagem_lines(r.stderr)
+    other = [ln for ln in lines if ln.startswith("stratagem: rank ")]
+    assert len(other) == 1 and other[0].startswith(f"stratagem: rank {1 - rank}: "), r.stderr
+    assert f"worker {rank} failed" in other[0] or "stopped" in other[0], r.stderr
+    launcher = [ln for ln in lines if not ln.startswith("stratagem: rank ")]
+    assert launcher == ([] if launch == "self" else [f"stratagem run: replica {rank} failed (exit code -9)"]), r.stderr
+    _no_noise(r.stderr)
