@@ -129,36 +129,34 @@ def _no_noise(stderr: str) -> None:
     assert "GLHF" not in stderr and "pair.cc" not in stderr, stderr  # the backend's boilerplate
 
 
+def _failing(flag: str, launch: str, rank: int) -> tuple[str, str, list[str]]:
+    """Run the training script with ``flag rank``: (stderr, the other rank's lines, the launcher's)."""
+    prefix = ["-m", "stratagem", "run", "-n", "2"] if launch != "self" else []
+    r = _run([*prefix, SCRIPT, flag, str(rank)])
+    assert r.returncode != 0
+    _no_noise(r.stderr)
+    lines = stratagem_lines(r.stderr)
+    other = [ln for ln in lines if ln.startswith(f"stratagem: rank {1 - rank}:")]
+    assert len(other) == 1 and len([ln for ln in lines if ln.startswith("stratagem: rank ")]) == 1, r.stderr
+    return r.stderr, other[0], [ln for ln in lines if not ln.startswith("stratagem: rank ")]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launch", ["self", "stratagem run"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_raising_replica_gives_its_traceback_and_one_line_from_the_other(launch, rank):
-    prefix = ["-m", "stratagem", "run", "-n", "2"] if launch != "self" else []
-    r = _run([*prefix, SCRIPT, "--fail-rank", str(rank)])
-    assert r.returncode != 0
-    assert tracebacks(r.stderr) == 1 and f"RuntimeError: boom on replica {rank}" in r.stderr, r.stderr
-    lines = stratagem_lines(r.stderr)
-    other = [ln for ln in lines if ln.startswith(f"stratagem: rank {1 - rank}:")]
-    assert len(other) == 1, r.stderr
-    if "stopped by SIGTERM" not in other[0]:  # the agent may stop it before it explains
-        assert f"worker {rank} failed" in other[0], r.stderr
-    launcher = [ln for ln in lines if not ln.startswith("stratagem: rank ")]
-    assert launcher == ([] if launch == "self" else [f"stratagem run: replica {rank} failed (exit code 1)"]), r.stderr
-    _no_noise(r.stderr)
+    stderr, other, launcher = _failing("--fail-rank", launch, rank)
+    assert tracebacks(stderr) == 1 and f"RuntimeError: boom on replica {rank}" in stderr, stderr
+    if "stopped by SIGTERM" not in other:  # the agent may stop it before it explains
+        assert f"worker {rank} failed" in other, stderr
+    assert launcher == ([] if launch == "self" else [f"stratagem run: replica {rank} failed (exit code 1)"]), stderr
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launch", ["self", "stratagem run"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_killed_replica_gives_one_line_from_the_other(launch, rank):
-    prefix = ["-m", "stratagem", "run", "-n", "2"] if launch != "self" else []
-    r = _run([*prefix, SCRIPT, "--kill-rank", str(rank)])
-    assert r.returncode != 0
-    assert tracebacks(r.stderr) == 0, r.stderr
-    lines = stratagem_lines(r.stderr)
-    other = [ln for ln in lines if ln.startswith("stratagem: rank ")]
-    assert len(other) == 1 and other[0].startswith(f"stratagem: rank {1 - rank}: "), r.stderr
-    assert f"worker {rank} failed" in other[0] or "stopped" in other[0], r.stderr
-    launcher = [ln for ln in lines if not ln.startswith("stratagem: rank ")]
-    assert launcher == ([] if launch == "self" else [f"stratagem run: replica {rank} failed (exit code -9)"]), r.stderr
-    _no_noise(r.stderr)
+    stderr, other, launcher = _failing("--kill-rank", launch, rank)
+    assert tracebacks(stderr) == 0, stderr
+    assert f"worker {rank} failed" in other or "stopped" in other, stderr
+    assert launcher == ([] if launch == "self" else [f"stratagem run: replica {rank} failed (exit code -9)"]), stderr
