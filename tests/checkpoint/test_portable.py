@@ -56,12 +56,14 @@ def test_two_replicas_to_one_process_to_a_module_and_to_three_replicas(tmp_path)
     _close(model.state_dict(), _reference(K + M))
 
     # 3. a job of 3 replicas: restores the 2-replica checkpoint and goes on with parity
-    three = run_workers(portable_worker, 3, args=(str(tmp_path), K, K + M, True), timeout=150)
+    three = run_workers(portable_worker, 3, args=(str(tmp_path), K, K + M, True), timeout=150,
+                        allow_stderr=[("keep their own 'rng'", "the warning this restore is meant to give")])
     for r in three:
         assert r.value["restored"].endswith(f"ckpt-{K}")
         _close(r.value["params"], _reference(K + M))
-    # replica 2 has no saved RNG streams: it keeps its own and says so
-    assert "keeps its own 'rng'" in three[2].stderr
+    # replica 2 has no saved RNG streams: it keeps its own, and the job says so once (rank 0)
+    assert "replicas 2..2 of 3 keep their own 'rng'" in three[0].stderr
+    assert "'rng'" not in three[1].stderr + three[2].stderr
 
 
 def _two_replica_checkpoint(directory, per_replica):

@@ -31,7 +31,8 @@ def test_a_backup_resumes_on_another_number_of_replicas(tmp_path, split):
         backup = str(tmp_path / f"{before}-then-{after}")
         killed = run_workers(elastic_backup_run, before, args=(before, backup, step, split), timeout=120, check=False)
         assert all(r.returncode == -9 for r in killed), [r.stderr[-500:] for r in killed]
-        for r in run_workers(elastic_backup_run, after, args=(after, backup, None, split), timeout=120):
+        for r in run_workers(elastic_backup_run, after, args=(after, backup, None, split), timeout=120,
+                             allow_stderr=[("keep their own 'rng'", "more replicas than saved RNG streams: said once")]):
             assert r.value["restored_from"].endswith(f"ckpt-{step}"), (before, after)
             _close(r.value, want)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.cluster import ClusterSpec, find_free_port
+from stratagem.testing.output import stderr_problems
 
 
 @dataclass
@@ -104,10 +105,14 @@ def run_workers(
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
     check: bool = True,
+    allow_stderr: Sequence[tuple[str, str]] | None = (),
 ) -> list[WorkerResult]:
     """Run ``fn(*args)`` in ``nprocs`` fresh processes forming one job; its return values by rank.
 
     ``fn`` must be importable (a module-level function); its return value must be picklable.
+    With ``check``, every process must exit 0 and, when they all did, print no traceback, warning
+    or error line on stderr but those ``allow_stderr`` explains (``(regex, reason)`` pairs, see
+    ``stderr_problems``; None: do not look).
     """
     module = fn.__module__
     qualname = fn.__qualname__
@@ -140,6 +145,13 @@ def run_workers(
         raise TimeoutError(_report(results, f"{qualname} on {nprocs} processes did not finish within {timeout}s"))
     if check and any(r.returncode != 0 for r in results):
         raise AssertionError(_report(results, f"{qualname} failed on {nprocs} processes"))
+    if check and allow_stderr is not None:
+        noisy = {r.rank: stderr_problems(r.stderr, allow_stderr) for r in results}
+        if any(noisy.values()):
+            raise AssertionError(
+                _report(results, f"{qualname} on {nprocs} processes succeeded but printed on stderr: "
+                        + "; ".join(f"rank {k}: {v[0]}" for k, v in noisy.items() if v))
+            )
     return results
 
 

@@ -27,7 +27,6 @@ import os
 import random
 import re
 import shutil
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -568,12 +567,14 @@ def portable_states(
                 "(modules and mirrored optimizers restore into any number)"
             )
     for name in skipped_rng:  # this replica keeps its own streams (loading them is a no-op)
-        warnings.warn(
-            f"checkpoint {path} has the RNG streams of {saved_world} replicas; replica {rank} of "
-            f"{world} keeps its own {name!r}",
+        states[name] = checkpoint.objects[name].state_dict()
+    rngs = sorted(n for n, o in checkpoint.objects.items() if isinstance(o, RNGState))
+    if world > saved_world and rngs:  # said once, for the job, by rank 0
+        warn_user(
+            f"checkpoint {path} has the RNG streams of {saved_world} replicas; replicas "
+            f"{saved_world}..{world - 1} of {world} keep their own {', '.join(map(repr, rngs))}",
             stacklevel=3,
         )
-        states[name] = checkpoint.objects[name].state_dict()
     return states
 
 
