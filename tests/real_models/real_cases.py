@@ -1,0 +1,132 @@
+"""The real models of the suite, built from small configs (no download), and their data.
+
+Each case: ``build()`` makes the model exactly as its authors' code does (in a strategy's scope
+or on one device), ``optimizer(model)`` its optimizer, ``batches()`` the global batches
+``(x, y)`` (``x`` a dict of keyword inputs, attention masks included), ``loss_fn`` what fit
+minimizes (None: the model's own ``loss``) and ``step_loss(out, y)`` the per-example losses a
+custom loop computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+B, T, VOCAB, STEPS = 8, 16, 32, 3
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[], nn.Module]
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    batches: Callable[[], list[tuple[Any, Any]]]
+    loss_fn: Any  # what fit gets
+    step_loss: Callable[[Any, Any], torch.Tensor]  # per-example losses for the custom loop
+    fit_kwargs: dict[str, Any]
+
+
+def _tokens(seed: int, masked: bool) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (B, T), generator=g)
+        targets = torch.randint(0, VOCAB, (B, T), generator=g)
+        x: dict[str, torch.Tensor] = {"input_ids": ids}
+        if masked:  # the last positions of every other sequence are padding
+            mask = torch.ones(B, T, dtype=torch.long)
+            mask[::2, T - 3 :] = 0
+            x["attention_mask"] = mask
+        out.append((x, targets))
+    return out
+
+
+# --- nanoGPT as published ----------------------------------------------------------------------
+def nanogpt_config() -> Any:
+    from nanogpt_model import GPTConfig
+
+    return GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True)
+
+
+def nanogpt() -> nn.Module:
+    from nanogpt_model import GPT
+
+    return GPT(nanogpt_config())
+
+
+def nanogpt_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # nanoGPT's own AdamW groups (weight decay on matrices only)
+    return model.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95), device_type="cpu")  # type: ignore[operator]
+
+
+def nanogpt_batches() -> list[tuple[Any, Any]]:
+    # nanoGPT's forward(idx, targets): passed by keyword (fit calls model(**x))
+    return [({"idx": x["input_ids"], "targets": y}, y) for x, y in _tokens(1, masked=False)]
+
+
+def token_losses(out: Any, y: torch.Tensor) -> torch.Tensor:
+    """Per-example mean cross-entropy over the tokens; ``out`` is nanoGPT's (logits, loss) or logits."""
+    logits = out[0] if isinstance(out, tuple) else out
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
+
+
+# --- Hugging Face -------------------------------------------------------------------------------
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(cfg)
+
+
+def gpt2_batches() -> list[tuple[Any, Any]]:
+    # labels inside x: the model computes its own loss (shifted, every position counted, so
+    # every example weighs alike in its mean)
+    return [({**x, "labels": y}, y) for x, y in _tokens(2, masked=True)]
+
+
+def hf_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    """The model's own loss (its batch mean) as per-example losses."""
+    return out.loss.expand(y.shape[0])
+
+
+def bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=T, num_labels=3,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(cfg)
+
+
+def bert_batches() -> list[tuple[Any, Any]]:
+    g = torch.Generator().manual_seed(3)
+    return [(x, torch.randint(0, 3, (B,), generator=g)) for x, _ in _tokens(3, masked=True)]
+
+
+def classify_losses(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits, y, reduction="none")
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+CASES: dict[str, Case] = {
+    "nanogpt": Case("nanogpt", nanogpt, nanogpt_optimizer, nanogpt_batches, token_losses, token_losses,
+                    {"global_clipnorm": 1.0}),
+    "gpt2": Case("gpt2", gpt2, adamw, gpt2_batches, None, hf_loss, {}),
+    "bert": Case("bert", bert, adamw, bert_batches, nn.CrossEntropyLoss(), classify_losses, {"metrics": ["accuracy"]}),
+}
+
+
+def tied(model: nn.Module) -> bool | None:
+    """Whether the input embedding and the output head are one parameter (None: no tie)."""
+    if hasattr(model, "lm_head") and hasattr(model, "transformer"):
+        return model.lm_head.weight is model.transformer.wte.weight
+    return None

@@ -1,0 +1,115 @@
+"""Worker functions of the real-models suite (run by stratagem.testing.run_workers)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from typing import Any
+
+import real_cases as M
+import torch
+from torch import nn
+
+import stratagem
+from stratagem.distribute import compute_average_loss
+
+SEED = 0
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = v.detach().clone().cpu()
+    return out
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+def quiet_build(case: M.Case) -> nn.Module:
+    with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT prints its parameter count
+        return case.build()
+
+
+def quiet_optimizer(case: M.Case, model: nn.Module) -> torch.optim.Optimizer:
+    with contextlib.redirect_stdout(io.StringIO()):  # and its optimizer groups
+        return case.optimizer(model)
+
+
+def clip(case: M.Case, model: nn.Module) -> None:
+    norm = case.fit_kwargs.get("global_clipnorm")
+    if norm is not None:
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), norm)
+
+
+def reference(case: M.Case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, plain torch: the initial and the trained state."""
+    torch.manual_seed(SEED)
+    model = quiet_build(case)
+    opt = quiet_optimizer(case, model)
+    init = full_state(model)
+    for x, y in case.batches():
+        opt.zero_grad()
+        case.step_loss(model(**x), y).mean().backward()
+        clip(case, model)
+        opt.step()
+    return init, full_state(model)
+
+
+def under(strategy: Any, case: M.Case, how: str) -> dict[str, Any]:
+    torch.manual_seed(SEED)
+    with strategy.scope():
+        model = quiet_build(case)
+        opt = quiet_optimizer(case, model)
+    got: dict[str, Any] = {"init": full_state(model), "tied": M.tied(model)}
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    got["param_share"] = local / sum(p.numel() for p in model.parameters())
+    if how == "fit":
+        history = stratagem.fit(model, opt, case.loss_fn, case.batches(), verbose=0, **case.fit_kwargs)
+        got["epochs"] = len(history.history["loss"])
+        got["eval"] = stratagem.evaluate(model, case.loss_fn, case.batches(), metrics=case.fit_kwargs.get("metrics", ()))
+    else:  # the custom loop: scope, distributed data, run, reduce
+        def step(x: Any, y: Any) -> torch.Tensor:
+            opt.zero_grad()
+            loss = compute_average_loss(case.step_loss(model(**x), y))
+            loss.backward()
+            clip(case, model)
+            opt.step()
+            return loss.detach()
+
+        for x, y in strategy.experimental_distribute_dataset(case.batches()):
+            strategy.run(step, args=(x, y))
+    got["trained"] = full_state(model)
+    got["tied_after"] = M.tied(model)
+    return got
+
+
+def data_parallel(names: list[str]) -> dict[str, Any]:
+    """Every case under Mirrored(2) and Sharded(2), through fit and the custom loop."""
+    logging.getLogger("stratagem").setLevel(logging.INFO)
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("stratagem").addHandler(handler)
+    strategies = {"mirrored": stratagem.MirroredStrategy("cpu"), "sharded": stratagem.ShardedStrategy(devices="cpu")}
+    out: dict[str, Any] = {}
+    for name in names:
+        case = M.CASES[name]
+        init, trained = reference(case)
+        want_tied = M.tied(quiet_build(case))
+        for sname, s in strategies.items():
+            for how in ("fit", "loop"):
+                got = under(s, case, how)
+                out[f"{name}/{sname}/{how}"] = {
+                    "init_diff": max_diff(got["init"], init),
+                    "diff": max_diff(got["trained"], trained),
+                    "tied": (got["tied"], got["tied_after"], want_tied),
+                    "param_share": got["param_share"],
+                    "epochs": got.get("epochs"),
+                    "eval": got.get("eval"),
+                }
+    out["log"] = log.getvalue()
+    return out

@@ -1,0 +1,51 @@
+"""Real models, as their authors wrote them, under every strategy: equal to one device.
+
+nanoGPT's model.py as published (vendored, its own init, its own LayerNorm, wte tied to lm_head,
+its own AdamW groups, global-norm clipping), Hugging Face ``GPT2LMHeadModel`` (its own loss, tied
+embeddings) and ``BertForSequenceClassification`` (logits to a loss function and a metric),
+built from small configs with random weights (nothing downloaded), attention masks in the data.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from stratagem.testing import run_workers
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).parent))
+import real_workers as w  # noqa: E402
+
+TOL = 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_mirrored_and_sharded_equal_one_device() -> None:
+    names = ["nanogpt", "gpt2", "bert"]
+    outs = [r.value for r in run_workers(w.data_parallel, 2, args=(names,), timeout=230)]
+    for rank, out in enumerate(outs):
+        for name in names:
+            for strategy in ("mirrored", "sharded"):
+                for how in ("fit", "loop"):
+                    key = f"{name}/{strategy}/{how}"
+                    got = out[key]
+                    # the model's own initialisation, as on one device, bit for bit
+                    assert got["init_diff"] == 0.0, (key, got["init_diff"])
+                    assert got["diff"] < TOL, (key, got["diff"])
+                    tied_built, tied_after, want = got["tied"]
+                    assert tied_built == tied_after == want, (key, got["tied"])
+                    if strategy == "sharded":  # 1/N of the parameters here (+ rounding of odd rows)
+                        assert got["param_share"] <= 0.5 * 1.10, (key, got["param_share"])
+                    if how == "fit":
+                        assert got["epochs"] == 1
+        if rank == 0:
+            assert "ShardedStrategy: built GPT on the host as on one device (init='auto')" in out["log"]
+        else:
+            assert out["log"] == ""  # logged once, by rank 0
+    # the tie is a tie: nanoGPT and GPT-2 share their embedding and head under every strategy
+    assert outs[0]["nanogpt/sharded/fit"]["tied"] == (True, True, True)
+    assert outs[0]["gpt2/sharded/fit"]["tied"] == (True, True, True)
+    assert outs[0]["bert/mirrored/fit"]["eval"]["accuracy"] == outs[1]["bert/mirrored/fit"]["eval"]["accuracy"]
