@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from pathlib import Path
 from typing import Any
 
 import real_cases as M
@@ -13,6 +14,7 @@ from torch import nn
 
 import stratagem
 from stratagem.distribute import compute_average_loss
+from stratagem.train.checkpoint import load_state_dict
 
 SEED = 0
 
@@ -60,7 +62,7 @@ def reference(case: M.Case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
     return init, full_state(model)
 
 
-def under(strategy: Any, case: M.Case, how: str) -> dict[str, Any]:
+def under(strategy: Any, case: M.Case, how: str, ckpt: str | None = None) -> dict[str, Any]:
     torch.manual_seed(SEED)
     with strategy.scope():
         model = quiet_build(case)
@@ -85,10 +87,34 @@ def under(strategy: Any, case: M.Case, how: str) -> dict[str, Any]:
             strategy.run(step, args=(x, y))
     got["trained"] = full_state(model)
     got["tied_after"] = M.tied(model)
+    if ckpt is not None:  # saved, then restored into a model built from another seed
+        got["ckpt"] = save_and_restore(strategy, case, model, opt, ckpt)
     return got
 
 
-def data_parallel(names: list[str]) -> dict[str, Any]:
+def save_and_restore(strategy: Any, case: M.Case, model: nn.Module, opt: Any, directory: str) -> dict[str, Any]:
+    saved = stratagem.CheckpointManager(stratagem.Checkpoint(model=model, optimizer=opt), directory).save(1)
+    torch.manual_seed(SEED + 1)
+    with strategy.scope():
+        fresh = quiet_build(case)
+        fresh_opt = quiet_optimizer(case, fresh)
+    manager = stratagem.CheckpointManager(stratagem.Checkpoint(model=fresh, optimizer=fresh_opt), directory)
+    manager.restore(saved)
+    out: dict[str, Any] = {"diff": max_diff(full_state(fresh), full_state(model)), "tied": M.tied(fresh)}
+    root = Path(saved)
+    if (root / "sharded").exists():  # torch.distributed.checkpoint: the names it wrote
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(str(root / "sharded")).read_metadata().state_dict_metadata
+        out["saved_names"] = sorted(k for k in keys if k.startswith("model.") and ("wte" in k or "lm_head" in k))
+    else:  # whole tensors: one tensor, read back under both names
+        state = load_state_dict(saved)
+        out["saved_names"] = sorted(k for k in state if "wte" in k or "lm_head" in k)
+        out["one_tensor"] = state["lm_head.weight"] is state["transformer.wte.weight"]
+    return out
+
+
+def data_parallel(names: list[str], tmp: str) -> dict[str, Any]:
     """Every case under Mirrored(2) and Sharded(2), through fit and the custom loop."""
     logging.getLogger("stratagem").setLevel(logging.INFO)
     log = io.StringIO()
@@ -102,7 +128,8 @@ def data_parallel(names: list[str]) -> dict[str, Any]:
         want_tied = M.tied(quiet_build(case))
         for sname, s in strategies.items():
             for how in ("fit", "loop"):
-                got = under(s, case, how)
+                ckpt = f"{tmp}/{name}-{sname}" if how == "fit" and name == "nanogpt" else None
+                got = under(s, case, how, ckpt)
                 out[f"{name}/{sname}/{how}"] = {
                     "init_diff": max_diff(got["init"], init),
                     "diff": max_diff(got["trained"], trained),
@@ -110,6 +137,7 @@ def data_parallel(names: list[str]) -> dict[str, Any]:
                     "param_share": got["param_share"],
                     "epochs": got.get("epochs"),
                     "eval": got.get("eval"),
+                    "ckpt": got.get("ckpt"),
                 }
     out["log"] = log.getvalue()
     return out

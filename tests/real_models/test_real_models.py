@@ -23,9 +23,9 @@ TOL = 1e-5
 
 
 @pytest.mark.timeout(240)
-def test_mirrored_and_sharded_equal_one_device() -> None:
+def test_mirrored_and_sharded_equal_one_device(tmp_path: Path) -> None:
     names = ["nanogpt", "gpt2", "bert"]
-    outs = [r.value for r in run_workers(w.data_parallel, 2, args=(names,), timeout=230)]
+    outs = [r.value for r in run_workers(w.data_parallel, 2, args=(names, str(tmp_path)), timeout=230)]
     for rank, out in enumerate(outs):
         for name in names:
             for strategy in ("mirrored", "sharded"):
@@ -45,6 +45,14 @@ def test_mirrored_and_sharded_equal_one_device() -> None:
             assert "ShardedStrategy: built GPT on the host as on one device (init='auto')" in out["log"]
         else:
             assert out["log"] == ""  # logged once, by rank 0
+    # checkpoints: the tied weight is saved once and restores tied (whole tensors: one tensor
+    # read back under both names; torch.distributed.checkpoint: written under its first name)
+    for out in outs:
+        mirrored = out["nanogpt/mirrored/fit"]["ckpt"]
+        assert mirrored["diff"] == 0.0 and mirrored["tied"] is True and mirrored["one_tensor"] is True
+        sharded = out["nanogpt/sharded/fit"]["ckpt"]
+        assert sharded["diff"] == 0.0 and sharded["tied"] is True
+        assert sharded["saved_names"] == ["model.transformer.wte.weight"]
     # the tie is a tie: nanoGPT and GPT-2 share their embedding and head under every strategy
     assert outs[0]["nanogpt/sharded/fit"]["tied"] == (True, True, True)
     assert outs[0]["gpt2/sharded/fit"]["tied"] == (True, True, True)
