@@ -130,3 +130,60 @@ def tied(model: nn.Module) -> bool | None:
     if hasattr(model, "lm_head") and hasattr(model, "transformer"):
         return model.lm_head.weight is model.transformer.wte.weight
     return None
+
+
+# --- pipeline split points: the model's own modules as an nn.Sequential of one-tensor layers --
+class GPTEmbed(nn.Module):
+    """A GPT's forward up to its blocks (token + position embeddings, dropout)."""
+
+    def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class GPTHead(nn.Module):
+    """A GPT's final norm and output head (whose weight is the token embedding's)."""
+
+    def __init__(self, ln_f: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class HFBlock(nn.Module):
+    """A Hugging Face GPT-2 block returning its hidden states only (one tensor between stages)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def stages_of(name: str, model: nn.Module) -> nn.Sequential:
+    """``model`` as the layers a pipeline splits: embeddings, each block, norm + head."""
+    t = model.transformer  # type: ignore[union-attr]
+    blocks = list(t.h) if name == "nanogpt" else [HFBlock(b) for b in t.h]
+    return nn.Sequential(GPTEmbed(t.wte, t.wpe, t.drop), *blocks, GPTHead(t.ln_f, model.lm_head))
+
+
+def token_mean(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
+
+
+def shifted_token_mean(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """GPT2LMHeadModel's own loss (labels shifted by one) per example."""
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), y[:, 1:], reduction="none").mean(dim=1)
+
+
+def pipeline_batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token ids and targets (no attention mask: stages exchange one tensor)."""
+    return [(x["input_ids"], y) for x, y in _tokens(1 if name == "nanogpt" else 2, masked=False)]

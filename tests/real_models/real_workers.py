@@ -141,3 +141,69 @@ def data_parallel(names: list[str], tmp: str) -> dict[str, Any]:
                 }
     out["log"] = log.getvalue()
     return out
+
+
+def pipeline(names: list[str]) -> dict[str, Any]:
+    """GPTs in 2 stages (embeddings + block 0 | block 1 + head: the tie crosses the stages),
+    through fit and the custom loop, against the unsplit model on one device."""
+    s = stratagem.PipelineStrategy(num_stages=2, num_microbatches=2, balance=[2, 2])
+    out: dict[str, Any] = {}
+    for name in names:
+        case = M.CASES[name]
+        per_example = M.token_mean if name == "nanogpt" else M.shifted_token_mean
+        batches = M.pipeline_batches(name)
+
+        def mean_loss(logits: torch.Tensor, y: torch.Tensor, per_example: Any = per_example) -> torch.Tensor:
+            return per_example(logits, y).mean()
+
+        # one device: the unsplit model, the same layers
+        torch.manual_seed(SEED)
+        ref = M.stages_of(name, quiet_build(case))
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        init = full_state(ref)
+        for x, y in batches:
+            ref_opt.zero_grad()
+            mean_loss(ref(x), y).backward()
+            ref_opt.step()
+        want = full_state(ref)
+        for how in ("fit", "loop"):
+            torch.manual_seed(SEED)
+            seq = M.stages_of(name, quiet_build(case))  # built on the CPU: the model's own init
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                pipe = s.pipeline(seq, mean_loss, loss_reduction="mean")
+            got_init = {k: v.clone() for k, v in pipe.state_dict().items()}
+            with s.scope():
+                opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+            if how == "fit":
+                stratagem.fit(pipe, opt, per_example, batches, verbose=0)
+            else:
+                for x, y in s.experimental_distribute_dataset(batches):
+                    s.run(pipe.train_step, args=(x, y))
+                    opt.step()
+                    opt.zero_grad()
+            got = pipe.state_dict()
+            out[f"{name}/pipeline/{how}"] = {
+                "names": sorted(got),
+                "init_diff": max(float((got_init[k] - init[k]).abs().max()) for k in got_init),
+                "diff": max(float((got[k] - want[k]).abs().max()) for k in got),
+                "printed": printed.getvalue(),
+                # this stage's end of the tie (embedding on stage 0, head on stage 1)
+                "tied_end": (got.get("0.wte.weight") if s.extended.stage == 0 else got.get("3.lm_head.weight")),
+            }
+    # a tie across stages in a model built on the meta device cannot be replayed: refused
+    class Head(nn.Module):
+        def __init__(self, emb: nn.Embedding) -> None:
+            super().__init__()
+            self.out = nn.Linear(4, 10, bias=False)
+            self.out.weight = emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(x)
+
+    try:
+        with s.scope():
+            emb = nn.Embedding(10, 4)
+            s.pipeline(nn.Sequential(emb, nn.Identity(), nn.Identity(), Head(emb)), nn.CrossEntropyLoss(), verbose=False)
+    except ValueError as e:
+        out["meta_tie_error"] = str(e)
+    return out

@@ -57,3 +57,26 @@ def test_mirrored_and_sharded_equal_one_device(tmp_path: Path) -> None:
     assert outs[0]["nanogpt/sharded/fit"]["tied"] == (True, True, True)
     assert outs[0]["gpt2/sharded/fit"]["tied"] == (True, True, True)
     assert outs[0]["bert/mirrored/fit"]["eval"]["accuracy"] == outs[1]["bert/mirrored/fit"]["eval"]["accuracy"]
+
+
+@pytest.mark.timeout(200)
+def test_pipeline_two_stages_tie_across_stages() -> None:
+    """nanoGPT and GPT-2 split after their first block: the token embedding (stage 0) and the
+    output head (stage 1) are one weight; their gradients are summed each step, so both ends
+    stay equal and the model equals the unsplit one."""
+    names = ["nanogpt", "gpt2"]
+    outs = [r.value for r in run_workers(w.pipeline, 2, args=(names,), timeout=190)]
+    for name in names:
+        for how in ("fit", "loop"):
+            key = f"{name}/pipeline/{how}"
+            first, last = outs[0][key], outs[1][key]
+            assert "0.wte.weight" in first["names"] and "3.lm_head.weight" in last["names"]
+            for got in (first, last):
+                assert got["init_diff"] == 0.0, (key, got["init_diff"])
+                assert got["diff"] < TOL, (key, got["diff"])
+            assert first["tied_end"].equal(last["tied_end"])  # the tie holds, bit for bit
+            assert "tied across stages, gradients summed: 0.wte.weight = 3.lm_head.weight (stages 0, 1)" in first["printed"]
+            assert last["printed"] == ""
+    for out in outs:
+        assert "ties parameters across stages (0.weight = 3.out.weight (stages 0, 1))" in out["meta_tie_error"]
+        assert "build the model outside strategy.scope()" in out["meta_tie_error"]
