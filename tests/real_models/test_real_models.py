@@ -80,3 +80,19 @@ def test_pipeline_two_stages_tie_across_stages() -> None:
     for out in outs:
         assert "ties parameters across stages (0.weight = 3.out.weight (stages 0, 1))" in out["meta_tie_error"]
         assert "build the model outside strategy.scope()" in out["meta_tie_error"]
+
+
+@pytest.mark.timeout(200)
+def test_model_parallel_gpt_mlp_column_row() -> None:
+    """nanoGPT under ModelParallelStrategy (2 processes on the "model" axis): each MLP's c_fc
+    column-parallel and c_proj row-parallel, the embedding/head tie one replicated parameter,
+    global-norm clipping over split and replicated gradients; equal to one device."""
+    outs = [r.value for r in run_workers(w.model_parallel, 2, args=(["nanogpt"],), timeout=190)]
+    for out in outs:
+        for how in ("fit", "loop"):
+            got = out[f"nanogpt/model_parallel/{how}"]
+            assert got["plan"] == {f"transformer.h.{i}.mlp.{n}": kind for i in (0, 1)
+                                   for n, kind in (("c_fc", "colwise"), ("c_proj", "rowwise"))}
+            assert got["init_diff"] == 0.0, (how, got["init_diff"])
+            assert got["diff"] < TOL, (how, got["diff"])
+            assert got["tied"] == (True, True)

@@ -96,13 +96,26 @@ class TrainOptions:
 
     def clip(self, params: list[torch.Tensor]) -> None:
         grads = [p for p in params if p.grad is not None]
+        # torch's foreach kernels refuse a list mixing DTensors (split layers) with plain tensors
+        # (replicated ones, under ModelParallelStrategy): each kind is clipped as its own list
+        kinds = _by_kind(grads)
         if self.clipvalue is not None:
-            torch.nn.utils.clip_grad_value_(grads, self.clipvalue)
+            for same in kinds:
+                torch.nn.utils.clip_grad_value_(same, self.clipvalue)
         if self.clipnorm is not None:
             for p in grads:
                 torch.nn.utils.clip_grad_norm_([p], self.clipnorm)
-        if self.global_clipnorm is not None:
-            torch.nn.utils.clip_grad_norm_(grads, self.global_clipnorm)
+        if self.global_clipnorm is not None and kinds:
+            if len(kinds) == 1:
+                torch.nn.utils.clip_grad_norm_(grads, self.global_clipnorm)
+                return
+            norms = []
+            for same in kinds:
+                n = torch.nn.utils.get_total_norm([p.grad for p in same if p.grad is not None])
+                norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+            total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+            for same in kinds:
+                torch.nn.utils.clip_grads_with_norm_(same, self.global_clipnorm, total)
 
     def weights_for(self, y: Any, sw: Any) -> Any:
         """``sw`` times the class weight of each example's label (one-hot labels: their argmax)."""
@@ -114,6 +127,15 @@ class TrainOptions:
             table[int(c)] = float(weight)
         w = table.to(labels.device)[labels.long()]
         return w if sw is None else w * torch.as_tensor(sw, dtype=w.dtype, device=w.device)
+
+
+def _by_kind(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` in lists of one kind of gradient each (plain tensors; DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    plain = [p for p in params if not isinstance(p.grad, DTensor)]
+    split = [p for p in params if isinstance(p.grad, DTensor)]
+    return [k for k in (plain, split) if k]
 
 
 class DataParallelSteps:
@@ -138,6 +160,8 @@ class DataParallelSteps:
         self.options = options or TrainOptions()
         self.device = strategy.extended.device
         self.scaler = self.policy.loss_scaler(self.device) if optimizer is not None else None
+        if optimizer is not None:  # an optimizer made in a sharding scope: onto the shards now,
+            strategy.extended.prepare_optimizer(optimizer)  # so clipping sees what it steps
 
     def set_training(self, mode: bool) -> None:
         self.model.train(mode)
