@@ -64,6 +64,14 @@ def clip(case: M.Case, model: nn.Module) -> None:
         torch.nn.utils.clip_grads_with_norm_(same, norm, total)
 
 
+def logits_of(model: nn.Module, case: M.Case) -> torch.Tensor | None:
+    """The trained model's logits on every batch (Hugging Face models), on one device."""
+    if case.name == "nanogpt":
+        return None
+    with torch.no_grad():
+        return torch.cat([model(**x).logits for x, _ in case.batches()])
+
+
 def reference(case: M.Case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process, plain torch: the initial and the trained state."""
     torch.manual_seed(SEED)
@@ -75,7 +83,11 @@ def reference(case: M.Case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
         case.step_loss(model(**x), y).mean().backward()
         clip(case, model)
         opt.step()
+    LOGITS[case.name] = logits_of(model, case)
     return init, full_state(model)
+
+
+LOGITS: dict[str, torch.Tensor | None] = {}
 
 
 def under(strategy: Any, case: M.Case, how: str, ckpt: str | None = None) -> dict[str, Any]:
@@ -90,6 +102,10 @@ def under(strategy: Any, case: M.Case, how: str, ckpt: str | None = None) -> dic
         history = stratagem.fit(model, opt, case.loss_fn, case.batches(), verbose=0, **case.fit_kwargs)
         got["epochs"] = len(history.history["loss"])
         got["eval"] = stratagem.evaluate(model, case.loss_fn, case.batches(), metrics=case.fit_kwargs.get("metrics", ()))
+        want = LOGITS.get(case.name)
+        if want is not None:  # predict of a ModelOutput: a dict of its per-example entries
+            pred = stratagem.predict(model, [x for x, _ in case.batches()])
+            got["predict"] = (sorted(pred), float((pred["logits"] - want).abs().max()))
     else:  # the custom loop: scope, distributed data, run, reduce
         def step(x: Any, y: Any) -> torch.Tensor:
             opt.zero_grad()
@@ -154,6 +170,7 @@ def data_parallel(names: list[str], tmp: str) -> dict[str, Any]:
                     "epochs": got.get("epochs"),
                     "eval": got.get("eval"),
                     "ckpt": got.get("ckpt"),
+                    "predict": got.get("predict"),
                 }
     out["log"] = log.getvalue()
     return out

@@ -41,6 +41,10 @@ def test_mirrored_and_sharded_equal_one_device(tmp_path: Path) -> None:
                         assert got["param_share"] <= 0.5 * 1.10, (key, got["param_share"])
                     if how == "fit":
                         assert got["epochs"] == 1
+                    if how == "fit" and name != "nanogpt":  # predict: the ModelOutput's entries
+                        keys, logits_diff = got["predict"]
+                        assert "logits" in keys and "loss" not in keys, keys
+                        assert logits_diff < TOL, (key, logits_diff)
         if rank == 0:
             assert "ShardedStrategy: built GPT on the host as on one device (init='auto')" in out["log"]
         else:

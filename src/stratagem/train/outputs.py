@@ -81,12 +81,10 @@ def model_loss(outputs: Any, n: int) -> torch.Tensor:
 
 def for_gather(outputs: Any) -> Any:
     """Outputs ``predict`` can concatenate across batches and replicas: a mapping becomes a plain
-    dict of its per-example entries (its scalar ``"loss"``, a batch mean, and None values left out)."""
+    dict of its batched tensors (``"logits"``, hidden states); its scalar ``"loss"`` (a batch
+    mean), None values and other objects (a Hugging Face key/value cache) are left out."""
     if isinstance(outputs, Mapping):
-        return {
-            k: v for k, v in outputs.items()
-            if v is not None and not (isinstance(v, torch.Tensor) and v.dim() == 0)
-        }  # fmt: skip
+        return {k: v for k, v in outputs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
     return outputs
 
 
