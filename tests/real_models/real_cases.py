@@ -29,6 +29,10 @@ class Case:
     loss_fn: Any  # what fit gets
     step_loss: Callable[[Any, Any], torch.Tensor]  # per-example losses for the custom loop
     fit_kwargs: dict[str, Any]
+    # BatchNorm in training mode normalizes with the statistics of the batch it sees: each
+    # replica's (or micro-batch's) share, as under DDP (no SyncBatchNorm on CPU). The reference
+    # is then one device running the same shares one after another, summing the gradients
+    shares: int = 1
 
 
 def _tokens(seed: int, masked: bool) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -61,7 +65,7 @@ def nanogpt() -> nn.Module:
 
 def nanogpt_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     # nanoGPT's own AdamW groups (weight decay on matrices only)
-    return model.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95), device_type="cpu")  # type: ignore[operator]
+    return model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95), device_type="cpu")  # type: ignore[operator]
 
 
 def nanogpt_batches() -> list[tuple[Any, Any]]:
@@ -115,7 +119,21 @@ def classify_losses(out: Any, y: torch.Tensor) -> torch.Tensor:
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def resnet() -> nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                       layer_type="basic", num_labels=3)
+    return ResNetForImageClassification(cfg)
+
+
+def image_batches() -> list[tuple[Any, Any]]:
+    g = torch.Generator().manual_seed(4)
+    return [({"pixel_values": torch.randn(B, 3, 16, 16, generator=g)}, torch.randint(0, 3, (B,), generator=g))
+            for _ in range(STEPS)]
 
 
 CASES: dict[str, Case] = {
@@ -125,6 +143,8 @@ CASES: dict[str, Case] = {
                     {"global_clipnorm": 0.3}),
     "gpt2": Case("gpt2", gpt2, adamw, gpt2_batches, None, hf_loss, {}),
     "bert": Case("bert", bert, adamw, bert_batches, nn.CrossEntropyLoss(), classify_losses, {"metrics": ["accuracy"]}),
+    "resnet": Case("resnet", resnet, adamw, image_batches, nn.CrossEntropyLoss(), classify_losses,
+                   {"metrics": ["accuracy"]}, shares=2),
 }
 
 
@@ -171,8 +191,23 @@ class HFBlock(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
+class ImageHead(nn.Module):
+    """A Hugging Face ResNet's pooling and classifier."""
+
+    def __init__(self, pooler: nn.Module, classifier: nn.Module) -> None:
+        super().__init__()
+        self.pooler, self.classifier = pooler, classifier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.pooler(x))
+
+
 def stages_of(name: str, model: nn.Module) -> nn.Sequential:
-    """``model`` as the layers a pipeline splits: embeddings, each block, norm + head."""
+    """``model`` as the layers a pipeline splits: embeddings, each block, norm + head (a ResNet:
+    its stem, each stage, pooling + classifier)."""
+    if name == "resnet":
+        r = model.resnet  # type: ignore[union-attr]
+        return nn.Sequential(r.embedder, *r.encoder.stages, ImageHead(r.pooler, model.classifier))
     t = model.transformer  # type: ignore[union-attr]
     blocks = list(t.h) if name == "nanogpt" else [HFBlock(b) for b in t.h]
     return nn.Sequential(GPTEmbed(t.wte, t.wpe, t.drop), *blocks, GPTHead(t.ln_f, model.lm_head))
@@ -188,5 +223,16 @@ def shifted_token_mean(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Token ids and targets (no attention mask: stages exchange one tensor)."""
+    """Token ids and targets (no attention mask: stages exchange one tensor); images, labels."""
+    if name == "resnet":
+        return [(x["pixel_values"], y) for x, y in image_batches()]
     return [(x["input_ids"], y) for x, y in _tokens(1 if name == "nanogpt" else 2, masked=False)]
+
+
+def class_mean(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def is_statistic(key: str) -> bool:
+    """BatchNorm's running statistics: per replica (rank 0's kept, as DDP does), not compared."""
+    return "running_" in key or key.endswith("num_batches_tracked")
