@@ -192,7 +192,9 @@ def main() -> None:
             print(f"{name:18s} {med[name]:8.0f} tokens/s  (rounds: {', '.join(f'{r:.0f}' for r in v)})")
         for ours, theirs in (("MirroredStrategy", "DDP"), ("ShardedStrategy", "fully_shard"),
                              ("PipelineStrategy", "torch pipelining")):  # fmt: skip
-            print(f"ratio {ours} / {theirs}: {med[ours] / med[theirs]:.3f}")
+            paired = statistics.median(a / b for a, b in zip(runs[ours], runs[theirs]))
+            print(f"ratio {ours} / {theirs}: {med[ours] / med[theirs]:.3f} of the medians, "
+                  f"{paired:.3f} median of the rounds' ratios (each pair runs back to back)")
 
 
 if __name__ == "__main__":
