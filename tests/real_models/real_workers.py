@@ -266,4 +266,13 @@ def model_parallel(names: list[str]) -> dict[str, Any]:
                 "tied": (got["tied"], got["tied_after"]),
                 "plan": dict(s.extended.plans[-1]),
             }
+    # a layout splitting one end of the tie (the embedding) and not the other: a clear error
+    split_tie = stratagem.LayoutMap(mesh)
+    split_tie[r"wte\.weight"] = ("model", None)
+    bad = stratagem.ModelParallelStrategy(mesh, split_tie)
+    try:
+        with bad.scope():
+            kept = quiet_build(M.CASES["nanogpt"])  # noqa: F841 - alive when the scope closes
+    except ValueError as e:
+        out["split_tie_error"] = str(e)
     return out

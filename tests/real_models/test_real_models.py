@@ -110,3 +110,5 @@ def test_model_parallel_gpt_mlp_column_row() -> None:
             assert got["init_diff"] == 0.0, (how, got["init_diff"])
             assert got["diff"] < TOL, (how, got["diff"])
             assert got["tied"] == (True, True)
+        assert ("transformer.wte.weight and lm_head.weight are one tied parameter, but sharding made "
+                "them 2") in out["split_tie_error"]

@@ -103,6 +103,14 @@ def _install_hook() -> None:
         _hook.append(optim_mod.register_optimizer_step_pre_hook(_retarget_hook))
 
 
+def _tied_names(root: nn.Module) -> list[list[str]]:
+    """The names of each parameter ``root`` registers under more than one name."""
+    names: dict[int, list[str]] = {}
+    for n, p in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return [v for v in names.values() if len(v) > 1]
+
+
 def _free_replaced(built: Sequence[tuple[nn.Module, str, torch.Tensor]], roots: list[nn.Module]) -> None:
     """Release the storage of the full parameters built on the host that sharding replaced
     (an optimizer made in the scope, or a name the user kept, may still hold them: their
@@ -183,8 +191,10 @@ class ShardedBuild:
         self._check_same(roots)
         self._log_choice(roots)
         built = [(m, n, p) for m in modules for n, p in m._parameters.items() if p is not None]
-        for root in roots:
+        ties = [_tied_names(root) for root in roots]
+        for root, tied in zip(roots, ties):
             self.shard_root(root, not self.on_meta)
+            self._check_ties(root, tied)
         for m, n, p in built:
             if m._parameters.get(n) is not p:
                 _remember_replaced(p, m, n)
@@ -201,6 +211,21 @@ class ShardedBuild:
                 ownership.claim(t, owner)
             for sub in root.modules():
                 self._sharded.add(sub)
+
+    def _check_ties(self, root: nn.Module, tied: list[list[str]]) -> None:
+        """A parameter registered under several names (a tied embedding and head) must still be
+        one parameter once sharded: fully_shard keeps it one; a layout that splits one name's
+        layer and not the other's would train two copies apart."""
+        for names in tied:
+            found = {id(root.get_parameter(n)) for n in names}
+            if len(found) > 1:
+                kinds = ", ".join(f"{n} ({type(root.get_parameter(n)).__name__})" for n in names)
+                raise ValueError(
+                    f"{self.name}: {' and '.join(names)} are one tied parameter, but sharding made "
+                    f"them {len(found)} ({kinds}): the layout splits the layer of one name and not "
+                    "the other's. Leave tied weights replicated (no LayoutMap key matching them), "
+                    "or untie them in the model"
+                )
 
     def _log_choice(self, roots: list[nn.Module]) -> None:
         if self._logged or not roots or self.comm.rank != 0:
