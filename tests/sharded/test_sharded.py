@@ -274,7 +274,7 @@ def test_tensor_parallel_two_processes(tmp_path: Path) -> None:
         assert torch.isfinite(w.seq_mse(model(x), y)).all()
 
 
-@pytest.mark.parametrize("init", ["meta", "auto"])
+@pytest.mark.parametrize("init", ["meta", "auto", "materialize"])
 def test_a_failed_scope_leaves_nothing_for_the_next_one(init: str) -> None:
     """What a scope that raised had captured is neither built nor replayed by the next scope:
     the next model still equals single-device initialisation from the same seed."""
@@ -292,3 +292,8 @@ def test_a_failed_scope_leaves_nothing_for_the_next_one(init: str) -> None:
     assert half_built.weight.is_meta == (init == "meta")
     assert torch.equal(model.weight.full_tensor(), want.weight)
     assert torch.equal(model.bias.full_tensor(), want.bias)
+
+
+def test_init_names_what_it_accepts() -> None:
+    with pytest.raises(ValueError, match="ShardedStrategy: init must be one of 'auto', 'materialize', 'meta'; got 'lazy'"):
+        stratagem.ShardedStrategy(devices="cpu", init="lazy")

@@ -18,7 +18,7 @@ Two ways to build, chosen by ``init``:
 ``"auto"`` builds on the host: whether a model's constructor will rewrite its weights after its
 layers' ``reset_parameters()`` (as nanoGPT and Hugging Face models do) is only known once it has
 run, and then a meta build has lost those values, so the exact way is the default and the
-meta build is asked for. Either way the replicas check they built the same model and the
+meta build is opted into. Either way the replicas check they built the same model and the
 parameters are claimed for the strategy. An optimizer created in the scope holds the parameters
 built there; it is pointed at the shards that replaced them (``retarget_optimizer``) before its
 first step.
