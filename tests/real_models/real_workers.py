@@ -192,6 +192,16 @@ def pipeline(names: list[str]) -> dict[str, Any]:
         def mean_loss(logits: torch.Tensor, y: torch.Tensor, per_example: Any = per_example) -> torch.Tensor:
             return per_example(logits, y).mean()
 
+        # the split points are faithful: the layers in a row compute the model's own forward
+        torch.manual_seed(SEED)
+        whole = quiet_build(case).eval()
+        x0, y0 = batches[0]
+        with torch.no_grad():
+            if name == "nanogpt":
+                own = whole(x0, y0)[0]
+            else:
+                own = whole(**{"input_ids" if name == "gpt2" else "pixel_values": x0}).logits
+            split_diff = float((M.stages_of(name, whole)(x0) - own).abs().max())
         # one device: the unsplit model, the same layers
         torch.manual_seed(SEED)
         ref = M.stages_of(name, quiet_build(case))
@@ -224,6 +234,7 @@ def pipeline(names: list[str]) -> dict[str, Any]:
                 "init_diff": max(float((got_init[k] - init[k]).abs().max()) for k in got_init),
                 "diff": max(float((got[k] - want[k]).abs().max()) for k in got if not M.is_statistic(k)),
                 "printed": printed.getvalue(),
+                "split_diff": split_diff,
                 # this stage's end of the tie (embedding on stage 0, head on stage 1)
                 "tied_end": (got.get("0.wte.weight") if s.extended.stage == 0 else got.get("3.lm_head.weight")),
             }

@@ -81,6 +81,7 @@ def test_pipeline_two_stages_tie_across_stages() -> None:
             key = f"{name}/pipeline/{how}"
             first, last = outs[0][key], outs[1][key]
             for got in (first, last):
+                assert got["split_diff"] == 0.0, key  # the layers in a row: the model's forward
                 assert got["init_diff"] == 0.0, (key, got["init_diff"])
                 assert got["diff"] < TOL, (key, got["diff"])
             if name == "resnet":  # stem + stage 0 | stage 1 + pooling and classifier
