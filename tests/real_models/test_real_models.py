@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import stratagem
 from stratagem.testing import run_workers
 
 pytest.importorskip("transformers")
@@ -113,3 +114,23 @@ def test_model_parallel_gpt_mlp_column_row() -> None:
             assert got["tied"] == (True, True)
         assert ("transformer.wte.weight and lm_head.weight are one tied parameter, but sharding made "
                 "them 2") in out["split_tie_error"]
+
+
+@pytest.mark.parametrize(
+    ("name", "refusal"),
+    [
+        ("nanogpt", "LayerNorm holds parameters ['weight', 'bias'] but has no reset_parameters()"),
+        ("gpt2", "Conv1D holds parameters ['weight', 'bias'] but has no reset_parameters()"),
+        ("bert", "Embedding's parameters ['weight'] were written after its reset_parameters() ran"),
+        ("resnet", "Conv2d's parameters ['weight'] were written after its reset_parameters() ran"),
+    ],
+)
+def test_meta_build_refuses_models_that_initialise_themselves(name: str, refusal: str) -> None:
+    """init="meta" replays reset_parameters() only: a model whose constructor initialises its
+    weights otherwise is refused, naming the module (never a silently different model); the
+    default builds it as on one device (the tests above)."""
+    s = stratagem.ShardedStrategy(devices="cpu", init="meta")
+    with pytest.raises(TypeError, match="init='materialize'") as caught:
+        with s.scope():
+            model = w.quiet_build(w.M.CASES[name])  # noqa: F841 - alive when the scope closes
+    assert refusal in str(caught.value)
