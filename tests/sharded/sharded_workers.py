@@ -224,11 +224,31 @@ def two_processes(tmp: str) -> dict[str, Any]:
             self.w = nn.Parameter(torch.ones(3))
 
     errors = {}
+    meta = stratagem.ShardedStrategy(init="meta", devices="cpu")
     try:
-        with s.scope():
+        with meta.scope():
             kept = nn.Sequential(nn.Linear(2, 3), Scale())  # noqa: F841 - alive when the scope closes
     except TypeError as e:
         errors["no_reset"] = str(e)
+    try:
+        with meta.scope():
+            rewritten = nn.Linear(2, 3)
+            nn.init.zeros_(rewritten.weight)  # after its reset_parameters(): a replay would lose it
+    except TypeError as e:
+        errors["rewritten"] = str(e)
+    # the default (init="auto") builds both on the host as one device does, then shards them
+    torch.manual_seed(5)
+    with s.scope():
+        kept = nn.Sequential(nn.Linear(2, 3), Scale())
+        rewritten = nn.Linear(2, 3)
+        nn.init.zeros_(rewritten.bias)
+    torch.manual_seed(5)
+    want_kept, want_rewritten = nn.Sequential(nn.Linear(2, 3), Scale()), nn.Linear(2, 3)
+    nn.init.zeros_(want_rewritten.bias)
+    out["auto_init_diff"] = max(
+        max(max_diff(full_state(kept), want_kept.state_dict()).values()),
+        max(max_diff(full_state(rewritten), want_rewritten.state_dict()).values()),
+    )
     plain = make_mlp()
     try:
         s.run(lambda m: m(torch.zeros(1, 12)), args=(plain,))
@@ -321,7 +341,8 @@ def four_processes(tmp: str, steps_before: int) -> dict[str, Any]:
     _rss_reset()
     base = _rss_now()
     torch.manual_seed(0)
-    with s.scope():
+    meta = stratagem.ShardedStrategy(devices="cpu", init="meta")  # never the whole model here
+    with meta.scope():
         big = make_big()
         bo = torch.optim.SGD(big.parameters(), lr=0.1)
     out["big_build_peak"] = _rss_peak() - base
@@ -332,7 +353,7 @@ def four_processes(tmp: str, steps_before: int) -> dict[str, Any]:
         stratagem.compute_average_loss(big(x).square().mean(dim=1)).backward()
         bo.step()
 
-    s.run(step, args=(x,))
+    meta.run(step, args=(x,))
     out["big_step_peak"] = _rss_peak() - base
     bm = stratagem.CheckpointManager(stratagem.Checkpoint(model=big), Path(tmp, "big"))
     _rss_reset()
@@ -341,6 +362,22 @@ def four_processes(tmp: str, steps_before: int) -> dict[str, Any]:
     out["big_save_peak"] = _rss_peak() - base
     out["big_grad_bytes"] = sum(p.grad.to_local().untyped_storage().nbytes() for p in big.parameters() if p.grad is not None)
     out["big_local_param_bytes"] = sum(p.to_local().untyped_storage().nbytes() for p in big.parameters())
+    big = bo = bm = None  # released before the host build is measured
+
+    # the same model built on the host (init="auto"): one full copy at the peak, then 1/N
+    _rss_reset()
+    base = _rss_now()
+    torch.manual_seed(0)
+    with s.scope():
+        host = make_big()
+        ho = torch.optim.SGD(host.parameters(), lr=0.1)  # holds the full parameters until sharded
+    out["host_build_peak"] = _rss_peak() - base
+    out["host_after_build"] = _rss_now() - base
+    out["host_local_param_bytes"] = sum(p.to_local().untyped_storage().nbytes() for p in host.parameters())
+    torch.manual_seed(0)
+    want_big = make_big().state_dict()
+    out["host_init_diff"] = max(max_diff(full_state(host), want_big).values())
+    del host, ho, want_big
 
     # HSDP: sharded over pairs of processes, replicated across the two pairs
     hs = stratagem.ShardedStrategy(shard_size=2, devices="cpu")

@@ -150,6 +150,8 @@ def test_sharded_two_processes(tmp_path: Path) -> None:
         assert out["resumed_diff"] < TOL and out["resumed_epochs"] == 3  # BackupAndRestore resumed exactly
         errors = out["errors"]
         assert "Scale holds parameters ['w'] but has no reset_parameters()" in errors["no_reset"]
+        assert "Linear's parameters ['weight'] were written after its reset_parameters()" in errors["rewritten"]
+        assert out["auto_init_diff"] == 0.0  # built on the host: one device's initial values
         assert "created outside ShardedStrategy.scope()" in errors["outside_run"]
         assert "was not created in the scope of ShardedStrategy" in errors["outside_fit"]
         assert out["bf16_diff"] < 5e-2 and out["bf16_dtype"] == "torch.float32"  # master weights fp32
@@ -179,6 +181,12 @@ def test_sharded_four_processes_and_resharded_restore(tmp_path: Path) -> None:
         assert out["big_save_peak"] < budget, out
         assert out["big_local_param_bytes"] <= full / 4 * 1.01
         assert out["big_grad_bytes"] <= full / 4 * 1.01
+        # built on the host (init="auto"): the peak is one full copy (the documented cost), and
+        # once sharded the full copy is freed, even though the optimizer made in the scope held it
+        assert out["host_build_peak"] < 1.3 * full, out
+        assert out["host_after_build"] < 0.4 * full, out
+        assert out["host_local_param_bytes"] <= full / 4 * 1.01
+        assert out["host_init_diff"] == 0.0
         # HSDP: each pair of processes holds one sharded copy (1/2 each), the pairs replicate
         bad = {k: v for k, v in out["hsdp_diff"].items() if v > TOL}
         assert not bad, f"HSDP differs from single-device training: {bad}"
@@ -266,10 +274,11 @@ def test_tensor_parallel_two_processes(tmp_path: Path) -> None:
         assert torch.isfinite(w.seq_mse(model(x), y)).all()
 
 
-def test_a_failed_scope_leaves_nothing_for_the_next_one() -> None:
+@pytest.mark.parametrize("init", ["meta", "auto", "materialize"])
+def test_a_failed_scope_leaves_nothing_for_the_next_one(init: str) -> None:
     """What a scope that raised had captured is neither built nor replayed by the next scope:
     the next model still equals single-device initialisation from the same seed."""
-    s = stratagem.ShardedStrategy(devices="cpu")
+    s = stratagem.ShardedStrategy(devices="cpu", init=init)
     torch.manual_seed(0)
     with pytest.raises(RuntimeError, match="on purpose"):
         with s.scope():
@@ -280,6 +289,11 @@ def test_a_failed_scope_leaves_nothing_for_the_next_one() -> None:
         model = nn.Linear(4, 3)
     torch.manual_seed(1)
     want = nn.Linear(4, 3)
-    assert half_built.weight.is_meta
+    assert half_built.weight.is_meta == (init == "meta")
     assert torch.equal(model.weight.full_tensor(), want.weight)
     assert torch.equal(model.bias.full_tensor(), want.bias)
+
+
+def test_init_names_what_it_accepts() -> None:
+    with pytest.raises(ValueError, match="ShardedStrategy: init must be one of 'auto', 'materialize', 'meta'; got 'lazy'"):
+        stratagem.ShardedStrategy(devices="cpu", init="lazy")

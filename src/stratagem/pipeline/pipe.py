@@ -21,6 +21,7 @@ from stratagem.pipeline.rematerialize import rematerialize_stop
 from stratagem.pipeline.runtime import run_inference, run_plan
 from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.stage import Stage
+from stratagem.pipeline.ties import TiedGradients
 
 
 class Pipe:
@@ -44,6 +45,7 @@ class Pipe:
         rematerialize: str,
         loss_reduction: str,
         replicas: Communicator,
+        tied: TiedGradients | None = None,
     ) -> None:
         self.model = model
         self.stage = stage
@@ -53,6 +55,7 @@ class Pipe:
         self.rematerialize = rematerialize
         self.loss_reduction = loss_reduction
         self.replicas = replicas
+        self.tied = tied  # weights tied to another stage's: gradients summed after each backward
         self.num_microbatches = schedule.num_microbatches
         owned = {id(p) for p in stage.module.parameters()}
         self._named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
@@ -153,6 +156,8 @@ class Pipe:
         finally:
             if reducer is not None:
                 reducer.enabled = False
+        if self.tied is not None:
+            self.tied.sum_()
         return loss.float()
 
     def predict(self, x: Any) -> torch.Tensor:

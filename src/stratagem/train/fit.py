@@ -197,7 +197,7 @@ def _run_test(
 def fit(
     model: Model,
     optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     data: Iterable[Any],
     *,
     epochs: int = 1,
@@ -238,6 +238,11 @@ def fit(
     ``gradient_accumulation_steps=k`` (one optimizer update, and one gradient all-reduce, per k
     batches, equal to one step on the k-times larger batch); ``clipnorm`` (each gradient's norm),
     ``clipvalue``, ``global_clipnorm`` applied to the reduced gradients, alike on every replica.
+
+    Models as Hugging Face writes them (``stratagem.train.outputs``): an ``x`` that is a mapping is
+    passed as keyword arguments when ``forward`` takes its keys; a model returning a mapping (a
+    ``ModelOutput``) hands its ``"logits"`` to ``loss_fn`` and the metrics, and ``loss_fn=None``
+    minimizes the model's own ``"loss"`` (batches may then be ``x`` alone).
     """
     strategy = _strategy(model, optimizer, strategy, "fit")
     policy = Policy.of(precision)
@@ -250,7 +255,8 @@ def fit(
         raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
     if epochs < 0:
         raise ValueError(f"epochs must be >= 0, got {epochs}")
-    check_loss_fn(loss_fn)
+    if loss_fn is not None:
+        check_loss_fn(loss_fn)
     train_metrics = get_all(metrics)
     tracked = [Mean("loss"), *train_metrics]
     val_tracked = [Mean("loss"), *(copy.deepcopy(m) for m in train_metrics)] if validation_data is not None else []
@@ -358,7 +364,7 @@ def fit(
 
 def evaluate(
     model: Model,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     data: Iterable[Any],
     *,
     metrics: Sequence[Metric | str] = (),
@@ -369,7 +375,8 @@ def evaluate(
     ``steps`` limits the number of batches read (needed for an infinite dataset)."""
     strategy = _strategy(model, None, strategy, "evaluate")
     loss_fn = loss_names.resolve(loss_fn)
-    check_loss_fn(loss_fn)
+    if loss_fn is not None:
+        check_loss_fn(loss_fn)
     check_iterable(data, "data")
     check_finite(data, steps, "data", "steps")
     tracked = [Mean("loss"), *get_all(metrics)]

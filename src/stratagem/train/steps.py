@@ -26,6 +26,7 @@ from stratagem.distribute.strategy import Strategy
 from stratagem.train.execution_metrics import ExecutionMetrics
 from stratagem.train.losses import LossFn, per_example_loss
 from stratagem.train.metrics import Metric
+from stratagem.train.outputs import call_model, examples_in, for_gather, model_loss, predictions
 
 
 def unpack(batch: Any, *, need_y: bool = True) -> tuple[Any, Any, Any]:
@@ -95,13 +96,26 @@ class TrainOptions:
 
     def clip(self, params: list[torch.Tensor]) -> None:
         grads = [p for p in params if p.grad is not None]
+        # torch's foreach kernels refuse a list mixing DTensors (split layers) with plain tensors
+        # (replicated ones, under ModelParallelStrategy): each kind is clipped as its own list
+        kinds = _by_kind(grads)
         if self.clipvalue is not None:
-            torch.nn.utils.clip_grad_value_(grads, self.clipvalue)
+            for same in kinds:
+                torch.nn.utils.clip_grad_value_(same, self.clipvalue)
         if self.clipnorm is not None:
             for p in grads:
                 torch.nn.utils.clip_grad_norm_([p], self.clipnorm)
-        if self.global_clipnorm is not None:
-            torch.nn.utils.clip_grad_norm_(grads, self.global_clipnorm)
+        if self.global_clipnorm is not None and kinds:
+            if len(kinds) == 1:
+                torch.nn.utils.clip_grad_norm_(grads, self.global_clipnorm)
+                return
+            norms = []
+            for same in kinds:
+                n = torch.nn.utils.get_total_norm([p.grad for p in same if p.grad is not None])
+                norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+            total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+            for same in kinds:
+                torch.nn.utils.clip_grads_with_norm_(same, self.global_clipnorm, total)
 
     def weights_for(self, y: Any, sw: Any) -> Any:
         """``sw`` times the class weight of each example's label (one-hot labels: their argmax)."""
@@ -113,6 +127,15 @@ class TrainOptions:
             table[int(c)] = float(weight)
         w = table.to(labels.device)[labels.long()]
         return w if sw is None else w * torch.as_tensor(sw, dtype=w.dtype, device=w.device)
+
+
+def _by_kind(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` in lists of one kind of gradient each (plain tensors; DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    plain = [p for p in params if not isinstance(p.grad, DTensor)]
+    split = [p for p in params if isinstance(p.grad, DTensor)]
+    return [k for k in (plain, split) if k]
 
 
 class DataParallelSteps:
@@ -137,6 +160,8 @@ class DataParallelSteps:
         self.options = options or TrainOptions()
         self.device = strategy.extended.device
         self.scaler = self.policy.loss_scaler(self.device) if optimizer is not None else None
+        if optimizer is not None:  # an optimizer made in a sharding scope: onto the shards now,
+            strategy.extended.prepare_optimizer(optimizer)  # so clipping sees what it steps
 
     def set_training(self, mode: bool) -> None:
         self.model.train(mode)
@@ -160,21 +185,24 @@ class DataParallelSteps:
         update per ``options.accumulate`` batches, the loss and metrics updated at its end.
         Returns the seconds spent in the steps themselves (for ``steps_per_execution="auto"``)."""
         model, optimizer, loss_fn, policy, scaler = self.model, self.optimizer, self.loss_fn, self.policy, self.scaler
-        assert optimizer is not None and loss_fn is not None
+        assert optimizer is not None
         device, options, strategy = self.device, self.options, self.strategy
         params = [p for g in optimizer.param_groups for p in g["params"]]
         # the loss module's own mean is the mean over examples: one op, not three (no weights)
-        fused = type(loss_fn) in _MEAN_OF_EXAMPLES and loss_fn.reduction == "mean" and options.class_weight is None  # type: ignore[attr-defined]
+        fused = type(loss_fn) in _MEAN_OF_EXAMPLES and loss_fn.reduction == "mean" and options.class_weight is None  # type: ignore[attr-defined,union-attr]
         record = ExecutionMetrics(loss_metric, metrics)
 
         def micro_step(x: Any, y: Any, sw: Any, total: int | None) -> None:
             n = y.shape[0] if fused and total and sw is None and type(y) is torch.Tensor and y.dim() else 0
             with policy.autocast(device):
-                outputs = model(x)
+                outputs = call_model(model, x)
+                preds = predictions(outputs)
                 if n:
-                    mean = loss_fn(outputs, y).float()
+                    mean = loss_fn(preds, y).float()  # type: ignore[misc]
+                elif loss_fn is None:  # the model's own loss (a mapping's "loss")
+                    losses = model_loss(outputs, examples_in(x))
                 else:
-                    losses = per_example_loss(loss_fn, outputs, y).float()
+                    losses = per_example_loss(loss_fn, preds, y).float()
             if n:  # sum / total == mean * (n / total)
                 loss = mean if total == n else mean * (n / (total or n))
                 record.add_mean_loss(mean, n)
@@ -185,7 +213,7 @@ class DataParallelSteps:
                 loss = compute_average_loss(losses, global_batch_size=total)
                 record.add_losses(losses)
             (loss if scaler is None else scaler.scale(loss)).backward()
-            record.add(y, outputs, sw)
+            record.add(y, preds, sw)
 
         plain_step = scaler is None and not options.clips
 
@@ -205,7 +233,7 @@ class DataParallelSteps:
             k = options.accumulate
             # the examples of every update over all replicas (None: each step counts its own,
             # as compute_average_loss does)
-            counts = self._global_counts([y for _, y, _ in items])
+            counts = self._global_counts([x if y is None else y for x, y, _ in items])
             t0 = time.perf_counter()
             if k == 1:  # the common case, lean: one update per batch
                 for i, (x, y, sw) in enumerate(items):
@@ -229,7 +257,7 @@ class DataParallelSteps:
             in_steps[0] = time.perf_counter() - t0
             record.apply()
 
-        items = [unpack(b) for b in group]
+        items = [unpack(b, need_y=loss_fn is not None) for b in group]
         # a closure, not args: the distributed iterator already placed the batches on the device
         self.strategy.run(lambda: execution(items))
         return in_steps[0]
@@ -252,20 +280,22 @@ class DataParallelSteps:
 
     def test(self, batch: Any, loss_metric: Metric, metrics: Sequence[Metric]) -> None:
         model, loss_fn = self.model, self.loss_fn
-        assert loss_fn is not None
-
         policy, device = self.policy, self.device
 
         def test_step(x: Any, y: Any, sw: Any) -> None:
             with torch.no_grad(), policy.autocast(device):
-                outputs = model(x)
-                losses = per_example_loss(loss_fn, outputs, y).float()
+                outputs = call_model(model, x)
+                preds = predictions(outputs)
+                if loss_fn is None:
+                    losses = model_loss(outputs, examples_in(x))
+                else:
+                    losses = per_example_loss(loss_fn, preds, y).float()
                 if sw is not None:
                     losses = losses * torch.as_tensor(sw, dtype=losses.dtype, device=losses.device)
                 loss_metric.update_state(losses)
-                _update(metrics, y, outputs, sw)
+                _update(metrics, y, preds, sw)
 
-        x, y, sw = unpack(batch)
+        x, y, sw = unpack(batch, need_y=loss_fn is not None)
         self.strategy.run(test_step, args=(x, y, sw))
 
     def predict(self, batch: Any) -> Any:
@@ -273,7 +303,7 @@ class DataParallelSteps:
 
         def predict_step(x: Any) -> Any:
             with torch.no_grad():
-                return model(x)
+                return for_gather(call_model(model, x))
 
         x, _, _ = unpack(batch, need_y=False)
         outputs = self.strategy.run(predict_step, args=(x,))

@@ -49,9 +49,11 @@ def _reset_fn(module: nn.Module) -> Callable[[], Any] | None:
 
 
 class MetaCapture:
-    """Parameters registered while :meth:`capture` is open are created on the meta device."""
+    """Parameters registered while :meth:`capture` is open are created on the meta device
+    (``on_meta=False``: kept as built, only the modules and their structure are recorded)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_meta: bool = True) -> None:
+        self.on_meta = on_meta
         # held (not weakly) while the scope is open: a module dropped there (a replaced head, a
         # scratch layer) drew random numbers on one device, so the replay draws them too, and
         # what was captured never depends on when Python's garbage collector happened to run
@@ -82,7 +84,7 @@ class MetaCapture:
                 self._rng = torch.get_rng_state()  # the state the first module's init starts from
             self._seen.add(module)
             self._order.append(module)
-        if param.is_meta:
+        if param.is_meta or not self.on_meta:
             return None
         return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
@@ -143,7 +145,8 @@ def _check_disjoint(roots: list[nn.Module]) -> None:
 
 
 def check_resettable(modules: list[nn.Module], where: str) -> None:
-    """Every module holding parameters must initialise them in ``reset_parameters()``."""
+    """Every module holding parameters must initialise them in ``reset_parameters()``, and
+    nothing else may have written them after it (a replay would lose that write)."""
     for m in modules:
         if any(p is not None for p in m._parameters.values()) and _reset_fn(m) is None:
             names = [n for n, p in m._parameters.items() if p is not None]
@@ -151,8 +154,38 @@ def check_resettable(modules: list[nn.Module], where: str) -> None:
                 f"{type(m).__name__} holds parameters {names} but has no reset_parameters(); "
                 f"{where} builds modules on the meta device and initialises each shard by calling "
                 "reset_parameters() (as torch's layers do): move the initialisation of these "
-                "parameters into a reset_parameters() method"
+                "parameters into a reset_parameters() method, or build with init='materialize' "
+                "(the model is built on the host as on one device, then sharded)"
             )
+    for m in modules:
+        written = _written_outside_reset(m)
+        if written:
+            raise TypeError(
+                f"{type(m).__name__}'s parameters {written} were written after its "
+                f"reset_parameters() ran (an initialisation of the enclosing model, as nanoGPT's "
+                f"_init_weights or Hugging Face's post_init() do); {where} with init='meta' "
+                "initialises each shard by replaying reset_parameters() only, which would lose "
+                "that write: build with init='materialize' (or 'auto')"
+            )
+
+
+def _written_outside_reset(m: nn.Module) -> list[str]:
+    """The parameters of ``m`` (meta tensors) written in place more often than constructing
+    ``m`` and calling its ``reset_parameters()`` once writes them (each in-place op bumps a
+    tensor's version counter, on the meta device too)."""
+    reset = _reset_fn(m)
+    names = [n for n, p in m._parameters.items() if p is not None and p.is_meta]
+    if reset is None or not names:
+        return []
+    kept = {n: m._parameters[n] for n in names}
+    probe = {n: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad) for n, p in kept.items() if p is not None}
+    try:
+        m._parameters.update(probe)
+        reset()
+    finally:
+        m._parameters.update(kept)
+    # the constructor calls reset_parameters() once (torch's layers do) or not at all
+    return [n for n in names if kept[n]._version > probe[n]._version]  # type: ignore[union-attr]
 
 
 def materialize(modules: list[nn.Module], rng: torch.Tensor | None, device: torch.device) -> None:

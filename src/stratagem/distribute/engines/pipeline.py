@@ -17,7 +17,7 @@ from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.strategy import ReplicaContext
 from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.errors import PipelineConfigError
-from stratagem.pipeline.materialize import flatten, materialize
+from stratagem.pipeline.materialize import flatten, has_meta, materialize
 from stratagem.pipeline.microbatch import loss_reduction_of
 from stratagem.pipeline.p2p import Channel
 from stratagem.pipeline.partition import Partition, block_partition, check_balance
@@ -25,6 +25,7 @@ from stratagem.pipeline.pipe import Pipe
 from stratagem.pipeline.profile import param_costs, time_costs
 from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.stage import Stage, describe
+from stratagem.pipeline.ties import TiedGradients, find_ties
 
 
 class PipelineExtended(OverReplicas):
@@ -173,6 +174,14 @@ class PipelineExtended(OverReplicas):
             partition = self._partition(layers, sample_input)
             owned = partition.layers(self.stage)
             descriptions = [describe(m) for _, m in layers]
+            ties = find_ties(layers, [s for s in range(cfg.num_stages) for _ in partition.layers(s)])
+            if ties and any(has_meta(m) for _, m in layers):
+                raise PipelineConfigError(
+                    f"the model ties parameters across stages ({'; '.join(map(str, ties))}) and was "
+                    "built on the meta device (in strategy.scope()), where replaying each layer's "
+                    "reset_parameters() would give each end its own values; build the model outside "
+                    "strategy.scope() on the CPU (each process then briefly holds the whole model)"
+                )
             materialize(layers, owned, self._device, rng_state)
             if isinstance(loss_fn, nn.Module):
                 loss_fn.to(self._device)
@@ -184,13 +193,17 @@ class PipelineExtended(OverReplicas):
                 tensors = [*stage.module.parameters(), *stage.module.buffers()]
                 self.replicas.broadcast_tensors_([t.data for t in tensors], src=0)
             channel = Channel(self.pipeline_comm) if cfg.num_stages > 1 else None
+            tied = TiedGradients(ties, layers, owned, self.stage, self.pipeline_comm) if ties else None
             pipe = Pipe(
                 model, stage, channel, self.schedule, partition,
                 rematerialize=cfg.rematerialize, loss_reduction=reduction, replicas=self.replicas,
+                tied=tied,
             )  # fmt: skip
         for t in (*stage.module.parameters(), *stage.module.buffers()):
             ownership.claim(t, self.owner())
         self.partition = partition
         if verbose and self._world.rank == 0:
             print(f"stratagem PipelineStrategy: {partition}", flush=True)
+            for tie in ties:
+                print(f"stratagem PipelineStrategy: tied across stages, gradients summed: {tie}", flush=True)
         return pipe

@@ -1,10 +1,10 @@
 """ShardedExtended: one model sharded over every process with torch's ``fully_shard`` (ZeRO-3).
 
-What the scope builds lands on the meta device (``meta_init``); when the scope closes, each
-outermost module is split into units (``shard_plan``), ``fully_shard`` is applied to the units
+What the scope builds is built on the host as on one device (or, with ``init="meta"``, on the
+meta device: ``build``); when the scope closes, each outermost module is split into units (``shard_plan``), ``fully_shard`` is applied to the units
 and then the root over a 1-D DeviceMesh of the job (with ``shard_size``, a 2-D (replicate,
-shard) mesh: HSDP), and every parameter's shard is initialised
-exactly as one device would initialise it. Parameters are DTensors sharded on dim 0; FSDP
+shard) mesh: HSDP), and every process keeps its shard of each parameter, equal to what one
+device builds. Parameters are DTensors sharded on dim 0; FSDP
 all-gathers a unit before its forward and backward and reduce-scatters its gradients (summed,
 tf.distribute's contract with ``compute_average_loss``, unless ``gradient_op="mean"``), and the
 optimizer, created over the sharded parameters, keeps its state with each shard.
@@ -63,7 +63,9 @@ def device_mesh_1d(comm: Communicator, device: torch.device) -> Any:
 class ShardedExtended(OverReplicas):
     """Every process holds 1/N of each parameter, its gradient and its optimizer state."""
 
-    def __init__(self, comm: Communicator, device: torch.device, options: ShardingOptions, *, name: str) -> None:
+    def __init__(
+        self, comm: Communicator, device: torch.device, options: ShardingOptions, *, name: str, init: str = "auto"
+    ) -> None:
         if options.gradient_op not in ("sum", "mean"):
             raise ValueError(f"gradient_op must be 'sum' or 'mean', got {options.gradient_op!r}")
         size = options.shard_size
@@ -78,7 +80,7 @@ class ShardedExtended(OverReplicas):
         self.name = name
         self._dp = DataParallelExtended(comm, device, mirror=False, name=name)
         self._mesh: Any = None
-        self.build = ShardedBuild(comm, device, name, self._shard, self.owner)
+        self.build = ShardedBuild(comm, device, name, self._shard, self.owner, init)
         self.plans: list[UnitPlan] = []
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -137,7 +139,7 @@ class ShardedExtended(OverReplicas):
     def scope(self) -> contextlib.AbstractContextManager[None]:
         return self.build.scope()
 
-    def _shard(self, root: nn.Module) -> None:
+    def _shard(self, root: nn.Module, materialized: bool) -> None:
         from torch.distributed.fsdp import fully_shard
 
         opts = self.options
@@ -148,7 +150,8 @@ class ShardedExtended(OverReplicas):
             kw["mp_policy"] = opts.mixed_precision
         if opts.offload is not None:
             kw["offload_policy"] = opts.offload
-        with allocated_keeping_buffers(root, self._device):
+        # built on meta: real (empty) storage once sharded, initialised by the replay after
+        with allocated_keeping_buffers(root, self._device) if not materialized else contextlib.nullcontext():
             for path in plan.units:
                 fully_shard(root.get_submodule(path), **kw)
             fully_shard(root, **kw)

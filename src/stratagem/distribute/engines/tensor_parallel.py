@@ -1,9 +1,10 @@
 """TensorParallelExtended: layers split over a mesh's "model" axis on DTensor, the batch over its "data" axis.
 
-The scope builds on the meta device (``build``); when it closes, the layers a LayoutMap splits
+The scope builds on the host as on one device (or, with ``init="meta"``, on the meta device:
+``build``); when it closes, the layers a LayoutMap splits
 along the model axis are parallelized with torch's ``parallelize_module`` (column-wise: output
 features split, row-wise: input features split and the partial outputs all-reduced, Megatron's
-pair), the rest replicated, and every shard initialised as one device would initialise it. On a
+pair), the rest replicated, every shard equal to what one device builds. On a
 2-D mesh the tensor-parallel model is also sharded with ``fully_shard`` over the data axis
 (FSDP x TP), so each data-parallel replica holds 1/D of it and gradients are reduce-scattered
 across replicas. Replicas are the data axis: processes along the model axis read the same batch.
@@ -40,6 +41,7 @@ class TensorParallelExtended(OverReplicas):
         model_axis: str = "model",
         batch_axis: str | None = "data",
         name: str,
+        init: str = "auto",
     ) -> None:
         if mesh.size != world.world_size:
             raise ValueError(f"{name}: the mesh {mesh.shape} has {mesh.size} processes but the job has {world.world_size}")
@@ -60,7 +62,7 @@ class TensorParallelExtended(OverReplicas):
         )
         self._dp = DataParallelExtended(self.data_comm, device, mirror=False, name=name)
         self._torch_mesh: Any = None
-        self.build = ShardedBuild(world, device, name, self._shard, self.owner)
+        self.build = ShardedBuild(world, device, name, self._shard, self.owner, init)
         self.plans: list[dict[str, str]] = []
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -115,7 +117,7 @@ class TensorParallelExtended(OverReplicas):
     def scope(self) -> contextlib.AbstractContextManager[None]:
         return self.build.scope()
 
-    def _shard(self, root: nn.Module) -> None:
+    def _shard(self, root: nn.Module, materialized: bool) -> None:
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             ParallelStyle,
@@ -126,9 +128,12 @@ class TensorParallelExtended(OverReplicas):
         plan = tensor_parallel_plan(root, self.layout_map, self.model_axis)
         self.plans.append(plan)
         styles: dict[str, ParallelStyle] = {path: ColwiseParallel() if kind == "colwise" else RowwiseParallel() for path, kind in plan.items()}
-        with allocated_keeping_buffers(root, self._device):
+        # built on meta: real (empty) storage once sharded, initialised by the replay after
+        with allocated_keeping_buffers(root, self._device) if not materialized else contextlib.nullcontext():
             if styles:
                 parallelize_module(root, self.torch_mesh[self.model_axis], styles)
+            if materialized:
+                root.to(self._device)  # what stays whole (the split parts are on it already)
             if self.batch_axis is not None and self.mesh.axis_size(self.batch_axis) > 1:
                 from torch.distributed.fsdp import FSDPModule, fully_shard
 

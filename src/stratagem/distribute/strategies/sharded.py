@@ -13,6 +13,7 @@ import torch
 
 from stratagem.cluster import ClusterSpec, ensure_replicas
 from stratagem.distribute.devices import plan_devices
+from stratagem.distribute.engines.build import check_init
 from stratagem.distribute.engines.shard_plan import UnitSpec
 from stratagem.distribute.engines.sharded import ShardedExtended, ShardingOptions
 from stratagem.distribute.join import join
@@ -34,9 +35,16 @@ class ShardedStrategy(Strategy):
     tf.distribute's contract (scale the loss with ``compute_average_loss``); ``MEAN`` averages
     like FSDP's default. ``shard_size``: shard each copy over groups of that many consecutive
     processes and replicate it across the groups (HSDP: gradients reduce-scattered within a
-    group, all-reduced across groups); None shards over all. Every module holding parameters must initialise them in
-    ``reset_parameters()`` (torch's layers do): shards are initialised by replaying it, so values
-    equal single-device initialisation from the same seed.
+    group, all-reduced across groups); None shards over all.
+
+    ``init``: how the scope builds the model. ``"auto"`` (default) and ``"materialize"`` build it
+    on the host exactly as on one device (its own initialisation included), then shard it and
+    free the full copy: the peak while building is one full copy of the model per process.
+    ``"meta"`` builds on the meta device and initialises each shard by replaying the modules'
+    ``reset_parameters()``, so no process ever holds the whole model; for models whose every
+    parameter is initialised by its module's ``reset_parameters()`` (torch's layers), others are
+    refused with an error naming the module. Either way the parameters equal single-device
+    initialisation from the same seed.
     """
 
     def __init__(
@@ -51,7 +59,9 @@ class ShardedStrategy(Strategy):
         shard_size: int | None = None,
         timeout: float = 120.0,
         devices: str | None = None,
+        init: str = "auto",
     ) -> None:
+        check_init(init, "ShardedStrategy")
         if num_replicas is not None and num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         launched = ClusterSpec.from_environ()
@@ -77,4 +87,4 @@ class ShardedStrategy(Strategy):
         self.cluster_spec = spec
         self.device = device
         comm = join(spec, device, timeout=timeout)
-        super().__init__(ShardedExtended(comm, device, options, name="ShardedStrategy"))
+        super().__init__(ShardedExtended(comm, device, options, name="ShardedStrategy", init=init))

@@ -4,7 +4,9 @@
 ``layout_map[r"attn\\.(q|k|v)\\.weight"] = ("model", None)``, then
 ``ModelParallelStrategy(mesh, layout_map)``: the model built in its scope is split as the map
 says (torch's ``parallelize_module`` on DTensor). With a 2-D mesh ``("data", "model")`` the batch
-is split over ``batch_axis`` too, and the model sharded over it (FSDP x TP).
+is split over ``batch_axis`` too, and the model sharded over it (FSDP x TP). ``init``: as for
+ShardedStrategy (``"auto"``/``"materialize"``: built on the host as on one device, then split;
+``"meta"``: built on the meta device, each shard initialised by replaying ``reset_parameters()``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from stratagem.cluster import ClusterSpec, ensure_replicas
 from stratagem.distribute.devices import plan_devices
+from stratagem.distribute.engines.build import check_init
 from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap
 from stratagem.distribute.engines.tensor_parallel import TensorParallelExtended
 from stratagem.distribute.join import join
@@ -34,7 +37,9 @@ class ModelParallelStrategy(Strategy):
         model_axis: str = "model",
         timeout: float = 120.0,
         devices: str | None = None,
+        init: str = "auto",
     ) -> None:
+        check_init(init, "ModelParallelStrategy")
         if layout_map.mesh != mesh:
             raise ValueError(f"ModelParallelStrategy: the layout map is for mesh {layout_map.mesh}, not {mesh}")
         launched = ClusterSpec.from_environ()
@@ -50,6 +55,7 @@ class ModelParallelStrategy(Strategy):
         comm = join(spec, device, timeout=timeout)
         super().__init__(
             TensorParallelExtended(
-                comm, device, mesh, layout_map, model_axis=model_axis, batch_axis=batch_axis, name="ModelParallelStrategy"
+                comm, device, mesh, layout_map, model_axis=model_axis, batch_axis=batch_axis, name="ModelParallelStrategy",
+                init=init,
             )
         )

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -21,26 +22,45 @@ class CheckpointCorruptError(RuntimeError):
         self.problem = problem
 
 
-def encode_value(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors one (a tied weight: the same storage, offset, shape and strides)."""
+    if t.numel() == 0 or t.is_meta or type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def encode_value(
+    value: Any, tensors: dict[str, torch.Tensor], path: str, aliases: dict[tuple[Any, ...], str] | None = None
+) -> Any:
+    """``value`` as JSON, its tensors added to ``tensors``. A tensor met twice (a tied weight
+    under two names of a state dict) is stored once and referenced twice, so it decodes to one
+    tensor under both names."""
+    if aliases is None:
+        aliases = {}
     if isinstance(value, torch.Tensor):
+        alias = _alias_key(value)
+        if alias is not None and alias in aliases:
+            return {"__tensor__": aliases[alias]}
         key = f"t{len(tensors)}"
         tensors[key] = value.detach().to("cpu", copy=True).contiguous()
+        if alias is not None:
+            aliases[alias] = key
         return {"__tensor__": key}
     if isinstance(value, np.ndarray):
         return {"__ndarray__": {"dtype": value.dtype.str, "shape": list(value.shape),
                                 "data": value.reshape(-1).tolist()}}
     if isinstance(value, np.generic):
-        return encode_value(value.item(), tensors, path)
+        return encode_value(value.item(), tensors, path, aliases)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, bytes):
         return {"__bytes__": base64.b64encode(value).decode()}
     if isinstance(value, tuple):
-        return {"__tuple__": [encode_value(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]}
+        return {"__tuple__": [encode_value(v, tensors, f"{path}[{i}]", aliases) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode_value(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [encode_value(v, tensors, f"{path}[{i}]", aliases) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return {"__dict__": [[encode_value(k, tensors, path), encode_value(v, tensors, f"{path}.{k}")]
+        return {"__dict__": [[encode_value(k, tensors, path, aliases), encode_value(v, tensors, f"{path}.{k}", aliases)]
                              for k, v in value.items()]}
     if isinstance(value, torch.dtype):
         return {"__dtype__": str(value).replace("torch.", "")}

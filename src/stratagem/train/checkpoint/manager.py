@@ -622,6 +622,11 @@ def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str]
     """Write the weights of the module saved as ``name`` to one plain ``.safetensors`` file."""
     import safetensors.torch
 
-    state = {k: v.contiguous() for k, v in load_state_dict(path, name).items()}
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for k, v in load_state_dict(path, name).items():
+        # a tied weight (one tensor under two names): safetensors refuses shared tensors
+        state[k] = v.contiguous() if id(v) not in seen else v.clone()
+        seen.add(id(v))
     safetensors.torch.save_file(state, os.fspath(out))
     return os.fspath(out)

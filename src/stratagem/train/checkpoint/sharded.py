@@ -69,10 +69,27 @@ def _dcp_state(modules: dict[str, nn.Module], optims: dict[str, tuple[torch.opti
         get_optimizer_state_dict,
     )
 
-    state: dict[str, Any] = {n: get_model_state_dict(m) for n, m in modules.items()}
+    state: dict[str, Any] = {}
+    for n, m in modules.items():
+        own = get_model_state_dict(m)
+        for alias in _tied(m):  # a tied weight is saved once, under its first name
+            own.pop(alias, None)
+        state[n] = own
     for n, (o, mn) in optims.items():
         state[n] = get_optimizer_state_dict(modules[mn], o)
     return state
+
+
+def _tied(module: nn.Module) -> dict[str, str]:
+    """Each later name of a parameter registered under several names (a tied weight: nanoGPT's
+    ``lm_head.weight`` is ``transformer.wte.weight``) -> its first name."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        kept = first.setdefault(id(p), name)
+        if kept != name:
+            out[name] = kept
+    return out
 
 
 def _is_per_rank(obj: Any) -> bool:
@@ -283,6 +300,9 @@ def _load_sharded(path: Path, meta: dict[str, Any], modules: dict[str, nn.Module
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path / "sharded"), no_dist=alone)
     for n, m in modules.items():
+        for alias, kept in _tied(m).items():  # the tie's other names read the one saved tensor
+            if kept in state[n]:
+                state[n][alias] = state[n][kept]
         set_model_state_dict(m, state[n])
     for n, (o, mn) in optims.items():
         set_optimizer_state_dict(modules[mn], o, state[n])
