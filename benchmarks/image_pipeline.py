@@ -165,7 +165,9 @@ def gpu_main(images: torch.Tensor, dev: torch.device, workers: int, rounds: int)
     ds = stratagem_pipeline(images)
     loader = tud.DataLoader(TorchImages(images, 0), batch_size=BATCH, shuffle=True,
                             num_workers=workers, pin_memory=dev.type == "cuda")
-    staged = [x.to(dev) for x in list(loader)[:4]]  # the bound: batches already on the GPU
+    first = iter(loader)
+    staged = [next(first).to(dev) for _ in range(min(4, len(loader)))]  # the bound: on the GPU already
+    del first
     steps = -(-len(images) // BATCH)
     on_gpu = [staged[i % len(staged)] for i in range(steps)]
     arms = {
