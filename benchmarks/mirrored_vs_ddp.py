@@ -90,6 +90,7 @@ def main() -> None:
         print(f"stratagem MirroredStrategy: {a:8.1f} samples/s   (rounds: {', '.join(f'{v:.0f}' for v in ours)})")
         print(f"torch DDP:                  {b:8.1f} samples/s   (rounds: {', '.join(f'{v:.0f}' for v in theirs)})")
         print(f"ratio stratagem / DDP: {a / b:.3f}")
+        print(f"RESULT mirrored_vs_ddp={a / b:.4f}")
 
 
 if __name__ == "__main__":

@@ -142,6 +142,7 @@ def main() -> None:
                   f"sends {sent[name] / 2**20:6.1f} MiB/step  (rounds: {', '.join(f'{r:.0f}' for r in v)})")  # fmt: skip
         print(f"ratio ShardedStrategy / hand-written fully_shard: {med['ShardedStrategy'] / med['hand-written fully_shard']:.3f}")
         print(f"ratio ShardedStrategy / MirroredStrategy: {med['ShardedStrategy'] / med['MirroredStrategy']:.3f}")
+        print(f"RESULT sharded_vs_fully_shard={med['ShardedStrategy'] / med['hand-written fully_shard']:.4f}")
 
 
 if __name__ == "__main__":
