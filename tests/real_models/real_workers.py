@@ -254,6 +254,14 @@ def pipeline(names: list[str]) -> dict[str, Any]:
             s.pipeline(nn.Sequential(emb, nn.Identity(), nn.Identity(), Head(emb)), nn.CrossEntropyLoss(), verbose=False)
     except ValueError as e:
         out["meta_tie_error"] = str(e)
+    # the model's own loss needs the whole output on one process: not under a pipeline
+    with s.scope():
+        plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    try:
+        stratagem.fit(plain, plain_opt, None, [(torch.zeros(4, 4), torch.zeros(4, dtype=torch.long))], verbose=0)
+    except ValueError as e:
+        out["no_loss_fn_error"] = str(e)
     return out
 
 

@@ -96,6 +96,7 @@ def test_pipeline_two_stages_tie_across_stages() -> None:
     for out in outs:
         assert "ties parameters across stages (0.weight = 3.out.weight (stages 0, 1))" in out["meta_tie_error"]
         assert "build the model outside strategy.scope()" in out["meta_tie_error"]
+        assert "loss_fn=None (the model's own loss) is not supported under PipelineStrategy" in out["no_loss_fn_error"]
 
 
 @pytest.mark.timeout(200)

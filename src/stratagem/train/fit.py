@@ -80,6 +80,13 @@ def _make_steps(
                 "gradient accumulation, clipping and class_weight are not supported under "
                 "PipelineStrategy yet (its micro-batches already accumulate); leave them unset"
             )
+        from stratagem.pipeline.pipe import Pipe
+
+        if loss_fn is None and optimizer is not None and not isinstance(model, Pipe):
+            raise ValueError(
+                "loss_fn=None (the model's own loss) is not supported under PipelineStrategy: the "
+                "last stage computes the loss from the model's output; pass a loss_fn"
+            )
         return PipelineSteps(strategy, model, optimizer, loss_fn)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
