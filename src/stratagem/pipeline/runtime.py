@@ -25,7 +25,7 @@ import torch
 
 from stratagem.pipeline.errors import PipelineError
 from stratagem.pipeline.p2p import Channel, PostedRecv, RemoteStageError, raw_nbytes
-from stratagem.pipeline.schedule import Action
+from stratagem.pipeline.schedule import BACKWARD_KINDS, Action
 from stratagem.pipeline.stage import Stage, shape_of
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # trailing dimensions and dtype
@@ -202,10 +202,18 @@ def run_plan(
     *,
     on_last_backward: Callable[[bool], None] | None = None,
 ) -> torch.Tensor:
-    """Train on one mini-batch; the summed scaled loss (the same on every stage)."""
-    last_b = max((n for n, a in enumerate(actions) if a.kind == "B"), default=-1)
+    """Train on one mini-batch; the summed scaled loss (the same on every stage).
+
+    ``on_last_backward(True)`` is called before the action that accumulates the last weight
+    gradients of the step (the last B; with a split backward the last W, or the last I when no
+    weight is left to W passes), ``on_last_backward(False)`` before the others."""
+    split = any(a.kind in ("I", "W") for a in actions)
+    if split:
+        stage.split_backward()
+    weight_kind = "W" if split and stage.has_weight_pass() else ("I" if split else "B")
+    last_b = max((n for n, a in enumerate(actions) if a.kind == weight_kind), default=-1)
     f_order = [a.microbatch for a in actions if a.kind == "F"]
-    b_order = [a.microbatch for a in actions if a.kind == "B"]
+    b_order = [a.microbatch for a in actions if a.kind in BACKWARD_KINDS]
     links = _Links(stage, channel, sizes, sum(sizes), f_order, b_order) if channel else None
 
     def body() -> torch.Tensor:
@@ -222,12 +230,16 @@ def run_plan(
                     total += out.double()
                 else:
                     _need(links).send_activation(i, out)
+            elif a.kind == "W":
+                if on_last_backward is not None:
+                    on_last_backward(n == last_b)
+                stage.backward_weight(i)
             else:
                 stage.recompute(i)  # before waiting for the gradient: overlaps the next stage
                 grad = None if stage.is_last else _need(links).recv_grad(i)
                 if on_last_backward is not None:
                     on_last_backward(n == last_b)
-                gin = stage.backward(i, grad)
+                gin = stage.backward(i, grad) if a.kind == "B" else stage.backward_input(i, grad)
                 if not stage.is_first:
                     _need(links).send_grad(i, gin)
         return total

@@ -1,5 +1,5 @@
 """PipelineStrategy: a model split into stages, one process each (times data-parallel copies),
-trained with GPipe or 1F1B over point-to-point messages.
+trained with GPipe, 1F1B or zero-bubble schedules over point-to-point messages.
 
 Launch works as for MirroredStrategy: a plain ``python train.py`` re-runs itself to start the
 other ``num_stages x data_parallel - 1`` processes; under torchrun or ``stratagem run`` it joins
@@ -38,7 +38,7 @@ class PipelineStrategy(Strategy):
     """GPipe pipeline parallelism: ``num_stages`` processes, each holding consecutive layers of an
     ``nn.Sequential``, times ``data_parallel`` copies of the pipeline.
 
-    ``schedule``: ``"gpipe"`` or ``"1f1b"``; ``rematerialize``: ``"always"``, ``"except_last"``
+    ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"zero_bubble"``; ``rematerialize``: ``"always"``, ``"except_last"``
     (default) or ``"never"`` (torchgpipe's re-materialization modes); ``balance``: a list of
     layer counts per stage, ``"params"`` (default) or ``"time"``. ``devices``: as for
     MirroredStrategy (None: a GPU per process when there are enough, else the CPU; ``"cpu"``). ``timeout`` bounds every
