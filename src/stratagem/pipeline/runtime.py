@@ -216,12 +216,27 @@ def run_plan(
     b_order = [a.microbatch for a in actions if a.kind in BACKWARD_KINDS]
     links = _Links(stage, channel, sizes, sum(sizes), f_order, b_order) if channel else None
 
+    rec = stage.recorder
+    if rec is not None:
+        rec.begin_step()
+        clock = rec.clock
+
     def body() -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=stage.device)
         for n, a in enumerate(actions):
             i = a.microbatch
+            if rec is not None:
+                t0 = clock()
+                wait = 0.0
             if a.kind == "F":
-                x = inputs[i] if stage.is_first else _need(links).recv_activation(i)
+                if stage.is_first:
+                    x = inputs[i]
+                elif rec is not None:
+                    w0 = clock()
+                    x = _need(links).recv_activation(i)
+                    wait = clock() - w0
+                else:
+                    x = _need(links).recv_activation(i)
                 out = stage.forward(
                     i, x, recompute=i < recompute_below,
                     target=targets[i] if stage.is_last else None, scale=scales[i],
@@ -236,12 +251,18 @@ def run_plan(
                 stage.backward_weight(i)
             else:
                 stage.recompute(i)  # before waiting for the gradient: overlaps the next stage
+                if rec is not None:
+                    w0 = clock()
                 grad = None if stage.is_last else _need(links).recv_grad(i)
+                if rec is not None:
+                    wait = clock() - w0
                 if on_last_backward is not None:
                     on_last_backward(n == last_b)
                 gin = stage.backward(i, grad) if a.kind == "B" else stage.backward_input(i, grad)
                 if not stage.is_first:
                     _need(links).send_grad(i, gin)
+            if rec is not None:
+                rec.add(a.kind, i, t0, clock(), wait)
         return total
 
     return _with_handshake(stage, links, body)

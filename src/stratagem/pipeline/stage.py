@@ -13,6 +13,7 @@ from torch import nn
 
 from stratagem.pipeline.errors import PipelineError, StageShapeError
 from stratagem.pipeline.rematerialize import RNGSnapshot, frozen_buffers, replay_rng
+from stratagem.pipeline.timeline import Recorder
 
 
 def describe(module: nn.Module) -> str:
@@ -72,6 +73,7 @@ class Stage:
         self._capturing: list[tuple[nn.Module, torch.Tensor]] | None = None
         self._hooks: list[Any] = []
         self._w_modules: dict[nn.Module, list[nn.Parameter]] = {}
+        self.recorder: Recorder | None = None  # set while the strategy profiles
 
     @property
     def is_first(self) -> bool:

@@ -11,6 +11,8 @@ copy sees the same slice of the global batch).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
@@ -28,6 +30,7 @@ from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.partition import Partition
 from stratagem.pipeline.pipe import Pipe
 from stratagem.pipeline.schedule import Schedule
+from stratagem.pipeline.timeline import Timeline
 
 #: the job this process joined (a second strategy in the same script reuses it)
 _launched: dict[str, ClusterSpec] = {}
@@ -137,6 +140,23 @@ class PipelineStrategy(Strategy):
         The partition is printed once (rank 0) unless ``verbose=False``.
         """
         return self._pipeline_ext.build_pipe(model, loss_fn, loss_reduction, sample_input, verbose)
+
+    def profile(
+        self, path: str | os.PathLike[str] | None = "pipeline_timeline", *, picture: bool = True
+    ) -> contextlib.AbstractContextManager[Timeline]:
+        """Record what every stage does in the training steps run inside ``with``::
+
+            with strategy.profile("timeline") as timeline:
+                for x, y in batches:
+                    strategy.run(pipe.train_step, args=(x, y))
+            print(timeline.summary())  # bubble measured vs (K-1)/(M+K-1)
+
+        On exit (on every process) the stages' events are gathered: ``timeline`` holds them on
+        every stage, and rank 0 writes ``path + ".json"`` (a Chrome trace: chrome://tracing or
+        ui.perfetto.dev) and, with ``picture``, ``path + ".png"`` (needs matplotlib); ``path=None``
+        writes nothing. Call it on every process, after ``pipeline()``. See docs/PIPELINE.md.
+        """
+        return self._pipeline_ext.profile(path, picture)
 
     def __repr__(self) -> str:
         c = self.config
