@@ -323,3 +323,33 @@ def test_weight_pass_is_separate():
     for g, p in zip(grads, ref.parameters()):
         assert torch.equal(g, p.grad)
     assert torch.equal(gin, xr.grad)
+
+
+def test_split_backward_of_transformer_blocks():
+    """nn.TransformerEncoderLayer: MultiheadAttention holds in_proj_weight itself and uses its
+    out_proj's parameters without calling it; the split backward still gives autograd's result."""
+    from stratagem.pipeline import zero_bubble
+    from stratagem.pipeline.runtime import run_plan
+    from stratagem.pipeline.stage import Stage
+
+    def blocks():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True, norm_first=True),
+            nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True), nn.Flatten(), nn.Linear(40, 3),
+        )  # fmt: skip
+
+    model, ref = blocks(), blocks()
+    x, y = torch.randn(6, 5, 8), torch.randint(0, 3, (6,))
+    loss_fn = nn.CrossEntropyLoss()
+    sizes = split_sizes(6, 2)
+    scales = loss_scales(sizes, "mean", 6)
+    layers = list(model)
+    stage = Stage(0, 1, layers, 0, [str(j) for j in range(4)], ["l"] * 4, torch.device("cpu"), loss_fn)
+    torch.manual_seed(5)
+    run_plan(zero_bubble(1, 2)[0], stage, None, list(x.split(sizes)), list(y.split(sizes)), scales, sizes, 1)
+    torch.manual_seed(5)
+    sum(loss_fn(ref(xs), ys) * sc for xs, ys, sc in zip(x.split(sizes), y.split(sizes), scales)).backward()
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, refs[name].grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -133,8 +133,10 @@ class Stage:
         """Prepare for I/W actions: hook the modules that hold parameters directly, so each
         forward with grad records their outputs (the W pass starts from them).
 
-        A parameter gets its gradient in the W pass when exactly one module of the stage holds it;
-        one held by several modules (tied within the stage) gets it in the I pass, whole."""
+        A parameter gets its gradient in the W pass when exactly one module of the stage holds it
+        and that module has no parameter-holding children; others (tied within the stage, or
+        held by a parent such as nn.MultiheadAttention, whose W pass would redo its children's
+        backward) get theirs in the I pass."""
         if self._split:
             return
         self._split = True
@@ -145,7 +147,8 @@ class Stage:
                     holders[id(p)] = holders.get(id(p), 0) + 1
         for m in self.module.modules():
             params = [p for p in m._parameters.values() if p is not None and holders[id(p)] == 1]
-            if params:
+            nested = any(c._parameters for c in m.modules() if c is not m)
+            if params and not nested:
                 self._w_modules[m] = params
                 self._hooks.append(m.register_forward_hook(self._capture_hook))
 
@@ -199,19 +202,21 @@ class Stage:
                 leaves.append((o, params))
                 covered.update(id(p) for p in params)
         rest = [p for p in self.module.parameters() if p.requires_grad and id(p) not in covered]
-        inputs: list[torch.Tensor] = ([x] if wants_x else []) + [o for o, _ in leaves] + rest
         saved.leaves = None
         saved.output = None
-        if not inputs:
+        if not (wants_x or leaves or rest):
             return None
-        # autograd.grad does not accumulate: the input and module outputs; the parameters left
-        # to this pass accumulate into .grad (their hooks fire) with a second call
+        # one backward pass: the parameters left to this pass accumulate into .grad (their hooks
+        # fire), the input and the module outputs get .grad too (read, then let go)
         targets = ([x] if wants_x else []) + [o for o, _ in leaves]
-        grads = list(torch.autograd.grad(out, targets, grad, retain_graph=True, allow_unused=True)) if targets else []
-        if rest:
-            torch.autograd.backward(out, grad, inputs=rest, retain_graph=bool(leaves))
-        gx = grads.pop(0) if wants_x else None
-        saved.leaf_grads = [(o, g, ps) for (o, ps), g in zip(leaves, grads) if g is not None]
+        unique = list({id(t): t for t in (*targets, *rest)}.values())
+        torch.autograd.backward(out, grad, inputs=unique, retain_graph=bool(leaves))
+        gx = x.grad if wants_x else None
+        saved.leaf_grads = []
+        for o, params in leaves:
+            g, o.grad = o.grad, None
+            if g is not None:
+                saved.leaf_grads.append((o, g, params))
         return gx
 
     def backward_weight(self, i: int) -> bool:
