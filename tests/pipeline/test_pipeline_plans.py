@@ -245,8 +245,8 @@ def test_split_plans_are_checked():
 
 
 class _Scaled(nn.Module):
-    """A raw parameter used by the parent around a child that holds its own (the child's
-    parameters must not be used by the parent directly: docs/PIPELINE.md, zero-bubble)."""
+    """A raw parameter used by the parent around a child that holds its own, and the parent
+    reading the child's weight directly besides calling it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -254,14 +254,27 @@ class _Scaled(nn.Module):
         self.scale = nn.Parameter(torch.full((6,), 0.5))
 
     def forward(self, x):
-        return self.inner(x * self.scale)
+        return self.inner(x * self.scale) + 0.1 * x @ self.inner.weight.t()
+
+
+class _Borrow(nn.Module):
+    """A layer that also uses another layer's weight (held by that layer alone)."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.other = [other]  # not registered: the weight's only holder is `other`
+
+    def forward(self, x):
+        return self.lin(x) + 0.1 * torch.tanh(x @ self.other[0].weight)
 
 
 def _awkward_model():
     tied = nn.Linear(6, 6)
     twice = nn.Linear(6, 6)
+    lender = nn.Linear(6, 6)
     return nn.Sequential(
-        nn.Linear(4, 6), nn.ReLU(inplace=True), _Scaled(), tied, nn.Tanh(), tied,
+        nn.Linear(4, 6), nn.ReLU(inplace=True), _Scaled(), tied, nn.Tanh(), tied, lender, nn.Sequential(_Borrow(lender)),
         nn.Sequential(twice, nn.ReLU(), twice), nn.BatchNorm1d(6), nn.Dropout(0.3), nn.Linear(6, 3),
     )  # fmt: skip
 
@@ -269,8 +282,9 @@ def _awkward_model():
 @pytest.mark.parametrize("remat", ["never", "always"])
 def test_split_backward_matches_autograd(remat):
     """One stage running F/I/W (zero-bubble) leaves the gradients of a plain backward: in-place
-    ReLU after a linear layer, a parent using a raw parameter and its child's weight, a layer used
-    twice, weights tied between two positions, BatchNorm, dropout replayed."""
+    ReLU after a linear layer, a parent using a raw parameter and its child's weight, a layer
+    using another layer's weight, a layer used twice, weights tied between two positions,
+    BatchNorm, dropout replayed."""
     from stratagem.pipeline import zero_bubble
     from stratagem.pipeline.runtime import run_plan
     from stratagem.pipeline.stage import Stage

@@ -41,6 +41,31 @@ class _Saved:
     leaf_grads: list[tuple[torch.Tensor, torch.Tensor, list[nn.Parameter]]] | None = None
 
 
+def _foreign_uses(out: torch.Tensor, leaves: Sequence[tuple[torch.Tensor, Sequence[nn.Parameter]]]) -> set[int]:
+    """The ids of parameters in ``leaves`` that ``out`` also depends on other than through their
+    own module's output: a walk of the autograd graph from ``out`` in regions, a new region
+    starting at each module output; a parameter met in a region not its module's is foreign."""
+    starts = {o.grad_fn: k for k, (o, _) in enumerate(leaves) if o.grad_fn is not None}
+    owner = {id(p): k for k, (_, ps) in enumerate(leaves) for p in ps}
+    foreign: set[int] = set()
+    seen: set[tuple[Any, int]] = set()
+    stack: list[tuple[Any, int]] = [(out.grad_fn, -1)]
+    while stack:
+        node, region = stack.pop()
+        region = starts.get(node, region)
+        if (node, region) in seen:
+            continue
+        seen.add((node, region))
+        var = getattr(node, "variable", None)
+        if var is not None:
+            k = owner.get(id(var))
+            if k is not None and k != region:
+                foreign.add(id(var))
+            continue
+        stack.extend((nxt, region) for nxt, _ in node.next_functions if nxt is not None)
+    return foreign
+
+
 class Stage:
     """Stage ``index`` of ``num_stages``: the layers it holds and its micro-batches in flight.
 
@@ -201,6 +226,10 @@ class Stage:
             if counts[m] == 1 and params and isinstance(o, torch.Tensor) and o.requires_grad:
                 leaves.append((o, params))
                 covered.update(id(p) for p in params)
+        foreign = _foreign_uses(out, leaves)
+        if foreign:  # used outside their module (a parent reading a child's weight): all in I
+            leaves = [(o, kept) for o, ps in leaves if (kept := [p for p in ps if id(p) not in foreign])]
+            covered -= foreign
         rest = [p for p in self.module.parameters() if p.requires_grad and id(p) not in covered]
         saved.leaves = None
         saved.output = None
