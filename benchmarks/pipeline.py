@@ -162,15 +162,20 @@ def shapes_main(args: Any) -> None:
                 continue
             runners[f"torch {name}"] = step
         walls: dict[str, list[float]] = {k: [] for k in runners}
+        cpus: dict[str, list[float]] = {k: [] for k in runners}
         keys = list(runners)
         for r in range(args.rounds + 1):
             for key in keys if r % 2 == 0 else keys[::-1]:  # alternate the order round by round
                 world.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 runners[key]()
                 if r:
                     walls[key].append(time.perf_counter() - t0)
+                    cpus[key].append(time.process_time() - c0)
         walls["T1'"] = world.broadcast_object(walls["T1'"], src=0)
+        # CPU seconds of the two processes together (median round): less sensitive to the load
+        both = world.all_gather_object({k: statistics.median(v) for k, v in cpus.items()})
+        walls.update({"cpu " + k: [sum(c[k] for c in both)] for k in cpus})
         rows.append((m, walls))
         if rank == 0:
             print(f"done M={m}", flush=True)
@@ -203,6 +208,10 @@ def shape_report(rows: list[tuple[int, dict[str, list[float]]]], args: Any) -> N
             if theirs in walls:
                 line += f" | {theirs:<12} {cell(theirs)}  vs torch {med[theirs] / med[ours]:4.2f}"
             print(line)
+        cpu = "  CPU ms per step, both processes: " + ", ".join(
+            f"{k} {walls['cpu ' + k][0] * 1e3:.0f}" for k in walls if not k.startswith("cpu ") and "cpu " + k in walls
+        )
+        print(cpu)
     print(f"  load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 
