@@ -307,6 +307,12 @@ def hybrid_worker() -> list[str]:
             ref_opt.step()
             ref_opt.zero_grad()
         compare(pipe, ref, f"hybrid {schedule} after 2 steps", errors, grads=False)
+        # each copy's timeline holds both of its stages, the plan's actions once
+        with s.profile(None) as timeline:
+            s.run(pipe.train_step, args=next(iter(s.experimental_distribute_dataset(global_batches))))
+        got = [[(e.kind, e.microbatch) for e in st] for st in timeline.stages]
+        if got != [[(a.kind, a.microbatch) for a in acts] for acts in s.schedule.stages]:
+            errors.append(f"hybrid {schedule}: timeline {got}")
     # gradual unfreezing: every layer frozen when the pipeline is built, all trainable from step 1
     s = PipelineStrategy(2, 2, data_parallel=2, devices="cpu")
     loss_fn = nn.CrossEntropyLoss()
