@@ -8,6 +8,14 @@ formula, ``T1 * (M + K - 1) / (M * K)`` with T1 the unsplit model's forward+back
 single-threaded process, and the activation memory each stage holds for backward at its peak
 (autograd-saved tensors plus the inputs kept for recomputation), with ratios. All variants run
 interleaved, round by round, so they see the same load; the best round is reported.
+
+``--shape mlp1024`` (8 x Linear(1024)+ReLU and a head, batch 256) and ``--shape transformer``
+(4 pre-LN transformer blocks of width 256, sequence 128, batch 64) compare, at M = 8 (``--micro``),
+stratagem's GPipe, 1F1B and zero-bubble with torch's ScheduleGPipe, Schedule1F1B and
+ScheduleInterleavedZeroBubble (one stage per rank) on the same split and data, and with the
+bubble bound ``T1' (M + K - 1) / (M K)`` (T1': the unsplit model over the same M micro-batches
+on one single-threaded process); the order of the variants alternates round by round and
+medians with their spread are reported.
 """
 
 from __future__ import annotations
@@ -87,14 +95,141 @@ class _Held:
             m.release(self.key)
 
 
+class _TokenLoss(nn.Module):
+    """Cross-entropy over every token of [batch, seq, classes] logits (mean)."""
+
+    reduction = "mean"
+
+    def forward(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(h.flatten(0, 1), y.flatten())
+
+
+def build_shape(shape: str) -> tuple[nn.Sequential, list[int], Any, Any, nn.Module]:
+    """The model, its 2-stage balance, a batch (x, y) and the loss of ``--shape``."""
+    g = torch.Generator().manual_seed(0)
+    if shape == "mlp1024":
+        model = build(1024, 8)  # 17 layers: 8 on stage 0, 9 on stage 1
+        x, y = torch.randn(256, 1024, generator=g), torch.randint(0, 10, (256,), generator=g)
+        return model, [8, 9], x, y, nn.CrossEntropyLoss()
+    width, seq, batch = 256, 128, 64
+    blocks: list[nn.Module] = [
+        nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        for _ in range(4)
+    ]
+    model = nn.Sequential(*blocks, nn.LayerNorm(width), nn.Linear(width, 10))
+    x = torch.randn(batch, seq, width, generator=g)
+    y = torch.randint(0, 10, (batch, seq), generator=g)
+    return model, [2, 4], x, y, _TokenLoss()
+
+
+def shapes_main(args: Any) -> None:
+    first = PipelineStrategy(K, 1, rematerialize="never", devices="cpu")
+    torch.set_num_threads(1)
+    rank = first.stage
+    world = first._pipeline_ext.world
+    _, balance, x, y, loss_fn = build_shape(args.shape)
+    torch.manual_seed(0)
+    full = build_shape(args.shape)[0] if rank == 0 else None
+    rows = []
+    for m in args.micro:
+
+        def unsplit(m: int = m) -> None:
+            if full is not None:
+                for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
+                    (loss_fn(full(xs), ys) * (len(xs) / len(x))).backward()
+                full.zero_grad(set_to_none=True)
+
+        runners: dict[str, Any] = {"T1'": unsplit}
+        for sched in ("gpipe", "1f1b", "zero_bubble"):
+            s = PipelineStrategy(K, m, schedule=sched, rematerialize="never", balance=balance, devices="cpu")
+            with s.scope():
+                torch.manual_seed(0)
+                pipe = s.pipeline(build_shape(args.shape)[0], loss_fn, verbose=False)
+
+            def ours(pipe: Any = pipe, s: Any = s) -> None:
+                s.run(pipe.train_step, args=(x, y))
+                for p in pipe.parameters():
+                    p.grad = None
+
+            runners[sched] = ours
+        for name in ("GPipe", "1F1B", "ZB"):
+            try:
+                step, _ = torch_pipelining(name, m, args, balance, x, y, loss_fn, rank)
+                step()
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                if rank == 0:
+                    print(f"torch {name} at M={m}: not run ({type(e).__name__}: {e})", flush=True)
+                continue
+            runners[f"torch {name}"] = step
+        walls: dict[str, list[float]] = {k: [] for k in runners}
+        cpus: dict[str, list[float]] = {k: [] for k in runners}
+        keys = list(runners)
+        for r in range(args.rounds + 1):
+            for key in keys if r % 2 == 0 else keys[::-1]:  # alternate the order round by round
+                world.barrier()
+                c0, t0 = time.process_time(), time.perf_counter()
+                runners[key]()
+                if r:
+                    walls[key].append(time.perf_counter() - t0)
+                    cpus[key].append(time.process_time() - c0)
+        walls["T1'"] = world.broadcast_object(walls["T1'"], src=0)
+        # CPU seconds of the two processes together (median round): less sensitive to the load
+        both = world.all_gather_object({k: statistics.median(v) for k, v in cpus.items()})
+        walls.update({"cpu " + k: [sum(c[k] for c in both)] for k in cpus})
+        rows.append((m, walls))
+        if rank == 0:
+            print(f"done M={m}", flush=True)
+    if rank == 0:
+        shape_report(rows, args)
+
+
+def shape_report(rows: list[tuple[int, dict[str, list[float]]]], args: Any) -> None:
+    what = {
+        "mlp1024": "8 x [Linear(1024), ReLU] + Linear(1024, 10), batch 256",
+        "transformer": "4 pre-LN transformer blocks (width 256, 4 heads, MLP 1024) + LayerNorm + Linear, "
+        "batch 64 x seq 128",
+    }[args.shape]
+    print(f"\n2-stage pipeline: {what}; 2 processes x 1 thread; {args.rounds} rounds, order alternating")
+    print("ms per mini-batch: median [min-max]; bound = T1' (M+K-1)/(MK); x bound = median / bound;")
+    print("vs torch = torch's median / ours (> 1: stratagem faster)")
+    pairs = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "zero_bubble": "torch ZB"}
+    for m, walls in rows:
+        med = {k: statistics.median(v) for k, v in walls.items()}
+        bound = med["T1'"] * (m + K - 1) / (m * K)
+        t1 = med["T1'"]
+        print(f"M={m}: T1' {t1 * 1e3:.1f} ms, bound {bound * 1e3:.1f} ms")
+
+        def cell(k: str, walls: dict[str, list[float]] = walls) -> str:
+            v = walls[k]
+            return f"{statistics.median(v) * 1e3:7.1f} [{min(v) * 1e3:.0f}-{max(v) * 1e3:.0f}]"
+
+        for ours, theirs in pairs.items():
+            line = f"  {ours:<12} {cell(ours)}  x bound {med[ours] / bound:4.2f}"
+            if theirs in walls:
+                line += f" | {theirs:<12} {cell(theirs)}  vs torch {med[theirs] / med[ours]:4.2f}"
+            print(line)
+        cpu = "  CPU ms per step, both processes: " + ", ".join(
+            f"{k} {walls['cpu ' + k][0] * 1e3:.0f}" for k in walls if not k.startswith("cpu ") and "cpu " + k in walls
+        )
+        print(cpu)
+    print(f"  load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=["mlp", "mlp1024", "transformer"], default="mlp",
+                    help="mlp: the M sweep below; mlp1024 / transformer: all schedules at --micro (8)")  # fmt: skip
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=16, help="[Linear, ReLU] blocks (split evenly)")
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds (after one warm-up)")
     ap.add_argument("--micro", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     args = ap.parse_args()
+    if args.shape != "mlp":
+        if args.micro == [1, 2, 4, 8, 16]:
+            args.micro = [8]
+        shapes_main(args)
+        return
 
     first = PipelineStrategy(K, 1, rematerialize="never", devices="cpu")  # starts the second process, joins the job
     torch.set_num_threads(1)
@@ -203,15 +338,24 @@ def torch_pipelining(
     name: str, m: int, args: Any, balance: list[int], x: Any, y: Any, loss_fn: Any, rank: int
 ) -> tuple[Any, nn.Module]:
     """One step of torch.distributed.pipelining's schedule on the same split, and the stage."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+    )
 
     torch.manual_seed(0)
-    layers = list(build(args.width, args.layers))
+    model = build(args.width, args.layers) if args.shape == "mlp" else build_shape(args.shape)[0]
+    layers = list(model)
     start = sum(balance[:rank])
     part = nn.Sequential(*layers[start : start + balance[rank]])
     stage = PipelineStage(part, rank, K, torch.device("cpu"))  # shapes inferred in the first step
-    cls = ScheduleGPipe if name == "GPipe" else Schedule1F1B
-    sched = cls(stage, m, loss_fn=loss_fn)
+    sched: Any
+    if name == "ZB":
+        sched = ScheduleInterleavedZeroBubble([stage], m, loss_fn=loss_fn)
+    else:
+        sched = (ScheduleGPipe if name == "GPipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)
 
     def step() -> None:
         if rank == 0:

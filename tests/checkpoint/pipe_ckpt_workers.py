@@ -8,8 +8,8 @@ from torch import nn
 from stratagem import Checkpoint, CheckpointManager, PipelineStrategy, RNGState
 
 
-def pipeline_checkpoint_worker(directory: str) -> dict:
-    strategy = PipelineStrategy(2, 2, devices="cpu")
+def pipeline_checkpoint_worker(directory: str, schedule: str = "gpipe") -> dict:
+    strategy = PipelineStrategy(2, 2, schedule=schedule, devices="cpu")
     with strategy.scope():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 3))

@@ -12,8 +12,9 @@ from stratagem.testing import run_workers
 
 
 @pytest.mark.timeout(120)
-def test_pipeline_stages_checkpoint_and_resume_exactly(tmp_path):
-    r0, r1 = (r.value for r in run_workers(pipeline_checkpoint_worker, 2, args=(str(tmp_path),)))
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+def test_pipeline_stages_checkpoint_and_resume_exactly(tmp_path, schedule):
+    r0, r1 = (r.value for r in run_workers(pipeline_checkpoint_worker, 2, args=(str(tmp_path), schedule)))
     assert r0["names"] == ["0.bias", "0.weight"] and r1["names"] == ["3.bias", "3.weight"]
     assert r0["same"] and r1["same"] and r0["latest"]
     meta = json.loads((tmp_path / "ckpt-2" / "metadata.json").read_text())

@@ -201,3 +201,169 @@ def test_meta_model_materializes_like_the_unsplit_model(owned):
 def test_flatten_needs_sequential():
     with pytest.raises(PipelineConfigError, match="needs an nn.Sequential .* got Linear"):
         flatten(nn.Linear(2, 2))
+
+
+def test_zero_bubble_plan():
+    from stratagem.pipeline import zero_bubble
+
+    assert str(zero_bubble(2, 4)) == (
+        "stage 0: F0 F1 I0 W0 I1 F2 W1 F3 I2 W2 I3 W3\n"
+        "stage 1: F0 I0 F1 I1 W0 W1 F2 I2 F3 I3 W2 W3"
+    )
+    assert make_schedule("zero-bubble", 2, 4) == zero_bubble(2, 4)
+
+    def peak(acts):  # micro-batches holding activations: forwarded, weight gradients not taken
+        live = best = 0
+        for a in acts:
+            live += {"F": 1, "W": -1}.get(a.kind, 0)
+            best = max(best, live)
+        return best
+
+    for k, m in itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 4, 8, 16]):
+        plan = zero_bubble(k, m)
+        check(plan)
+        ticks = len(simulate(plan))
+        # 1F1B with B as 2 ticks (I + W) takes 3M + 3(K - 1); zero-bubble's W fill part of it
+        assert 3 * m + max(0, 2 * k - 3) <= ticks <= 3 * m + max(0, 2 * k - 2), (k, m, ticks)
+        if m >= k:
+            peaks = [peak(a) for a in plan.stages]
+            assert max(peaks) == k == peaks[0] and peaks == sorted(peaks, reverse=True), peaks
+
+
+def test_split_plans_are_checked():
+    f, i, w = (lambda j, kind=kind: Action(kind, j) for kind in "FIW")
+    with pytest.raises(ValueError, match="W0 before I0"):
+        check(Schedule("x", 1, 1, ((f(0), w(0), i(0)),)))
+    with pytest.raises(ValueError, match="does not run each micro-batch once"):
+        check(Schedule("x", 1, 1, ((f(0), i(0)),)))
+    with pytest.raises(ValueError, match="mixes or misnames"):
+        check(Schedule("x", 1, 1, ((f(0), Action("B", 0), w(0)),)))
+    # W sends nothing: a stage may run it while its neighbour waits
+    fine = Schedule("x", 2, 2, ((f(0), f(1), i(0), w(0), i(1), w(1)), (f(0), i(0), f(1), i(1), w(1), w(0))))
+    check(fine)
+    assert len(simulate(fine)) == 7
+
+
+class _Scaled(nn.Module):
+    """A raw parameter used by the parent around a child that holds its own, and the parent
+    reading the child's weight directly besides calling it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.full((6,), 0.5))
+
+    def forward(self, x):
+        return self.inner(x * self.scale) + 0.1 * x @ self.inner.weight.t()
+
+
+class _Borrow(nn.Module):
+    """A layer that also uses another layer's weight (held by that layer alone)."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.other = [other]  # not registered: the weight's only holder is `other`
+
+    def forward(self, x):
+        return self.lin(x) + 0.1 * torch.tanh(x @ self.other[0].weight)
+
+
+def _awkward_model():
+    tied = nn.Linear(6, 6)
+    twice = nn.Linear(6, 6)
+    lender = nn.Linear(6, 6)
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.ReLU(inplace=True), _Scaled(), tied, nn.Tanh(), tied, lender, nn.Sequential(_Borrow(lender)),
+        nn.Sequential(twice, nn.ReLU(), twice), nn.BatchNorm1d(6), nn.Dropout(0.3), nn.Linear(6, 3),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_split_backward_matches_autograd(remat):
+    """One stage running F/I/W (zero-bubble) leaves the gradients of a plain backward: in-place
+    ReLU after a linear layer, a parent using a raw parameter and its child's weight, a layer
+    using another layer's weight, a layer used twice, weights tied between two positions,
+    BatchNorm, dropout replayed."""
+    from stratagem.pipeline import zero_bubble
+    from stratagem.pipeline.runtime import run_plan
+    from stratagem.pipeline.stage import Stage
+
+    torch.manual_seed(0)
+    model = _awkward_model()
+    ref = _awkward_model()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    loss_fn = nn.CrossEntropyLoss()
+    sizes = split_sizes(10, 3)
+    layers = list(model)
+    stage = Stage(0, 1, layers, 0, [str(j) for j in range(len(layers))],
+                  [type(m).__name__ for m in layers], torch.device("cpu"), loss_fn)  # fmt: skip
+    scales = loss_scales(sizes, "mean", 10)
+    torch.manual_seed(5)
+    loss = run_plan(zero_bubble(1, 3)[0], stage, None, list(x.split(sizes)), list(y.split(sizes)), scales, sizes,
+                    rematerialize_stop(remat, 3))  # fmt: skip
+    torch.manual_seed(5)
+    ref_loss = sum(loss_fn(ref(xs), ys) * sc for xs, ys, sc in zip(x.split(sizes), y.split(sizes), scales))
+    ref_loss.backward()
+    assert torch.allclose(loss.float(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, refs[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(b, dict(ref.named_buffers())[name], msg=name)
+
+
+def test_weight_pass_is_separate():
+    """After I the weights of parameter-holding layers have no gradient yet; W gives it."""
+    from stratagem.pipeline.stage import Stage
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)]
+    stage = Stage(1, 2, layers, 0, ["0", "1", "2"], ["a", "b", "c"], torch.device("cpu"))
+    stage.split_backward()
+    x = torch.randn(3, 4)
+    out = stage.forward(0, x, recompute=False)
+    gin = stage.backward_input(0, torch.ones_like(out))
+    assert gin is not None and gin.shape == x.shape
+    assert all(p.grad is None for m in layers for p in m.parameters())
+    assert stage.backward_weight(0)
+    ref = nn.Sequential(*layers)
+    grads = [p.grad.clone() for p in ref.parameters()]
+    ref.zero_grad()
+    xr = x.clone().requires_grad_(True)
+    ref(xr).sum().backward()
+    for g, p in zip(grads, ref.parameters()):
+        assert torch.equal(g, p.grad)
+    assert torch.equal(gin, xr.grad)
+
+
+def test_split_backward_of_transformer_blocks():
+    """nn.TransformerEncoderLayer: MultiheadAttention holds in_proj_weight itself and uses its
+    out_proj's parameters without calling it; the split backward still gives autograd's result."""
+    from stratagem.pipeline import zero_bubble
+    from stratagem.pipeline.runtime import run_plan
+    from stratagem.pipeline.stage import Stage
+
+    def blocks():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True, norm_first=True),
+            nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True), nn.Flatten(), nn.Linear(40, 3),
+        )  # fmt: skip
+
+    model, ref = blocks(), blocks()
+    x, y = torch.randn(6, 5, 8), torch.randint(0, 3, (6,))
+    loss_fn = nn.CrossEntropyLoss()
+    sizes = split_sizes(6, 2)
+    scales = loss_scales(sizes, "mean", 6)
+    layers = list(model)
+    stage = Stage(0, 1, layers, 0, [str(j) for j in range(4)], ["l"] * 4, torch.device("cpu"), loss_fn)
+    torch.manual_seed(5)
+    run_plan(zero_bubble(1, 2)[0], stage, None, list(x.split(sizes)), list(y.split(sizes)), scales, sizes, 1)
+    torch.manual_seed(5)
+    sum(loss_fn(ref(xs), ys) * sc for xs, ys, sc in zip(x.split(sizes), y.split(sizes), scales)).backward()
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, refs[name].grad, rtol=1e-5, atol=1e-6, msg=name)

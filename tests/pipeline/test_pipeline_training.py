@@ -4,6 +4,7 @@ parallelism, and failures that reach every process fast."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from stratagem.pipeline import PipelineConfigError, PipelineError, StageShapeErr
 from stratagem.testing import run_workers
 
 RTOL, ATOL = 1e-5, 4e-5
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 
 
 def build(dropout: float = 0.0) -> nn.Sequential:
@@ -69,7 +71,7 @@ def matrix_worker() -> dict:
     errors: list[str] = []
     out: dict = {}
     data = batches([11, 11])
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in SCHEDULES:
         for checkpoint in ("always", "except_last", "never"):
             for m in (1, 2, 8):
                 for reduction in ("mean", "sum"):
@@ -108,7 +110,7 @@ def dropout_checks() -> dict:
     """Every mode and schedule gives the same dropout masks: recomputation replays the RNG."""
     x, y = batches([12])[0]
     results = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in SCHEDULES:
         for checkpoint in ("always", "except_last", "never"):
             s = PipelineStrategy(2, 4, schedule=schedule, rematerialize=checkpoint, balance=[3, 3], devices="cpu")
             pipe, _ = make_pipe(s, lambda: build(0.5), nn.CrossEntropyLoss())
@@ -125,7 +127,7 @@ def dropout_checks() -> dict:
     ) and all(
         results[(sch, ck)][0] == results[(sch, "never")][0]
         and all(torch.equal(results[(sch, ck)][1][n], results[(sch, "never")][1][n]) for n in base)
-        for sch in ("gpipe", "1f1b") for ck in ("always", "except_last")
+        for sch in SCHEDULES for ck in ("always", "except_last")
     )
     s = PipelineStrategy(2, 4, balance=[3, 3], devices="cpu")
     pipe, _ = make_pipe(s, lambda: build(0.5), nn.CrossEntropyLoss())
@@ -139,20 +141,19 @@ def batchnorm_checks(errors) -> bool:
     running statistics are updated once per micro-batch, also when it is recomputed."""
     x, y = batches([12])[0]
     loss_fn = nn.CrossEntropyLoss()
-    for m in (1, 3):
-        for checkpoint in ("always", "never"):
-            s = PipelineStrategy(2, m, rematerialize=checkpoint, balance=[3, 3], devices="cpu")
-            pipe, _ = make_pipe(s, build_bn, loss_fn)
-            s.run(pipe.train_step, args=(x, y))
-            ref, _ = reference(build_bn)
-            for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
-                (loss_fn(ref(xs), ys) * (len(xs) / len(x))).backward()
-            what = f"batchnorm M={m} {checkpoint}"
-            compare(pipe, ref, what, errors)
-            refs = dict(ref.named_buffers())
-            for name, b in pipe.named_buffers():
-                if not torch.allclose(b.float(), refs[name].float(), rtol=RTOL, atol=ATOL):
-                    errors.append(f"{what}: buffer {name} differs")
+    for m, checkpoint, schedule in itertools.product((1, 3), ("always", "never"), ("gpipe", "zero_bubble")):
+        s = PipelineStrategy(2, m, schedule=schedule, rematerialize=checkpoint, balance=[3, 3], devices="cpu")
+        pipe, _ = make_pipe(s, build_bn, loss_fn)
+        s.run(pipe.train_step, args=(x, y))
+        ref, _ = reference(build_bn)
+        for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
+            (loss_fn(ref(xs), ys) * (len(xs) / len(x))).backward()
+        what = f"batchnorm {schedule} M={m} {checkpoint}"
+        compare(pipe, ref, what, errors)
+        refs = dict(ref.named_buffers())
+        for name, b in pipe.named_buffers():
+            if not torch.allclose(b.float(), refs[name].float(), rtol=RTOL, atol=ATOL):
+                errors.append(f"{what}: buffer {name} differs")
     return True
 
 
@@ -269,7 +270,8 @@ def failure_worker(schedule: str, mode: str, position: int) -> tuple[str, float]
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "schedule,mode,position",
-    [("1f1b", "forward", 2), ("gpipe", "forward", 1), ("gpipe", "backward", 2), ("1f1b", "backward", 1)],
+    [("1f1b", "forward", 2), ("gpipe", "forward", 1), ("gpipe", "backward", 2), ("1f1b", "backward", 1),
+     ("zero_bubble", "backward", 1), ("zero_bubble", "backward", 2)],
 )
 def test_exception_in_one_stage_reaches_every_process(schedule, mode, position):
     results = run_workers(failure_worker, 2, args=(schedule, mode, position), timeout=50)
@@ -283,7 +285,7 @@ def test_exception_in_one_stage_reaches_every_process(schedule, mode, position):
 # --- launch 4: two stages x two data-parallel copies ----------------------------------------------------
 def hybrid_worker() -> list[str]:
     errors: list[str] = []
-    for schedule, reduction in (("gpipe", "mean"), ("1f1b", "sum")):
+    for schedule, reduction in (("gpipe", "mean"), ("1f1b", "sum"), ("zero_bubble", "mean")):
         s = PipelineStrategy(2, 2, schedule=schedule, data_parallel=2, devices="cpu")
         assert s.num_replicas_in_sync == 2
         loss_fn = nn.CrossEntropyLoss(reduction=reduction)
@@ -305,6 +307,12 @@ def hybrid_worker() -> list[str]:
             ref_opt.step()
             ref_opt.zero_grad()
         compare(pipe, ref, f"hybrid {schedule} after 2 steps", errors, grads=False)
+        # each copy's timeline holds both of its stages, the plan's actions once
+        with s.profile(None) as timeline:
+            s.run(pipe.train_step, args=next(iter(s.experimental_distribute_dataset(global_batches))))
+        got = [[(e.kind, e.microbatch) for e in st] for st in timeline.stages]
+        if got != [[(a.kind, a.microbatch) for a in acts] for acts in s.schedule.stages]:
+            errors.append(f"hybrid {schedule}: timeline {got}")
     # gradual unfreezing: every layer frozen when the pipeline is built, all trainable from step 1
     s = PipelineStrategy(2, 2, data_parallel=2, devices="cpu")
     loss_fn = nn.CrossEntropyLoss()
@@ -350,3 +358,38 @@ def test_plain_script_launches_its_stages():
     for _, first, last, acc in found:
         assert float(last) < float(first) / 2 and float(acc) >= 0.9
     assert found[0][1:] == found[1][1:]  # every stage reports the same loss and predictions
+
+
+# --- launch 6: three stages, a middle stage that receives and sends in every I ------------------
+def three_stage_worker() -> list[str]:
+    errors: list[str] = []
+    data = batches([13, 10])  # uneven micro-batches: 13 = 3+3+3+2+2
+    for schedule, remat in (("zero_bubble", "except_last"), ("zero_bubble", "never"), ("1f1b", "always")):
+        s = PipelineStrategy(3, 5, schedule=schedule, rematerialize=remat, balance=[2, 2, 2],
+                             devices="cpu")  # fmt: skip
+        loss_fn = nn.CrossEntropyLoss()
+        pipe, opt = make_pipe(s, lambda: build(0.3), loss_fn)
+        ref, ref_opt = reference(lambda: build(0.3))
+        for step, (x, y) in enumerate(data):
+            torch.manual_seed(10 + step)
+            loss = s.run(pipe.train_step, args=(x, y))
+            torch.manual_seed(10 + step)
+            # dropout (on stage 1) draws from that process's RNG micro-batch by micro-batch: the
+            # reference replays the same draws by running the micro-batches in order
+            ref_loss = sum(loss_fn(ref(xs), ys) * (len(xs) / len(x)) for xs, ys in zip(x.tensor_split(5), y.tensor_split(5)))
+            ref_loss.backward()
+            what = f"3 stages {schedule}/{remat} step {step}"
+            if not torch.allclose(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL):
+                errors.append(f"{what}: loss {float(loss)} != {float(ref_loss)}")
+            compare(pipe, ref, what, errors)
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    return errors
+
+
+@pytest.mark.timeout(150)
+def test_three_stages_zero_bubble():
+    results = run_workers(three_stage_worker, 3, timeout=120)
+    assert [r.value for r in results] == [[]] * 3

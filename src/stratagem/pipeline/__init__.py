@@ -1,4 +1,4 @@
-"""pipeline: GPipe/1F1B pipelines: schedules and partitions as data, micro-batching,
+"""pipeline: GPipe/1F1B/zero-bubble pipelines: schedules and partitions as data, micro-batching,
 re-materialization, the stage runtime over point-to-point messages (imports only comm)."""
 
 from stratagem.pipeline.config import PipelineConfig
@@ -15,6 +15,7 @@ from stratagem.pipeline.schedule import (
     make_schedule,
     one_f_one_b,
     simulate,
+    zero_bubble,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "one_f_one_b",
     "simulate",
     "split_sizes",
+    "zero_bubble",
 ]

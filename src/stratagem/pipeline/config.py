@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from stratagem.pipeline.errors import PipelineConfigError
 from stratagem.pipeline.rematerialize import MODES
-from stratagem.pipeline.schedule import SCHEDULES, Schedule, make_schedule
+from stratagem.pipeline.schedule import SCHEDULES, Schedule, make_schedule, schedule_key
 
 BALANCE_METHODS = ("params", "time")
 
@@ -46,7 +46,8 @@ class PipelineConfig:
                 raise PipelineConfigError(f"{name} must be an integer >= 1, got {value!r}")
         assert isinstance(num_stages, int) and isinstance(num_microbatches, int)
         assert isinstance(data_parallel, int)
-        if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
+        key = schedule_key(schedule)
+        if key is None:
             raise PipelineConfigError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
         if rematerialize not in MODES:
             raise PipelineConfigError(f"rematerialize must be one of {list(MODES)}, got {rematerialize!r}")
@@ -74,7 +75,7 @@ class PipelineConfig:
             raise PipelineConfigError(
                 f"balance must be a list of layer counts, 'params' or 'time', got {balance!r}"
             )
-        return cls(num_stages, num_microbatches, schedule.lower(), str(rematerialize), bal, data_parallel)
+        return cls(num_stages, num_microbatches, key, str(rematerialize), bal, data_parallel)
 
     @property
     def world_size(self) -> int:

@@ -25,7 +25,7 @@ import torch
 
 from stratagem.pipeline.errors import PipelineError
 from stratagem.pipeline.p2p import Channel, PostedRecv, RemoteStageError, raw_nbytes
-from stratagem.pipeline.schedule import Action
+from stratagem.pipeline.schedule import BACKWARD_KINDS, Action
 from stratagem.pipeline.stage import Stage, shape_of
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # trailing dimensions and dtype
@@ -202,18 +202,41 @@ def run_plan(
     *,
     on_last_backward: Callable[[bool], None] | None = None,
 ) -> torch.Tensor:
-    """Train on one mini-batch; the summed scaled loss (the same on every stage)."""
-    last_b = max((n for n, a in enumerate(actions) if a.kind == "B"), default=-1)
+    """Train on one mini-batch; the summed scaled loss (the same on every stage).
+
+    ``on_last_backward(True)`` is called before the action that accumulates the last weight
+    gradients of the step (the last B; with a split backward the last W, or the last I when no
+    weight is left to W passes), ``on_last_backward(False)`` before the others."""
+    split = any(a.kind in ("I", "W") for a in actions)
+    if split:
+        stage.split_backward()
+    weight_kind = "W" if split and stage.has_weight_pass() else ("I" if split else "B")
+    last_b = max((n for n, a in enumerate(actions) if a.kind == weight_kind), default=-1)
     f_order = [a.microbatch for a in actions if a.kind == "F"]
-    b_order = [a.microbatch for a in actions if a.kind == "B"]
+    b_order = [a.microbatch for a in actions if a.kind in BACKWARD_KINDS]
     links = _Links(stage, channel, sizes, sum(sizes), f_order, b_order) if channel else None
+
+    rec = stage.recorder
+    if rec is not None:
+        rec.begin_step()
+        clock = rec.clock
 
     def body() -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=stage.device)
         for n, a in enumerate(actions):
             i = a.microbatch
+            if rec is not None:
+                t0 = clock()
+                wait = 0.0
             if a.kind == "F":
-                x = inputs[i] if stage.is_first else _need(links).recv_activation(i)
+                if stage.is_first:
+                    x = inputs[i]
+                elif rec is not None:
+                    w0 = clock()
+                    x = _need(links).recv_activation(i)
+                    wait = clock() - w0
+                else:
+                    x = _need(links).recv_activation(i)
                 out = stage.forward(
                     i, x, recompute=i < recompute_below,
                     target=targets[i] if stage.is_last else None, scale=scales[i],
@@ -222,14 +245,24 @@ def run_plan(
                     total += out.double()
                 else:
                     _need(links).send_activation(i, out)
-            else:
-                stage.recompute(i)  # before waiting for the gradient: overlaps the next stage
-                grad = None if stage.is_last else _need(links).recv_grad(i)
+            elif a.kind == "W":
                 if on_last_backward is not None:
                     on_last_backward(n == last_b)
-                gin = stage.backward(i, grad)
+                stage.backward_weight(i)
+            else:
+                stage.recompute(i)  # before waiting for the gradient: overlaps the next stage
+                if rec is not None:
+                    w0 = clock()
+                grad = None if stage.is_last else _need(links).recv_grad(i)
+                if rec is not None:
+                    wait = clock() - w0
+                if on_last_backward is not None:
+                    on_last_backward(n == last_b)
+                gin = stage.backward(i, grad) if a.kind == "B" else stage.backward_input(i, grad)
                 if not stage.is_first:
                     _need(links).send_grad(i, gin)
+            if rec is not None:
+                rec.add(a.kind, i, t0, clock(), wait)
         return total
 
     return _with_handshake(stage, links, body)

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: per stage, the ordered forward/backward actions (GPipe, 1F1B).
+"""Pipeline schedules as data: per stage, the ordered forward/backward actions (GPipe, 1F1B,
+zero-bubble).
 
 A schedule is a pure value: ``gpipe(2, 4)`` prints as::
 
@@ -7,6 +8,10 @@ A schedule is a pure value: ``gpipe(2, 4)`` prints as::
 
 ``simulate`` plays it on an ideal clock (one action per stage per tick, an action waits for the
 neighbour it needs), which proves it free of deadlock and shows its bubble.
+
+Zero-bubble plans split the backward of a micro-batch in two: ``I`` (the gradient of the stage's
+input, which the previous stage waits for) and ``W`` (the gradients of the weights, which nobody
+waits for, so it can fill the bubble).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import NamedTuple
 
 
 class Action(NamedTuple):
-    """Forward (``"F"``) or backward (``"B"``) of one micro-batch; prints as ``F0``/``B3``."""
+    """Forward (``"F"``) or backward (``"B"``) of one micro-batch; prints as ``F0``/``B3``. A
+    split backward is ``"I"`` (input gradient, sent on) then ``"W"`` (weight gradients)."""
 
     kind: str
     microbatch: int
@@ -32,6 +38,17 @@ def F(i: int) -> Action:  # noqa: N802 - reads like the printed form
 
 def B(i: int) -> Action:  # noqa: N802
     return Action("B", i)
+
+
+def I(i: int) -> Action:  # noqa: N802, E743
+    return Action("I", i)
+
+
+def W(i: int) -> Action:  # noqa: N802
+    return Action("W", i)
+
+#: the actions that send the gradient of the stage's input to the previous stage
+BACKWARD_KINDS = ("B", "I")
 
 
 @dataclass(frozen=True)
@@ -88,17 +105,83 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("1f1b", k, m, tuple(stages))
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zero_bubble(num_stages: int, num_microbatches: int) -> Schedule:
+    """Zero-bubble (ZB-H1, Qi et al. 2023): 1F1B's memory, the backward split into ``I`` (input
+    gradient) and ``W`` (weight gradients), the ``W`` passes filling the bubble.
+
+    Built by a greedy list scheduler on the simulator's clock (unit costs): each tick a stage runs
+    a ready ``I`` if it has one, else the next ``F`` while fewer than ``min(K, K - s + 1)``
+    micro-batches hold activations on it (forwarded, weight gradients not yet taken), else its
+    oldest pending ``W``. Stage 0 holds at most K micro-batches, as under 1F1B; a later stage one
+    more than under 1F1B (never more than stage 0), which lets its ``W`` passes wait for the
+    bubble. On the unit clock the bubble is 2K - 3 or 2K - 2 ticks beside 3M of work (1F1B:
+    3(K - 1), its B taking 2 ticks).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    k, m = num_stages, num_microbatches
+    acts: list[list[Action]] = [[] for _ in range(k)]
+    f_done: list[set[int]] = [set() for _ in range(k)]
+    i_done: list[set[int]] = [set() for _ in range(k)]
+    w_done = [0] * k
+    next_f = [0] * k
+    pending_w: list[list[int]] = [[] for _ in range(k)]
+    while any(len(a) < 3 * m for a in acts):
+        row: list[Action | None] = []
+        for s in range(k):
+            ready_i = sorted(
+                i for i in f_done[s] - i_done[s] if (i in i_done[s + 1] if s < k - 1 else True)
+            )
+            in_flight = next_f[s] - w_done[s]
+            f_ready = next_f[s] < m and (s == 0 or next_f[s] in f_done[s - 1])
+            if ready_i:
+                row.append(I(ready_i[0]))
+            elif f_ready and in_flight < min(k, k - s + 1):
+                row.append(F(next_f[s]))
+            elif pending_w[s]:
+                row.append(W(pending_w[s][0]))
+            else:
+                row.append(None)
+        if all(a is None for a in row):  # pragma: no cover - the rules above always progress
+            raise AssertionError(f"zero_bubble({k}, {m}) stalled")
+        for s, a in enumerate(row):
+            if a is None:
+                continue
+            acts[s].append(a)
+            if a.kind == "F":
+                f_done[s].add(a.microbatch)
+                next_f[s] += 1
+            elif a.kind == "I":
+                i_done[s].add(a.microbatch)
+                pending_w[s].append(a.microbatch)
+            else:
+                pending_w[s].pop(0)
+                w_done[s] += 1
+    return Schedule("zero_bubble", k, m, tuple(tuple(a) for a in acts))
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "zero_bubble": zero_bubble,
+}
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULES``), checked."""
-    key = name.lower().replace("-", "").replace("_", "")
-    if key not in SCHEDULES:
+    key = schedule_key(name)
+    if key is None:
         raise ValueError(f"unknown schedule {name!r}; use one of {sorted(SCHEDULES)}")
     plan = SCHEDULES[key](num_stages, num_microbatches)
     check(plan)
     return plan
+
+
+def schedule_key(name: object) -> str | None:
+    """The ``SCHEDULES`` key ``name`` spells (case, ``-`` and ``_`` aside), or None."""
+    if not isinstance(name, str):
+        return None
+    norm = {k.replace("_", ""): k for k in SCHEDULES}
+    return norm.get(name.lower().replace("-", "").replace("_", ""))
 
 
 def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
@@ -117,22 +200,31 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
 
 
 def check(plan: Schedule) -> None:
-    """Raise ValueError unless every stage runs F(i) once, then B(i) once (if any B), for every
-    micro-batch, and neighbouring stages send and receive in the same order."""
+    """Raise ValueError unless every stage runs F(i) once, then B(i) once (if any B) -- or I(i)
+    then W(i) once each -- for every micro-batch, and neighbouring stages send and receive in the
+    same order."""
     f_orders, b_orders = [], []
+    every = list(range(plan.num_microbatches))
     for s, acts in enumerate(plan.stages):
+        kinds = {a.kind for a in acts}
+        if not kinds <= {"F", "B", "I", "W"} or ("B" in kinds and kinds & {"I", "W"}):
+            raise ValueError(f"stage {s} of {plan.name} mixes or misnames actions: {sorted(kinds)}")
         fs = [a.microbatch for a in acts if a.kind == "F"]
-        bs = [a.microbatch for a in acts if a.kind == "B"]
-        if sorted(fs) != list(range(plan.num_microbatches)) or (
-            bs and sorted(bs) != list(range(plan.num_microbatches))
-        ):
+        bs = [a.microbatch for a in acts if a.kind in BACKWARD_KINDS]
+        ws = [a.microbatch for a in acts if a.kind == "W"]
+        if sorted(fs) != every or (bs and sorted(bs) != every) or ("I" in kinds and sorted(ws) != every):
             raise ValueError(f"stage {s} of {plan.name} does not run each micro-batch once: {acts}")
         done: set[int] = set()
+        inputs_done: set[int] = set()
         for a in acts:
             if a.kind == "F":
                 done.add(a.microbatch)
             elif a.microbatch not in done:
                 raise ValueError(f"stage {s} of {plan.name} runs {a} before F{a.microbatch}")
+            elif a.kind == "I":
+                inputs_done.add(a.microbatch)
+            elif a.kind == "W" and a.microbatch not in inputs_done:
+                raise ValueError(f"stage {s} of {plan.name} runs {a} before I{a.microbatch}")
         f_orders.append(fs)
         b_orders.append(bs)
     for s in range(1, plan.num_stages):
@@ -146,8 +238,8 @@ def check(plan: Schedule) -> None:
 def simulate(plan: Schedule) -> list[tuple[Action | None, ...]]:
     """Play ``plan`` on an ideal clock: per tick, the action each stage runs (None: idle).
 
-    F(i) on stage s waits for F(i) on s-1; B(i) waits for B(i) on s+1. Raises ValueError if the
-    plan deadlocks.
+    F(i) on stage s waits for F(i) on s-1; B(i) (or I(i)) waits for B(i) (or I(i)) on s+1; W(i)
+    waits for nothing but its own stage's I(i) before it. Raises ValueError if the plan deadlocks.
     """
     k = plan.num_stages
     pos = [0] * k
@@ -164,6 +256,8 @@ def simulate(plan: Schedule) -> list[tuple[Action | None, ...]]:
             a = acts[pos[s]]
             if a.kind == "F":
                 ready = s == 0 or (s - 1, a) in done
+            elif a.kind == "W":
+                ready = True
             else:
                 ready = s == k - 1 or (s + 1, a) in done
             row.append(a if ready else None)

@@ -1,5 +1,6 @@
 """The local stage: its layers, the forward of a micro-batch (kept for backward or to be
-recomputed) and the backward; failures name the stage, the layer and the shapes involved."""
+recomputed) and the backward -- whole, or split into the input gradient and the weight gradients
+(zero-bubble schedules); failures name the stage, the layer and the shapes involved."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from stratagem.pipeline.errors import PipelineError, StageShapeError
 from stratagem.pipeline.rematerialize import RNGSnapshot, frozen_buffers, replay_rng
+from stratagem.pipeline.timeline import Recorder
 
 
 def describe(module: nn.Module) -> str:
@@ -33,6 +35,35 @@ class _Saved:
     rng: RNGSnapshot | None
     target: Any = None
     scale: float = 1.0
+    # split backward: the outputs of the parameter-holding modules, captured in the forward
+    # with grad, and after the I pass the gradients of those outputs
+    leaves: list[tuple[nn.Module, torch.Tensor]] | None = None
+    leaf_grads: list[tuple[torch.Tensor, torch.Tensor, list[nn.Parameter]]] | None = None
+
+
+def _foreign_uses(out: torch.Tensor, leaves: Sequence[tuple[torch.Tensor, Sequence[nn.Parameter]]]) -> set[int]:
+    """The ids of parameters in ``leaves`` that ``out`` also depends on other than through their
+    own module's output: a walk of the autograd graph from ``out`` in regions, a new region
+    starting at each module output; a parameter met in a region not its module's is foreign."""
+    starts = {o.grad_fn: k for k, (o, _) in enumerate(leaves) if o.grad_fn is not None}
+    owner = {id(p): k for k, (_, ps) in enumerate(leaves) for p in ps}
+    foreign: set[int] = set()
+    seen: set[tuple[Any, int]] = set()
+    stack: list[tuple[Any, int]] = [(out.grad_fn, -1)]
+    while stack:
+        node, region = stack.pop()
+        region = starts.get(node, region)
+        if (node, region) in seen:
+            continue
+        seen.add((node, region))
+        var = getattr(node, "variable", None)
+        if var is not None:
+            k = owner.get(id(var))
+            if k is not None and k != region:
+                foreign.add(id(var))
+            continue
+        stack.extend((nxt, region) for nxt, _ in node.next_functions if nxt is not None)
+    return foreign
 
 
 class Stage:
@@ -63,6 +94,11 @@ class Stage:
         self.device = device
         self.loss_fn = loss_fn
         self._saved: dict[int, _Saved] = {}
+        self._split = False
+        self._capturing: list[tuple[nn.Module, torch.Tensor]] | None = None
+        self._hooks: list[Any] = []
+        self._w_modules: dict[nn.Module, list[nn.Parameter]] = {}
+        self.recorder: Recorder | None = None  # set while the strategy profiles
 
     @property
     def is_first(self) -> bool:
@@ -117,6 +153,111 @@ class Stage:
             )
         return loss * scale if scale != 1.0 else loss
 
+    # --- split backward (zero-bubble) --------------------------------------------------------
+    def split_backward(self) -> None:
+        """Prepare for I/W actions: hook the modules that hold parameters directly, so each
+        forward with grad records their outputs (the W pass starts from them).
+
+        A parameter gets its gradient in the W pass when exactly one module of the stage holds it
+        and that module has no parameter-holding children; others (tied within the stage, or
+        held by a parent such as nn.MultiheadAttention, whose W pass would redo its children's
+        backward) get theirs in the I pass."""
+        if self._split:
+            return
+        self._split = True
+        holders: dict[int, int] = {}
+        for m in self.module.modules():
+            for p in m._parameters.values():
+                if p is not None:
+                    holders[id(p)] = holders.get(id(p), 0) + 1
+        for m in self.module.modules():
+            params = [p for p in m._parameters.values() if p is not None and holders[id(p)] == 1]
+            nested = any(c._parameters for c in m.modules() if c is not m)
+            if params and not nested:
+                self._w_modules[m] = params
+                self._hooks.append(m.register_forward_hook(self._capture_hook))
+
+    def has_weight_pass(self) -> bool:
+        """Whether some trainable parameter gets its gradient in W passes."""
+        return any(p.requires_grad for ps in self._w_modules.values() for p in ps)
+
+    def _capture_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._capturing is not None and torch.is_grad_enabled():
+            self._capturing.append((module, output))
+
+    def _run_captured(self, saved: _Saved) -> torch.Tensor:
+        captured: list[tuple[nn.Module, torch.Tensor]] = []
+        self._capturing = captured
+        try:
+            out = self._run(saved.input, saved.target, saved.scale)
+        finally:
+            self._capturing = None
+        saved.leaves = captured
+        return out
+
+    def backward_input(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The I pass of micro-batch ``i``: the gradient of its input (None on the first stage)
+        and of the captured module outputs (kept for ``backward_weight``); parameters the W pass
+        does not cover get their gradients here."""
+        self.recompute(i)
+        saved = self._saved[i]
+        out = saved.output
+        assert out is not None and saved.leaves is not None
+        x = saved.input
+        wants_x = not self.is_first and isinstance(x, torch.Tensor) and x.requires_grad
+        saved.leaf_grads = []
+        if not (out.requires_grad and (self.is_last or grad is not None)):
+            saved.output = None
+            return None
+        if grad is not None and grad.shape != out.shape:
+            raise PipelineError(
+                f"stage {self.index} got a gradient of shape {list(grad.shape)} for micro-batch "
+                f"{i} whose output has shape {list(out.shape)}",
+                stage=self.index,
+            )
+        # a module called more than once in a forward: its parameters' gradients are taken here
+        counts: dict[nn.Module, int] = {}
+        for m, _ in saved.leaves:
+            counts[m] = counts.get(m, 0) + 1
+        leaves: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
+        covered: set[int] = set()
+        for m, o in saved.leaves:
+            params = [p for p in self._w_modules[m] if p.requires_grad]
+            if counts[m] == 1 and params and isinstance(o, torch.Tensor) and o.requires_grad:
+                leaves.append((o, params))
+                covered.update(id(p) for p in params)
+        foreign = _foreign_uses(out, leaves)
+        if foreign:  # used outside their module (a parent reading a child's weight): all in I
+            leaves = [(o, kept) for o, ps in leaves if (kept := [p for p in ps if id(p) not in foreign])]
+            covered -= foreign
+        rest = [p for p in self.module.parameters() if p.requires_grad and id(p) not in covered]
+        saved.leaves = None
+        saved.output = None
+        if not (wants_x or leaves or rest):
+            return None
+        # one backward pass: the parameters left to this pass accumulate into .grad (their hooks
+        # fire), the input and the module outputs get .grad too (read, then let go)
+        targets = ([x] if wants_x else []) + [o for o, _ in leaves]
+        unique = list({id(t): t for t in (*targets, *rest)}.values())
+        torch.autograd.backward(out, grad, inputs=unique, retain_graph=bool(leaves))
+        gx = x.grad if wants_x else None
+        saved.leaf_grads = []
+        for o, params in leaves:
+            g, o.grad = o.grad, None
+            if g is not None:
+                saved.leaf_grads.append((o, g, params))
+        return gx
+
+    def backward_weight(self, i: int) -> bool:
+        """The W pass of micro-batch ``i``: accumulate its weight gradients into ``.grad``;
+        whether anything was accumulated."""
+        saved = self._saved.pop(i)
+        pending = saved.leaf_grads or []
+        saved.leaf_grads = None
+        for n, (o, g, params) in enumerate(pending):
+            torch.autograd.backward(o, g, inputs=params, retain_graph=n < len(pending) - 1)
+        return bool(pending)
+
     def forward(
         self, i: int, x: Any, *, recompute: bool, target: Any = None, scale: float = 1.0
     ) -> torch.Tensor:
@@ -130,9 +271,12 @@ class Stage:
                 out = self._run(x, target, scale)
             self._saved[i] = _Saved(x, None, rng, target, scale)
         else:
+            saved = _Saved(x, None, None, target, scale)
             with torch.enable_grad():
-                out = self._run(x, target, scale)
-            self._saved[i] = _Saved(x, out, None)
+                out = self._run_captured(saved) if self._split else self._run(x, target, scale)
+            saved.output = out
+            saved.target, saved.scale = None, 1.0
+            self._saved[i] = saved
         return out.detach()
 
     def infer(self, x: Any) -> torch.Tensor:
@@ -147,7 +291,10 @@ class Stage:
             return
         assert saved.rng is not None
         with replay_rng(saved.rng), frozen_buffers(self.module), torch.enable_grad():
-            saved.output = self._run(saved.input, saved.target, saved.scale)
+            if self._split:
+                saved.output = self._run_captured(saved)
+            else:
+                saved.output = self._run(saved.input, saved.target, saved.scale)
 
     def backward(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Backward of micro-batch ``i`` given the gradient of its output (None on the last

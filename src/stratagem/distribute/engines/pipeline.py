@@ -4,7 +4,9 @@ of the pipeline over a replica communicator (a DataParallelExtended without mirr
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from stratagem.pipeline.profile import param_costs, time_costs
 from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.stage import Stage, describe
 from stratagem.pipeline.ties import TiedGradients, find_ties
+from stratagem.pipeline.timeline import Recorder, Timeline
 
 
 class PipelineExtended(OverReplicas):
@@ -51,6 +54,7 @@ class PipelineExtended(OverReplicas):
         self._dp = DataParallelExtended(replicas, device, mirror=False, name="PipelineStrategy")
         self._rng_state: torch.Tensor | None = None
         self._capture = 0
+        self._stage: Stage | None = None  # the stage the last pipeline() built
 
     # --- facts ------------------------------------------------------------------------------------
     @property
@@ -202,8 +206,34 @@ class PipelineExtended(OverReplicas):
         for t in (*stage.module.parameters(), *stage.module.buffers()):
             ownership.claim(t, self.owner())
         self.partition = partition
+        self._stage = stage
         if verbose and self._world.rank == 0:
             print(f"stratagem PipelineStrategy: {partition}", flush=True)
             for tie in ties:
                 print(f"stratagem PipelineStrategy: tied across stages, gradients summed: {tie}", flush=True)
         return pipe
+
+    # --- the timeline ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def profile(self, path: str | os.PathLike[str] | None, picture: bool) -> Iterator[Timeline]:
+        stage = self._stage
+        if stage is None:
+            raise RuntimeError(
+                "strategy.profile() records the pipeline's steps: build it first with "
+                "pipe = strategy.pipeline(model, loss_fn)"
+            )
+        if stage.recorder is not None:
+            raise RuntimeError("strategy.profile() is already recording; profiles do not nest")
+        timeline = Timeline(self.schedule.name, self.config.num_stages, self.config.num_microbatches)
+        recorder = stage.recorder = Recorder()
+        try:
+            yield timeline
+        finally:
+            stage.recorder = None
+        # every stage of this copy gets every stage's events; copy 0's stage 0 writes the files
+        timeline.stages = list(self.pipeline_comm.all_gather_object(recorder.events))
+        if path is not None and self._world.rank == 0:
+            base = Path(path)
+            timeline.trace_path = timeline.write_trace(base.with_name(base.name + ".json"))
+            if picture:
+                timeline.png_path = timeline.plot(base.with_name(base.name + ".png"))

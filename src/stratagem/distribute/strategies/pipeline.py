@@ -1,5 +1,5 @@
 """PipelineStrategy: a model split into stages, one process each (times data-parallel copies),
-trained with GPipe or 1F1B over point-to-point messages.
+trained with GPipe, 1F1B or zero-bubble schedules over point-to-point messages.
 
 Launch works as for MirroredStrategy: a plain ``python train.py`` re-runs itself to start the
 other ``num_stages x data_parallel - 1`` processes; under torchrun or ``stratagem run`` it joins
@@ -11,6 +11,8 @@ copy sees the same slice of the global batch).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
@@ -28,6 +30,7 @@ from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.partition import Partition
 from stratagem.pipeline.pipe import Pipe
 from stratagem.pipeline.schedule import Schedule
+from stratagem.pipeline.timeline import Timeline
 
 #: the job this process joined (a second strategy in the same script reuses it)
 _launched: dict[str, ClusterSpec] = {}
@@ -38,7 +41,7 @@ class PipelineStrategy(Strategy):
     """GPipe pipeline parallelism: ``num_stages`` processes, each holding consecutive layers of an
     ``nn.Sequential``, times ``data_parallel`` copies of the pipeline.
 
-    ``schedule``: ``"gpipe"`` or ``"1f1b"``; ``rematerialize``: ``"always"``, ``"except_last"``
+    ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"zero_bubble"``; ``rematerialize``: ``"always"``, ``"except_last"``
     (default) or ``"never"`` (torchgpipe's re-materialization modes); ``balance``: a list of
     layer counts per stage, ``"params"`` (default) or ``"time"``. ``devices``: as for
     MirroredStrategy (None: a GPU per process when there are enough, else the CPU; ``"cpu"``). ``timeout`` bounds every
@@ -137,6 +140,23 @@ class PipelineStrategy(Strategy):
         The partition is printed once (rank 0) unless ``verbose=False``.
         """
         return self._pipeline_ext.build_pipe(model, loss_fn, loss_reduction, sample_input, verbose)
+
+    def profile(
+        self, path: str | os.PathLike[str] | None = "pipeline_timeline", *, picture: bool = True
+    ) -> contextlib.AbstractContextManager[Timeline]:
+        """Record what every stage does in the training steps run inside ``with``::
+
+            with strategy.profile("timeline") as timeline:
+                for x, y in batches:
+                    strategy.run(pipe.train_step, args=(x, y))
+            print(timeline.summary())  # bubble measured vs (K-1)/(M+K-1)
+
+        On exit (on every process) the stages' events are gathered: ``timeline`` holds them on
+        every stage, and rank 0 writes ``path + ".json"`` (a Chrome trace: chrome://tracing or
+        ui.perfetto.dev) and, with ``picture``, ``path + ".png"`` (needs matplotlib); ``path=None``
+        writes nothing. Call it on every process, after ``pipeline()``. See docs/PIPELINE.md.
+        """
+        return self._pipeline_ext.profile(path, picture)
 
     def __repr__(self) -> str:
         c = self.config
