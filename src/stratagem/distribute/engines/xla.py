@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from torch import nn
 from stratagem.comm import LocalCommunicator
 from stratagem.core import tree
 from stratagem.distribute import context
+from stratagem.distribute.engines.build import remember_replaced, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.device_feed import DeviceFedDataset
 from stratagem.distribute.engines.input import DistributedDataset, PerReplicaDatasets
@@ -61,6 +63,9 @@ def start_runtime(cache_dir: str | None = None) -> XLARuntime:
     """
     if _runtime:
         return _runtime[0]
+    # XLA's C++ logging warns on every compilation (GSPMD deprecation): a clean run prints only
+    # what the user asked for; a user who sets the level keeps theirs
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         import torch_xla
         import torch_xla.distributed.spmd as xs
@@ -106,6 +111,8 @@ class XLAExtended(DataParallelExtended):
         super().__init__(LocalCommunicator("cpu"), None, name=name)
         self.runtime = runtime
         self._xla = runtime.device
+        self._pending: list[tuple[weakref.ref[nn.Module], str, str]] = []
+        self._moved: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -114,6 +121,10 @@ class XLAExtended(DataParallelExtended):
     @property
     def device(self) -> torch.device:
         return self._xla
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.materialize()
+        return retarget_optimizer(optimizer)
 
     # --- placement --------------------------------------------------------------------------
     def shard(self, value: Any) -> Any:
@@ -133,21 +144,54 @@ class XLAExtended(DataParallelExtended):
 
         return tree.map_structure(one, value)
 
+    def _on_register(self, kind: str) -> Callable[[nn.Module, str, Any], None]:
+        def hook(module: nn.Module, name: str, value: Any) -> None:
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                self._pending.append((weakref.ref(module), name, kind))
+
+        return hook
+
     def materialize(self) -> None:
-        """Move what the scope created (still on the CPU) to the XLA device, in place: modules
-        and optimizers keep the same Parameter objects."""
+        """Move what the scope created (on the CPU, initialized by the CPU generator) to the XLA
+        device: each module's parameter is replaced by one on the device (tied parameters stay
+        tied), claimed like the original; an optimizer made in the scope is pointed at the new
+        parameters before its first step (``engines.build.retarget_optimizer``)."""
+        pending, self._pending = self._pending, []
         reg = self.registry
         assert reg is not None
-        with torch.no_grad():
-            for ref, _ in (*reg._params, *reg._buffers):
-                t = ref()
-                if t is not None and t.device.type == "cpu":
-                    t.data = t.data.to(self._xla)
+        for mref, name, kind in pending:
+            module = mref()
+            if module is None:
+                continue
+            table = module._parameters if kind == "param" else module._buffers
+            old = table.get(name)
+            if old is None or old.device.type != "cpu":
+                continue
+            new = self._moved.get(id(old))
+            if new is None or new[0]() is not old:
+                with torch.no_grad():
+                    moved = old.detach().to(self._xla)
+                if kind == "param":
+                    moved = nn.Parameter(moved, requires_grad=old.requires_grad)
+                    remember_replaced(old, module, name)
+                new = (weakref.ref(old), moved)
+                self._moved[id(old)] = new
+                reg._remember(moved, f"{type(module).__name__}.{name}", is_param=kind == "param")
+            table[name] = new[1]  # type: ignore[assignment]
+        self._moved = {k: v for k, v in self._moved.items() if v[0]() is not None}
 
     @contextlib.contextmanager
     def _scope(self) -> Iterator[None]:
-        with super().scope():
-            yield
+        from torch.nn.modules import module as module_mod
+
+        h1 = module_mod.register_module_parameter_registration_hook(self._on_register("param"))
+        h2 = module_mod.register_module_buffer_registration_hook(self._on_register("buffer"))
+        try:
+            with super().scope():
+                yield
+        finally:
+            h1.remove()
+            h2.remove()
         self.materialize()
 
     def scope(self) -> contextlib.AbstractContextManager[None]:
