@@ -43,7 +43,12 @@ class DeviceFeed:
         return self
 
     def _position(self) -> Any:
-        return self.source.state_dict() if hasattr(self.source, "state_dict") else None
+        if not hasattr(self.source, "state_dict"):
+            return None
+        try:
+            return self.source.state_dict()
+        except TypeError:  # a source that cannot save its position (a list): asked only on save
+            return None
 
     def _fetch(self) -> None:
         position = self._position()
