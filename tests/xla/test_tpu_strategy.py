@@ -223,3 +223,20 @@ def test_a_model_made_outside_the_scope_is_refused(strategy):
 def test_a_resolver_of_another_kind_is_refused():
     with pytest.raises(TypeError, match="TPUClusterResolver"):
         sg.TPUStrategy(sg.cluster_resolver.SimpleClusterResolver("127.0.0.1:1234", 1, 0))
+
+
+def test_the_docs_program_runs_as_written_and_prints_only_its_line(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "STRATEGIES.md").read_text()
+    section = text[text.index("## TPUStrategy") :]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "train.py"
+    script.write_text(block)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert re.fullmatch(rf"{N} replicas, loss \d+\.\d+\n", done.stdout), done.stdout
