@@ -122,6 +122,10 @@ class XLAExtended(DataParallelExtended):
     def device(self) -> torch.device:
         return self._xla
 
+    @property
+    def global_program(self) -> bool:
+        return True
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self.materialize()
         return retarget_optimizer(optimizer)
