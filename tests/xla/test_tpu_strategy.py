@@ -246,3 +246,23 @@ def test_the_docs_program_runs_as_written_and_prints_only_its_line(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert re.fullmatch(rf"{N} replicas, loss \d+\.\d+\n", done.stdout), done.stdout
+
+
+def test_initialize_tpu_system_keeps_compiled_programs_in_cache_dir(tmp_path):
+    import subprocess
+    import sys
+
+    program = f"""
+import torch
+import stratagem as sg
+resolver = sg.cluster_resolver.TPUClusterResolver(tpu=None)
+sg.initialize_tpu_system(resolver, cache_dir={str(tmp_path / "cache")!r})
+strategy = sg.TPUStrategy(resolver)
+with strategy.scope():
+    model = torch.nn.Linear(4, 2)
+print(float(strategy.run(lambda x: model(x).sum(), args=(torch.ones(8, 4),))))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_USE_SPMD"}
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr
+    assert any((tmp_path / "cache").iterdir())
