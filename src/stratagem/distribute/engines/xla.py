@@ -160,6 +160,8 @@ class XLAExtended(DataParallelExtended):
         device: each module's parameter is replaced by one on the device (tied parameters stay
         tied), claimed like the original; an optimizer made in the scope is pointed at the new
         parameters before its first step (``engines.build.retarget_optimizer``)."""
+        if not self._pending:
+            return
         pending, self._pending = self._pending, []
         reg = self.registry
         assert reg is not None
