@@ -20,6 +20,8 @@ from stratagem.distribute.strategies import (
     OneDeviceStrategy,
     PipelineStrategy,
     ShardedStrategy,
+    TPUStrategy,
+    initialize_tpu_system,
 )
 from stratagem.distribute.strategy import (
     PerReplica,
@@ -45,6 +47,8 @@ __all__ = [
     "ShardedStrategy",
     "Strategy",
     "StrategyExtended",
+    "TPUStrategy",
+    "initialize_tpu_system",
     "StrategyMismatchError",
     "ValueContext",
     "compute_average_loss",

@@ -18,7 +18,8 @@ import torch
 
 from stratagem._version import __version__
 from stratagem.cluster.resolvers import ClusterResolver, ClusterSpec, detect
-from stratagem.comm import Communicator
+from stratagem.cluster.tpu import TPUClusterResolver
+from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.failure import FailureOptions
 from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.join import join
@@ -66,7 +67,15 @@ def connect_to_cluster(
 
     Waits at most ``timeout_seconds`` for the other workers; the error says which address could
     not be reached. Returns the Communicator of every process of the job.
+
+    With a ``TPUClusterResolver`` there is no process group to form: each host's process drives
+    its own chips and, on a pod, the XLA runtime meets the other hosts at the resolver's
+    coordinator. This checks the TPU (or ``PJRT_DEVICE``) is there, with a clear error if not,
+    and returns this host's one-process Communicator.
     """
+    if isinstance(resolver, TPUClusterResolver):
+        resolver.check_available()
+        return LocalCommunicator("cpu")
     spec = _spec(resolver)
     options = communication_options or CommunicationOptions()
     dev = torch.device(device) if device is not None else default_device(spec)

@@ -46,6 +46,9 @@ def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor
     penalty on the weights (L2, ...) that every replica adds to its loss is counted once after
     the gradients are summed across replicas."""
     ctx = current.get_replica_context()
+    strategy = ctx.strategy if ctx is not None else current.get_strategy()
+    if strategy.extended.global_program:  # one program over the global batch: counted once already
+        return regularization_loss
     n = ctx.num_replicas_in_sync if ctx is not None else current.get_strategy().num_replicas_in_sync
     return regularization_loss / n
 

@@ -82,6 +82,12 @@ class StrategyExtended(abc.ABC):
         return False
 
     @property
+    def global_program(self) -> bool:
+        """Whether ``run`` executes one program over the global batch for all replicas (SPMD,
+        as under TPUStrategy) rather than one replica's share: values inside are global."""
+        return False
+
+    @property
     def requires_scope(self) -> bool:
         """Whether modules must be created in ``scope()`` to be used with this strategy."""
         return False

@@ -77,8 +77,11 @@ def retarget_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
             new = module._parameters[where[2]]
             assert new is not None
             params[i] = new
-            if p in optimizer.state:
-                optimizer.state[new] = optimizer.state.pop(p)
+            if p in optimizer.state:  # state loaded before the first step follows its parameter
+                optimizer.state[new] = {
+                    k: v.to(new.device) if isinstance(v, torch.Tensor) and k != "step" and v.device != new.device else v
+                    for k, v in optimizer.state.pop(p).items()
+                }
     _retargeted.add(optimizer)
     return optimizer
 
@@ -90,6 +93,13 @@ def _remember_replaced(p: torch.Tensor, module: nn.Module, name: str) -> None:
         _replaced.pop(key, None)
 
     _replaced[key] = (weakref.ref(p, forget), weakref.ref(module), name)
+
+
+def remember_replaced(p: torch.Tensor, module: nn.Module, name: str) -> None:
+    """``module.<name>`` replaced ``p``: an optimizer holding ``p`` is retargeted before its
+    first step (the XLA engine's scope builds on the CPU, then moves parameters to the device)."""
+    _remember_replaced(p, module, name)
+    _install_hook()
 
 
 def _retarget_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -5,13 +5,14 @@ copied into pinned memory and sent to the GPU with ``non_blocking`` copies on a 
 stream, and an event marks when it has arrived; ``next()`` makes the compute stream wait for that
 event (no host sync) and hands the batch over. The position it reports is the one before the
 next batch not yet handed over, so a checkpoint resumes exactly even though it reads ahead. On a
-CPU device the same bookkeeping runs with no copies (the tests exercise it there).
+CPU device the same bookkeeping runs with no copies (the tests exercise it there). Another
+device's engine passes its own ``place`` (an XLA engine: transfer and shard the global batch).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -22,11 +23,18 @@ from stratagem.core import tree
 class DeviceFeed:
     """An iterator over ``source``'s batches, placed on ``device`` ``depth`` batches ahead."""
 
-    def __init__(self, source: Iterator[Any], device: torch.device, depth: int = 1) -> None:
+    def __init__(
+        self,
+        source: Iterator[Any],
+        device: torch.device,
+        depth: int = 1,
+        place: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.source = source
         self.device = device
         self.depth = max(int(depth), 1)
-        self.cuda = device.type == "cuda"
+        self.place = place
+        self.cuda = device.type == "cuda" and place is None
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._queue: collections.deque[tuple[Any, Any, Any]] = collections.deque()
         self._done = False
@@ -35,7 +43,12 @@ class DeviceFeed:
         return self
 
     def _position(self) -> Any:
-        return self.source.state_dict() if hasattr(self.source, "state_dict") else None
+        if not hasattr(self.source, "state_dict"):
+            return None
+        try:
+            return self.source.state_dict()
+        except TypeError:  # a source that cannot save its position (a list): asked only on save
+            return None
 
     def _fetch(self) -> None:
         position = self._position()
@@ -50,6 +63,8 @@ class DeviceFeed:
                 batch = tree.map_structure(self._send, batch)
                 event = torch.cuda.Event()
                 event.record(self.stream)
+        elif self.place is not None:
+            batch = self.place(batch)
         self._queue.append((position, batch, event))
 
     def _send(self, t: Any) -> Any:
@@ -90,23 +105,26 @@ class DeviceFeed:
 class DeviceFedDataset:
     """A distributed dataset whose iterators are DeviceFeeds (same ``iterator(epoch)`` protocol)."""
 
-    def __init__(self, inner: Any, device: torch.device, depth: int) -> None:
+    def __init__(
+        self, inner: Any, device: torch.device, depth: int, place: Callable[[Any], Any] | None = None
+    ) -> None:
         self.inner = inner
         self.device = device
         self.depth = depth
+        self.place = place
 
     @property
     def resumable(self) -> bool:
         return bool(self.inner.resumable)
 
     def __iter__(self) -> DeviceFeed:
-        return DeviceFeed(iter(self.inner), self.device, self.depth)
+        return DeviceFeed(iter(self.inner), self.device, self.depth, self.place)
 
     def iterator(self, epoch: int | None = None, seed: int | None = None) -> DeviceFeed:
-        return DeviceFeed(self.inner.iterator(epoch, seed), self.device, self.depth)
+        return DeviceFeed(self.inner.iterator(epoch, seed), self.device, self.depth, self.place)
 
     def iterator_from_state(self, state: dict[str, Any]) -> DeviceFeed:
-        return DeviceFeed(self.inner.iterator_from_state(state), self.device, self.depth)
+        return DeviceFeed(self.inner.iterator_from_state(state), self.device, self.depth, self.place)
 
 
 def feeds(device: torch.device | None, options: Any) -> bool:

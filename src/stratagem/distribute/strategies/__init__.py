@@ -1,4 +1,4 @@
-"""strategies: the final strategy classes (default, one device, mirrored, multi-worker, pipeline)."""
+"""strategies: the final strategy classes (default, one device, mirrored, multi-worker, pipeline, sharded, tensor parallel, TPU)."""
 
 from stratagem.distribute.strategies.default import DefaultStrategy
 from stratagem.distribute.strategies.mirrored import MirroredStrategy
@@ -7,6 +7,7 @@ from stratagem.distribute.strategies.one_device import OneDeviceStrategy
 from stratagem.distribute.strategies.pipeline import PipelineStrategy
 from stratagem.distribute.strategies.sharded import ShardedStrategy
 from stratagem.distribute.strategies.tensor_parallel import ModelParallelStrategy
+from stratagem.distribute.strategies.tpu import TPUStrategy, initialize_tpu_system
 
 __all__ = [
     "DefaultStrategy",
@@ -16,4 +17,6 @@ __all__ = [
     "OneDeviceStrategy",
     "PipelineStrategy",
     "ShardedStrategy",
+    "TPUStrategy",
+    "initialize_tpu_system",
 ]
