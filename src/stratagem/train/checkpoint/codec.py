@@ -26,7 +26,11 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     """What makes two tensors one (a tied weight: the same storage, offset, shape and strides)."""
     if t.numel() == 0 or t.is_meta or type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
         return None
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except RuntimeError:  # no host-visible storage (an XLA tensor): ties are not looked for
+        return None
+    return (t.device, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def encode_value(
