@@ -66,6 +66,16 @@ def compare(pipe, ref, what, errors, *, grads=True):
             errors.append(f"{what}: {'grad' if grads else 'value'} of {name} differs (max {diff})")
 
 
+def check_step(pipe, ref, opts, loss, ref_loss, what, errors):
+    """The step's loss and gradients equal the reference's; then both optimizers step."""
+    if not torch.allclose(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL):
+        errors.append(f"{what}: loss {float(loss)} != {float(ref_loss)}")
+    compare(pipe, ref, what, errors)
+    for o in opts:
+        o.step()
+        o.zero_grad()
+
+
 # --- launch 1: two stages, the whole matrix -----------------------------------------------------------
 def matrix_worker() -> dict:
     errors: list[str] = []
@@ -85,13 +95,7 @@ def matrix_worker() -> dict:
                         loss = s.run(pipe.train_step, args=(x, y))
                         ref_loss = loss_fn(ref(x), y)
                         ref_loss.backward()
-                        if not torch.allclose(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL):
-                            errors.append(f"{what} step {step}: loss {float(loss)} != {float(ref_loss)}")
-                        compare(pipe, ref, f"{what} step {step}", errors)
-                        opt.step()
-                        opt.zero_grad()
-                        ref_opt.step()
-                        ref_opt.zero_grad()
+                        check_step(pipe, ref, (opt, ref_opt), loss, ref_loss, f"{what} step {step}", errors)
                     compare(pipe, ref, what + " after 2 steps", errors, grads=False)
     out["names"] = [n for n, _ in pipe.named_parameters()]
     out["partition"] = str(s.partition)
@@ -298,14 +302,7 @@ def hybrid_worker() -> list[str]:
             gx, gy = global_batches[step]
             ref_loss = loss_fn(ref(gx), gy)
             ref_loss.backward()
-            what = f"hybrid {schedule}/{reduction} step {step}"
-            if not torch.allclose(total, ref_loss.detach(), rtol=RTOL, atol=ATOL):
-                errors.append(f"{what}: loss {float(total)} != {float(ref_loss)}")
-            compare(pipe, ref, what, errors)
-            opt.step()
-            opt.zero_grad()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            check_step(pipe, ref, (opt, ref_opt), total, ref_loss, f"hybrid {schedule}/{reduction} step {step}", errors)
         compare(pipe, ref, f"hybrid {schedule} after 2 steps", errors, grads=False)
         # each copy's timeline holds both of its stages, the plan's actions once
         with s.profile(None) as timeline:
@@ -378,14 +375,7 @@ def three_stage_worker() -> list[str]:
             # reference replays the same draws by running the micro-batches in order
             ref_loss = sum(loss_fn(ref(xs), ys) * (len(xs) / len(x)) for xs, ys in zip(x.tensor_split(5), y.tensor_split(5)))
             ref_loss.backward()
-            what = f"3 stages {schedule}/{remat} step {step}"
-            if not torch.allclose(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL):
-                errors.append(f"{what}: loss {float(loss)} != {float(ref_loss)}")
-            compare(pipe, ref, what, errors)
-            opt.step()
-            opt.zero_grad()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            check_step(pipe, ref, (opt, ref_opt), loss, ref_loss, f"3 stages {schedule}/{remat} step {step}", errors)
     return errors
 
 
