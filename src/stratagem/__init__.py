@@ -1,6 +1,6 @@
 """stratagem: tf.distribute strategies, tf.data pipelines and GPipe pipelines for PyTorch."""
 
-from stratagem import callbacks, cluster_resolver, data, metrics
+from stratagem import callbacks, cluster_resolver, data, metrics, partitioners
 from stratagem._version import __version__
 from stratagem.cluster.spawn import LaunchError, LaunchTimeoutError, launch
 from stratagem.comm import (
@@ -109,6 +109,7 @@ __all__ = [
     "launch",
     "metrics",
     "mixed_precision",
+    "partitioners",
     "predict",
     "strategy_of",
 ]
