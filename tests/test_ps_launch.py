@@ -5,6 +5,10 @@ nothing outlives the grace period. The tasks are tiny scripts (tests/scripts/ps_
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -106,3 +110,24 @@ def test_option_errors(argv, message, capsys):
     assert cli_main(["run", *argv, "train.py"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("stratagem run: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(90)
+def test_terminated_launcher_stops_every_task(tmp_path):
+    cmd = [sys.executable, "-m", "stratagem", "run", "--workers", "2", "--ps", "1", SCRIPT, "sleep", str(tmp_path)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid-*"))) < 4:
+            assert time.monotonic() < deadline and launcher.poll() is None, "the tasks did not start"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert stratagem_lines(err) == [] and tracebacks(err) == 0
+    for pid_file in tmp_path.glob("pid-*"):
+        with pytest.raises(ProcessLookupError):  # stopped and reaped by the launcher
+            os.kill(int(pid_file.read_text()), 0)

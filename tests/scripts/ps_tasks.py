@@ -51,5 +51,8 @@ elif mode == "chief_fails":
 elif mode == "hang":  # the chief ends at once, worker 0 never does
     if me == ("worker", 0):
         time.sleep(1000)
+elif mode == "sleep":  # every task says its pid and sleeps a minute
+    (folder / f"pid-{me[0]}{me[1]}").write_text(str(os.getpid()))
+    time.sleep(60)
 else:
     sys.exit(f"unknown mode {mode}")

@@ -118,7 +118,8 @@ class PSJob:
         return subprocess.Popen(list(self.command), env=env, preexec_fn=_die_with_parent)
 
     def run(self) -> int:
-        """Run the job to its end; the chief's exit code (1 when a ps task failed)."""
+        """Run the job to its end; the chief's exit code (1 when a ps task failed; 130 or 143 when
+        the launcher was interrupted or terminated: the tasks are stopped first)."""
         tasks: list[_Task] = []
         previous = None
         if threading.current_thread() is threading.main_thread():
@@ -128,9 +129,12 @@ class PSJob:
             tasks += [_Task("worker", i, self._start("worker", i)) for i in range(self.num_workers)]
             tasks += [_Task("ps", i, self._start("ps", i)) for i in range(self.num_ps)]
             return self._watch(tasks)
-        except (KeyboardInterrupt, _Stopped):
+        except KeyboardInterrupt:
             _stop([t.proc for t in tasks])
-            return 130
+            return 128 + signal.SIGINT
+        except _Stopped:
+            _stop([t.proc for t in tasks])
+            return 128 + signal.SIGTERM
         finally:
             _stop([t.proc for t in tasks])  # nothing is left running, whatever happened
             if previous is not None:
