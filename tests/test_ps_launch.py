@@ -104,10 +104,11 @@ def test_task_still_running_after_the_grace_period_is_stopped(tmp_path):
         (["--workers", "1", "--ps", "1", "--grace-period", "-1"], "--grace-period must be >= 0"),
         (["--workers", "1", "--ps", "1", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
         (["-n", "2", "--grace-period", "5"], "--grace-period applies to a parameter-server cluster"),
+        (["--workers", "1", "--ps", "1", "--", "missing.py"], "no such script: 'missing.py'"),
     ],
 )
 def test_option_errors(argv, message, capsys):
-    assert cli_main(["run", *argv, "train.py"]) == 2
+    assert cli_main(["run", *argv, SCRIPT]) == 2
     err = capsys.readouterr().err
     assert err.startswith("stratagem run: ") and message in err and err.count("\n") == 1
 
