@@ -189,7 +189,7 @@ def ps_job(args: argparse.Namespace) -> PSJob:
                          "--rdzv-endpoint and --bind do not apply (on many machines, set TF_CONFIG "
                          "on each task yourself)")
     if not args.module and not os.path.isfile(args.script):
-        raise ValueError(f"no such script: {args.script!r} (with -m, a module name)")
+        raise ValueError(f"no such script: {args.script!r} (for a module, add -m)")
     cmd = [sys.executable, *(["-m"] if args.module else []), args.script, *args.script_args]
     return PSJob(
         cmd, args.workers, args.ps,
