@@ -45,10 +45,23 @@ def test_every_task_gets_its_tf_config(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_failed_worker_is_restarted_with_the_next_restart_count(tmp_path):
-    r = launch(tmp_path, "--workers", "2", "--ps", "1", mode="restart")
+    r = launch(tmp_path, "--workers", "2", "--ps", "1", "--max-restarts", "3", mode="restart")
     assert r.returncode == 0, r.stderr
     assert stratagem_lines(r.stderr) == ["stratagem run: worker 1 failed (exit code 3); restarting it (1 of 3)"]
     assert (tmp_path / "worker1-restart1").exists() and tracebacks(r.stderr) == 0
+
+
+@pytest.mark.timeout(90)
+def test_failed_worker_is_not_restarted_by_default(tmp_path):
+    """A restarted worker cannot rejoin a running torch.distributed.rpc cluster, so by default
+    the job goes on without it (the chief runs its functions elsewhere)."""
+    r = launch(tmp_path, "--workers", "2", "--ps", "1", mode="exhaust", extra=["0"])
+    assert r.returncode == 0, r.stderr
+    assert stratagem_lines(r.stderr) == [
+        "stratagem run: worker 0 failed (exit code 3); not restarting it (0 of 0 restarts used), "
+        "the job goes on without it"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker0-run0"]
 
 
 @pytest.mark.timeout(90)
@@ -67,7 +80,7 @@ def test_worker_out_of_restarts_is_left_out_and_the_job_goes_on(tmp_path):
 @pytest.mark.timeout(90)
 def test_failed_ps_ends_the_job(tmp_path):
     start = time.monotonic()
-    r = launch(tmp_path, "--workers", "2", "--ps", "2", mode="ps_fails")
+    r = launch(tmp_path, "--workers", "2", "--ps", "2", "--grace-period", "2", mode="ps_fails")
     assert r.returncode == 1, r.stderr
     assert stratagem_lines(r.stderr) == ["stratagem run: ps 0 failed (exit code 5)"]
     assert tracebacks(r.stderr) == 0  # the others were stopped quietly

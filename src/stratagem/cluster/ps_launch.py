@@ -93,7 +93,7 @@ class PSJob:
     num_workers: int
     num_ps: int
     grace: float = 30.0  # seconds the others get to end after the chief exited 0
-    max_restarts: int = 3  # per worker
+    max_restarts: int = 0  # per worker (a restarted worker cannot rejoin an rpc cluster)
     environ: Mapping[str, str] | None = None  # the tasks' base environment (default: os.environ)
     poll: float = 0.1
     say: Callable[[str], None] = _say  # one line about the job, as "stratagem run: <line>"
@@ -114,6 +114,9 @@ class PSJob:
         if "OMP_NUM_THREADS" not in env:
             # the tasks on this machine split its cores, as `stratagem run -n N` replicas do
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (1 + self.num_workers + self.num_ps)))
+        # torch.distributed.rpc's C++ agent logs every connection a lost task closes; the
+        # coordinator reports a lost worker in one line instead
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env.update(task_environ(self.cluster, task_type, index, restarts))
         return subprocess.Popen(list(self.command), env=env, preexec_fn=_die_with_parent)
 
@@ -154,6 +157,10 @@ class PSJob:
                     task.done = True
                 elif task.task_type == "ps":
                     self.say(f"{task.name} failed (exit code {code})")
+                    # the chief sees the lost variables in its next call: let it say so, bounded
+                    deadline = time.monotonic() + self.grace
+                    while chief.proc.poll() is None and time.monotonic() < deadline:
+                        time.sleep(self.poll)
                     _stop([t.proc for t in tasks])
                     return 1
                 elif task.restarts < self.max_restarts:

@@ -10,6 +10,7 @@ raised by a function is kept in its RemoteValue and raised by the next ``schedul
 
 from __future__ import annotations
 
+import builtins
 import collections
 import itertools
 import sys
@@ -143,7 +144,7 @@ def _rebuild_error(name: str, message: str, where: str, remote_tb: str) -> BaseE
     if name == "ParameterServerError":
         err: BaseException = ParameterServerError(message)
     else:
-        cls = getattr(__builtins__ if isinstance(__builtins__, dict) else __builtins__.__dict__, name, None)  # type: ignore[union-attr]
+        cls = getattr(builtins, name, None)
         if not (isinstance(cls, type) and issubclass(cls, Exception)):
             cls = RuntimeError
             message = f"{name}: {message}"
@@ -151,7 +152,7 @@ def _rebuild_error(name: str, message: str, where: str, remote_tb: str) -> BaseE
             err = cls(f"{message} (raised by the scheduled function on {where})")
         except Exception:
             err = RuntimeError(f"{name}: {message} (raised by the scheduled function on {where})")
-    if remote_tb and hasattr(err, "add_note"):
+    if remote_tb and hasattr(err, "add_note") and not isinstance(err, ParameterServerError):
         err.add_note(f"traceback on {where}:\n{remote_tb.rstrip()}")
     return err
 
@@ -175,8 +176,6 @@ class ClusterCoordinator:
         self._fatal: BaseException | None = None
         self._closed = False
         self._live = set(ext.worker_names)
-        self._optimizers: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        self._opt_ids = itertools.count()
         self._datasets = itertools.count()
         self._sent: dict[str, set[str]] = {w: set() for w in ext.worker_names}
         self._configured: dict[str, int] = {}
@@ -185,6 +184,7 @@ class ClusterCoordinator:
             threading.Thread(target=self._work, args=(w,), name=f"coordinator-{w}", daemon=True)
             for w in ext.worker_names
         ]
+        ext.coordinators.add(self)
         for t in self._threads:
             t.start()
 
@@ -227,21 +227,21 @@ class ClusterCoordinator:
             )
         return PerWorkerDataset(self, dataset_fn, f"d{next(self._datasets)}")
 
-    def shutdown(self) -> None:
-        """Stop the worker threads and let the other tasks leave (done at exit anyway)."""
+    def close(self) -> None:
+        """Take no more functions; the worker threads end after the one they run."""
         with self._cond:
             self._closed = True
+            for c in self._queue:
+                c.value._fail(RuntimeError("the coordinator was closed before this function ran"))
+            self._queue.clear()
             self._cond.notify_all()
+
+    def shutdown(self) -> None:
+        """Close, and let the other tasks leave (done at the chief's exit anyway)."""
+        self.close()
         self._ext.shutdown()
 
     # --- what handles mean here ----------------------------------------------------------------
-    def optimizer_key(self, opt: Any) -> str:
-        key = self._optimizers.get(opt)
-        if key is None:
-            key = f"o{next(self._opt_ids)}"
-            self._optimizers[opt] = key
-        return key
-
     def handle(self, o: Any, worker: str) -> tuple[Any, ...] | None:
         if isinstance(o, PerWorkerIterator):
             ds = o.dataset
@@ -269,9 +269,9 @@ class ClusterCoordinator:
 
     def _next(self, worker: str) -> _Closure | None:
         with self._cond:
-            while not self._queue and not self._closed:
+            while not self._queue and not self._closed and self._fatal is None:
                 self._cond.wait(1.0)
-            if self._closed:
+            if self._closed or self._fatal is not None:
                 return None
             self._inflight += 1
             return self._queue.popleft()
@@ -310,16 +310,27 @@ class ClusterCoordinator:
                 self._lost(worker, e, force=True)
                 self._finish(closure, requeue=True)
                 return
+            if status == "gone":  # the worker is leaving (the chief is shutting down)
+                self._finish(closure, requeue=True)
+                return
             if status == "ok":
                 closure.value._set(value)
                 self._finish(closure)
                 continue
             name, message, remote_tb = value
             err = _rebuild_error(name, message, worker, remote_tb)
-            closure.value._fail(err)
             if isinstance(err, ParameterServerError):
+                last = ext.last_checkpoint
+                err = ParameterServerError(
+                    f"{err} ({f'the last checkpoint this job saved: {last}' if last else 'this job saved no checkpoint'})"
+                )
                 with self._cond:
                     self._fatal = self._fatal or err
+                    for c in self._queue:  # nothing more can run: each waiting value gets the error
+                        c.value._fail(self._fatal)
+                    self._queue.clear()
+                    self._cond.notify_all()
+            closure.value._fail(err)
             self._finish(closure, err)
 
     def _lost(self, worker: str, e: BaseException, force: bool = False) -> bool:
@@ -333,7 +344,7 @@ class ClusterCoordinator:
                 return False
             except Exception:
                 pass
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        first = (str(e).splitlines()[0] if str(e) else type(e).__name__).split(" (this error originated")[0]
         print(
             f"stratagem: {worker} failed ({first}); its functions run on the other workers",
             file=sys.stderr,
@@ -342,6 +353,7 @@ class ClusterCoordinator:
         with self._cond:
             self._live.discard(worker)
             self.lost_workers.append(worker)
+            self._ext.lost_tasks.append(worker)
             if not self._live:
                 self._fatal = WorkerLostError(
                     f"every worker is lost ({', '.join(self.lost_workers)}); the scheduled functions "

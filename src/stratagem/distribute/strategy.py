@@ -103,6 +103,11 @@ class StrategyExtended(abc.ABC):
         holds. Done before a first step anyway; a checkpoint asks for it before reading state."""
         return optimizer
 
+    def checkpoint_saved(self, path: str) -> None:
+        """A CheckpointManager wrote ``path`` (a strategy whose failures need a checkpoint to
+        resume from names it in the error)."""
+        return None
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Inside: backward passes accumulate gradients locally, not reduced (see Strategy.no_sync)."""
         return contextlib.nullcontext()

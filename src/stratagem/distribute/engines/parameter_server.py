@@ -13,6 +13,7 @@ and its optimizer's ``step()`` sends the gradients to the ps tasks, which apply 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import threading
@@ -27,6 +28,7 @@ from torch import nn
 
 from stratagem.cluster.ps_spec import PSClusterSpec
 from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.distribute import ownership
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.ps_client import (
     ParameterServerError,
@@ -115,6 +117,7 @@ class WorkerRuntime:
         self.datasets: dict[str, Any] = {}
         self.iterators: dict[str, Iterator[Any]] = {}
         self.stopped = threading.Event()
+        self.graceful = False  # leave together with the others (every task alive) or alone
         self.busy = threading.Lock()
 
     def configure(self, stores: list[Any], ps_names: list[str], plans: list[VariablePlan], timeout: float) -> None:
@@ -228,12 +231,18 @@ def _configure(task: str, stores: list[Any], ps_names: list[str], plans: list[Va
 
 
 def _run_closure(task: str, payload: bytes) -> tuple[str, Any]:
-    return _RUNTIMES[task].run(payload)
+    runtime = _RUNTIMES.get(task)
+    if runtime is None or runtime.stopped.is_set():
+        return ("gone", f"{task} is leaving the cluster")
+    return runtime.run(payload)
 
 
-def _stop(task: str) -> None:
+def _stop(task: str, graceful: bool) -> None:
     runtime = _RUNTIMES.get(task)
     if runtime is not None:
+        runtime.graceful = graceful
+        runtime.client = None  # its references to the ps tasks' stores go before rpc shuts down
+        runtime.optimizers.clear()
         runtime.stopped.set()
 
 
@@ -258,6 +267,10 @@ class ParameterServerExtended(StrategyExtended):
         self.client: VariableClient | None = None
         self._pending: list[tuple[nn.Module, str, torch.Tensor, bool]] = []
         self._closed = False
+        self.lost_tasks: list[str] = []  # workers the coordinator found unreachable
+        self._optimizer_keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self.coordinators: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.last_checkpoint: str | None = None  # what a lost ps task's error names to resume from
         self._join()
 
     def bind(self, strategy: Any) -> None:
@@ -271,6 +284,14 @@ class ParameterServerExtended(StrategyExtended):
         opts = rpc.TensorPipeRpcBackendOptions(
             init_method=f"tcp://{s.master_addr}:{s.master_port}", rpc_timeout=self.timeout, num_worker_threads=16
         )
+        if s.task_type == "worker" and s.restart_count > 0:
+            print(
+                f"stratagem: {s.rpc_name} was restarted, but torch.distributed.rpc cannot admit a task "
+                "into a running cluster; it stays out (the chief runs its functions on the other workers)",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(0)
         if s.task_type == "worker":
             _RUNTIMES[s.rpc_name] = WorkerRuntime(s.rpc_name, lambda: self.owner())
         try:
@@ -306,40 +327,53 @@ class ParameterServerExtended(StrategyExtended):
         rpc = _rpc()
         name = self.spec.rpc_name
         runtime = _RUNTIMES.get(name)
-        stopped = runtime.stopped if runtime is not None else threading.Event()
         if runtime is None:
-            _RUNTIMES[name] = WorkerRuntime(name, lambda: self.owner())
-            _RUNTIMES[name].stopped = stopped
+            runtime = _RUNTIMES[name] = WorkerRuntime(name, lambda: self.owner())
         code = 0
-        while not stopped.wait(2.0):
+        while not runtime.stopped.wait(2.0):
             try:
                 rpc.rpc_sync("chief", _ping, timeout=max(self.timeout, 5.0))
             except Exception:
-                if stopped.is_set():
+                if runtime.stopped.is_set():
                     break
                 print(f"stratagem: {name}: the chief is gone; leaving", file=sys.stderr, flush=True)
                 code = 1
                 break
+        _RUNTIMES.pop(name, None)
+        gc.collect()
         with contextlib.suppress(Exception):
-            rpc.shutdown(graceful=False)
-        os._exit(code) if code else sys.exit(0)
+            rpc.shutdown(graceful=runtime.graceful and code == 0, timeout=self.timeout)
+        if code:
+            os._exit(code)
+        sys.exit(0)
 
     def shutdown(self) -> None:
-        """The chief is done: tell every task to leave, then leave (bounded; never waits on a
-        dead task)."""
+        """The chief is done: tell every task to leave, then leave with them (bounded; alone,
+        without waiting, when a task was lost)."""
         if self._closed:
             return
+        for coordinator in list(self.coordinators):
+            coordinator.close()
         self._closed = True
         rpc = _rpc()
+        lost = set(self.lost_tasks)
+        graceful = not lost
+        self.stores.clear()
+        if self.client is not None:
+            self.client.stores = []
+        gc.collect()
         futs = []
         for name in [*self.worker_names, *self.ps_names]:
-            with contextlib.suppress(Exception):
-                futs.append(rpc.rpc_async(name, _stop, args=(name,), timeout=5))
+            if name not in lost:
+                with contextlib.suppress(Exception):
+                    futs.append(rpc.rpc_async(name, _stop, args=(name, graceful), timeout=10))
         for f in futs:
-            with contextlib.suppress(Exception):
+            try:
                 f.wait()
+            except Exception:
+                graceful = False
         with contextlib.suppress(Exception):
-            rpc.shutdown(graceful=False)
+            rpc.shutdown(graceful=graceful, timeout=self.timeout)
 
     # --- variables --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -391,8 +425,10 @@ class ParameterServerExtended(StrategyExtended):
         new = plan_variables(specs, self.num_ps, self.partitioner, first, placed)
         self.plans.extend(new)
         owned: dict[int, tuple[nn.Module, list[int]]] = {}
+        strategy = self.owner()
         for plan, (module, _, t, _) in zip(new, found):
             self.client.adopt(plan, t)
+            ownership.claim(t, strategy)
             if plan.rows:
                 module.register_forward_hook(embedding_rows_hook)
             owned.setdefault(id(module), (module, []))[1].append(plan.vid)
@@ -417,10 +453,67 @@ class ParameterServerExtended(StrategyExtended):
             if o is strategy:
                 return ("strategy",)
             if isinstance(o, torch.optim.Optimizer):
-                return ("opt", registry.optimizer_key(o), optimizer_spec(o))
+                return ("opt", self.prepare_optimizer_key(o), optimizer_spec(o))
             return registry.handle(o, worker)
 
         return handle
+
+    def checkpoint_saved(self, path: str) -> None:
+        self.last_checkpoint = path
+
+    def prepare_optimizer_key(self, opt: torch.optim.Optimizer) -> str:
+        """The key of ``opt``'s state on the ps tasks; its state_dict() reads that state there and
+        its load_state_dict() writes it there (checkpoints, portable to the other strategies)."""
+        key = self._optimizer_keys.get(opt)
+        if key is None:
+            key = f"o{len(self._optimizer_keys)}"
+            self._optimizer_keys[opt] = key
+            opt.register_state_dict_post_hook(_OptimizerSync(self, key, read=True))
+            opt.register_load_state_dict_post_hook(_OptimizerSync(self, key, read=False))
+        return key
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if self.spec.is_chief and any(tagged(p) is not None for g in optimizer.param_groups for p in g["params"]):
+            self.prepare_optimizer_key(optimizer)
+        return optimizer
+
+    def optimizer_state(self, opt: torch.optim.Optimizer, key: str, sd: dict[str, Any]) -> dict[str, Any]:
+        """``sd`` (the chief's ``opt.state_dict()``) with the state the ps tasks hold."""
+        assert self.client is not None
+        index = 0
+        state: dict[int, Any] = {}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                info = tagged(p)
+                if info is not None:
+                    plan = self.plans[info[1]]
+                    parts = [
+                        self.stores[sh.ps].rpc_sync(timeout=self.timeout).optimizer_state(key, [sh.key])[0]
+                        for sh in plan.shards
+                    ]
+                    merged = _merge_shard_states(parts, plan)
+                    if merged:
+                        state[index] = merged
+                index += 1
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, key: str) -> None:
+        """Write ``opt``'s state (just loaded on the chief) to the ps tasks."""
+        groups = optimizer_spec(opt)
+        for (spec, vids), group in zip(groups, opt.param_groups):
+            for vid, p in zip(vids, group["params"]):
+                st = opt.state.get(p)
+                if not st:
+                    continue
+                plan = self.plans[vid]
+                for sh in plan.shards:
+                    part = {
+                        k: (v[sh.start : sh.stop] if isinstance(v, torch.Tensor) and v.dim() > 0
+                            and len(plan.shards) > 1 and v.shape[0] == plan.shape[0] else v)
+                        for k, v in st.items()
+                    }  # fmt: skip
+                    self.stores[sh.ps].rpc_sync(timeout=self.timeout).load_optimizer_state(key, spec, {sh.key: part})
+        opt.state.clear()  # the ps tasks hold it; the chief's optimizer never steps
 
     def configure_worker(self, worker: str) -> None:
         rpc = _rpc()
@@ -530,6 +623,49 @@ class _ChiefSync:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Inert, ())
+
+
+class _OptimizerSync:
+    """An optimizer hook on the chief: its state lives on the ps tasks."""
+
+    def __init__(self, ext: ParameterServerExtended, key: str, read: bool) -> None:
+        self.ext = weakref.ref(ext)
+        self.key = key
+        self.read = read
+
+    def __call__(self, opt: torch.optim.Optimizer, sd: Any = None) -> Any:
+        ext = self.ext()
+        if ext is None or ext._closed:
+            return sd
+        if self.read:
+            return ext.optimizer_state(opt, self.key, sd)
+        ext.load_optimizer_state(opt, self.key)
+        return None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Inert, ())
+
+
+def _merge_shard_states(parts: list[dict[str, Any]], plan: VariablePlan) -> dict[str, Any]:
+    """One variable's optimizer state from its shards' (tensors of the shard's rows joined; the
+    rest, as ``step``, from the first shard that has state). A shard never updated has none: its
+    rows' state is zeros, as a fresh optimizer's."""
+    have = [p for p in parts if p]
+    if not have:
+        return {}
+    if len(parts) == 1:
+        return parts[0]
+    template = have[0]
+    out: dict[str, Any] = {}
+    for k, v in template.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            rows = []
+            for sh, part in zip(plan.shards, parts):
+                rows.append(part[k] if part else torch.zeros((sh.stop - sh.start, *v.shape[1:]), dtype=v.dtype))
+            out[k] = torch.cat(rows)
+        else:
+            out[k] = v
+    return out
 
 
 class _Inert:

@@ -93,8 +93,8 @@ class VariableClient:
     def lost(self, ps: int, e: BaseException) -> ParameterServerError:
         return ParameterServerError(
             f"{self.task} could not reach parameter server {self.ps_names[ps]} ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); the variables it holds are lost: restart "
-            "the job and restore the last checkpoint"
+            f"{(str(e).splitlines()[0] if str(e) else '').split(' (this error originated')[0]}); the "
+            "variables it holds are lost: restart the job and restore the last checkpoint"
         )
 
     def _wait(self, futures: Iterable[tuple[int, Any]]) -> list[Any]:
