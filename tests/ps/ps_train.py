@@ -8,6 +8,7 @@ ps_lost        ps 0 dies: the coordinator raises a clear error naming the last c
 checkpoint DIR one worker: a checkpoint of the ps-held model and optimizer restores in a plain
                process and training goes on there exactly as on the cluster
 errors         misuse gets clear errors
+fit            one worker: sg.fit (steps_per_epoch, metrics, validation) equals fit in one process
 """
 
 import json
@@ -62,7 +63,7 @@ def reference_losses(model: nn.Module, kind: str, data: list) -> list[float]:
 def main() -> None:
     mode = sys.argv[1]
     kind = sys.argv[2] if len(sys.argv) > 2 else "sgd"
-    steps = {"parity": 12, "kill": 24, "converge": 240, "ps_lost": 40, "checkpoint": 12, "errors": 4}[mode]
+    steps = {"parity": 12, "kill": 24, "converge": 240, "ps_lost": 40, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
     partitioner = sg.partitioners.FixedShardsPartitioner(2)
     strategy = sg.ParameterServerStrategy(variable_partitioner=partitioner)
     # from here on only the chief runs this script
@@ -98,6 +99,9 @@ def main() -> None:
         loss = strategy.run(replica_fn, args=(ids, y))
         return index, strategy.reduce("SUM", loss, axis=None)
 
+    if mode == "fit":
+        fit(strategy, model, optimizer, reference, kind, steps)
+        return
     if mode == "errors":
         errors(strategy, coordinator, model, optimizer, step_fn, iterator)
         return
@@ -176,6 +180,24 @@ def checkpoint(folder, strategy, coordinator, model, optimizer, step_fn, iterato
     assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
     sums = [s["sum"] for s in optimizer.state_dict()["state"].values()]
     assert all(torch.equal(a, b["sum"]) for a, b in zip(sums, plain_opt.state_dict()["state"].values()))
+
+
+def fit(strategy, model, optimizer, reference, kind, steps):
+    data = batches(steps)
+    val = batches(3, seed=2)
+    try:
+        sg.fit(model, optimizer, "mse", data, epochs=2, verbose=0)
+    except ValueError as e:
+        print("ERROR", str(e).split(",")[0])
+    kwargs = dict(epochs=2, steps_per_epoch=steps // 2, metrics=["mae"], validation_data=val, verbose=0)
+    got = sg.fit(model, optimizer, "mse", data, **kwargs).history
+    want = sg.fit(reference, make_optimizer(reference, kind), "mse", data, **kwargs).history
+    assert got.keys() == want.keys(), (got, want)
+    diff = max(abs(a - b) for k in got for a, b in zip(got[k], want[k]))
+    state = model.state_dict()
+    pdiff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    print(f"RESULT history_diff={diff:.3g} param_diff={pdiff:.3g} keys={sorted(got)}")
+    assert diff < 1e-5 and pdiff < 1e-5, (got, want)
 
 
 def errors(strategy, coordinator, model, optimizer, step_fn, iterator):

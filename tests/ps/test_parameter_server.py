@@ -132,3 +132,15 @@ def test_a_partitioner_answer_of_the_wrong_shape_is_refused():
         plan_variables([("w", (4, 4), torch.float32, False)], 1, lambda shape, dtype: [1, 2])
     with pytest.raises(ValueError, match="at least one ps task"):
         plan_variables([("w", (4,), torch.float32, False)], 0, None)
+
+
+@pytest.mark.timeout(180)
+def test_fit_needs_steps_per_epoch_and_then_equals_fit_in_one_process():
+    """Keras's rule under ParameterServerStrategy; the loss, a metric and the validation logs of
+    every epoch and the trained variables equal fit in one process on the same batches."""
+    r = job(1, 1, "fit", "sgd")
+    assert_clean_run(r, what="fit under ParameterServerStrategy")
+    assert "ERROR fit under ParameterServerStrategy needs steps_per_epoch (got None)" in r.stdout
+    assert result(r.stdout) == (
+        "RESULT history_diff=0 param_diff=0 keys=['loss', 'mean_absolute_error', 'val_loss', 'val_mean_absolute_error']"
+    )

@@ -93,6 +93,12 @@ class StrategyExtended(abc.ABC):
         return False
 
     @property
+    def coordinates_workers(self) -> bool:
+        """Whether steps are functions a coordinator schedules onto workers (ParameterServerStrategy),
+        each worker stepping on its own, rather than every replica stepping together."""
+        return False
+
+    @property
     def is_pipeline(self) -> bool:
         """Whether the model runs as stages (``build_pipe``) rather than whole on every replica."""
         return False

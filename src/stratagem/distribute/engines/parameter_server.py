@@ -572,6 +572,10 @@ class ParameterServerExtended(StrategyExtended):
     def requires_scope(self) -> bool:
         return True
 
+    @property
+    def coordinates_workers(self) -> bool:
+        return True
+
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         if not self.spec.is_chief:
