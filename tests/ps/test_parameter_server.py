@@ -144,3 +144,21 @@ def test_fit_needs_steps_per_epoch_and_then_equals_fit_in_one_process():
     assert result(r.stdout) == (
         "RESULT history_diff=0 param_diff=0 keys=['loss', 'mean_absolute_error', 'val_loss', 'val_mean_absolute_error']"
     )
+
+
+@pytest.mark.timeout(60)
+def test_tasks_that_never_come_are_named(tmp_path):
+    """The chief alone: the error names each missing task and its address, within the timeout."""
+    import json
+
+    from stratagem.cluster.launch import find_free_port
+
+    port = find_free_port()
+    cluster = {"chief": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
+    env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}})}
+    r = run_script(["-c", "import stratagem as sg; sg.ParameterServerStrategy(timeout=2)"], env=env, timeout=40)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: ParameterServerStrategy: worker:0 (127.0.0.1:1), ps:0 (127.0.0.1:2) did not join the "
+        "cluster within 2s: start every task listed in TF_CONFIG (or use `stratagem run --workers N --ps P script.py`)"
+    )

@@ -294,6 +294,7 @@ class ParameterServerExtended(StrategyExtended):
             sys.exit(0)
         if s.task_type == "worker":
             _RUNTIMES[s.rpc_name] = WorkerRuntime(s.rpc_name, lambda: self.owner())
+        presence = self._meet()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch's own deprecation note about its gloo group
@@ -305,6 +306,7 @@ class ParameterServerExtended(StrategyExtended):
                 f"{str(e).splitlines()[0] if str(e) else ''}): start every task listed in TF_CONFIG, "
                 "or use `stratagem run --workers N --ps P script.py`"
             ) from e
+        del presence  # rpc's rendezvous shares its server (multi-tenant) from here on
         if s.is_chief:
             for i, name in enumerate(self.ps_names):
                 try:
@@ -321,6 +323,44 @@ class ParameterServerExtended(StrategyExtended):
             import atexit
 
             atexit.register(self.shutdown)
+
+    def _meet(self) -> Any:
+        """Every task says it is here in the chief's store (torch's TCPStore at the chief's
+        address, which rpc's rendezvous then shares): the chief names the tasks that did not
+        come, a task names the chief it cannot reach, each within the timeout."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        s = self.spec
+        try:
+            store = TCPStore(
+                s.master_addr, s.master_port, is_master=s.is_chief, timeout=timedelta(seconds=self.timeout),
+                multi_tenant=True, wait_for_workers=False,
+            )  # fmt: skip
+        except Exception as e:
+            raise RuntimeError(
+                f"ParameterServerStrategy: {s.rpc_name} could not reach the chief at {s.chief} within "
+                f"{self.timeout:g}s ({type(e).__name__}): start the chief task, or check its address in TF_CONFIG"
+            ) from e
+        store.set(f"stratagem/present/{s.rpc_name}", "1")
+        if s.is_chief:
+            import time
+
+            deadline = time.monotonic() + self.timeout
+            addresses = dict(zip(s.rpc_names, [s.chief, *s.workers, *s.ps]))
+            while True:
+                missing = [n for n in s.rpc_names if not store.check([f"stratagem/present/{n}"])]
+                if not missing:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"ParameterServerStrategy: {', '.join(f'{n} ({addresses[n]})' for n in missing)} did not "
+                        f"join the cluster within {self.timeout:g}s: start every task listed in TF_CONFIG "
+                        "(or use `stratagem run --workers N --ps P script.py`)"
+                    )
+                time.sleep(0.05)
+        return store
 
     def serve(self) -> None:
         """A worker or ps task: answer the chief until it is done (or gone), then leave."""
