@@ -53,11 +53,14 @@ def test_a_killed_worker_s_functions_run_on_the_other_and_each_result_arrives_on
     r = job(2, 1, "kill")
     assert r.returncode == 0, r.stderr
     assert result(r.stdout) == "RESULT lost=['worker:1'] delivered=24"
-    assert stratagem_lines(r.stderr) == [
-        "stratagem: worker:1 failed (eof); its functions run on the other workers",
+    lines = stratagem_lines(r.stderr)
+    assert len(lines) == 2, r.stderr
+    # the transport's words for a closed connection vary (eof, pipe closed, connection reset)
+    assert re.fullmatch(r"stratagem: worker:1 failed \(.+\); its functions run on the other workers", lines[0])
+    assert lines[1] == (
         "stratagem run: worker 1 failed (exit code 7); not restarting it (0 of 0 restarts used), "
-        "the job goes on without it",
-    ]
+        "the job goes on without it"
+    )
     assert tracebacks(r.stderr) == 0
 
 
