@@ -53,8 +53,8 @@ def test_a_killed_worker_s_functions_run_on_the_other_and_each_result_arrives_on
     r = job(2, 1, "kill")
     assert r.returncode == 0, r.stderr
     assert result(r.stdout) == "RESULT lost=['worker:1'] delivered=24"
-    lines = stratagem_lines(r.stderr)
-    assert len(lines) == 2, r.stderr
+    lines = sorted(stratagem_lines(r.stderr), key=lambda line: line.startswith("stratagem run"))
+    assert len(lines) == 2, r.stderr  # the chief's and the launcher's, in either order
     # the transport's words for a closed connection vary (eof, pipe closed, connection reset)
     assert re.fullmatch(r"stratagem: worker:1 failed \(.+\); its functions run on the other workers", lines[0])
     assert lines[1] == (
