@@ -272,6 +272,8 @@ def model_parallel(names: list[str]) -> dict[str, Any]:
     layout = stratagem.LayoutMap(mesh)
     layout[r"mlp\.c_fc\.weight"] = ("model", None)
     layout[r"mlp\.c_proj\.weight"] = (None, "model")
+    layout[r"attn\.c_attn\.weight"] = ("model", None)
+    layout[r"attn\.c_proj\.weight"] = (None, "model")
     s = stratagem.ModelParallelStrategy(mesh, layout)
     out: dict[str, Any] = {}
     for name in names:

@@ -108,8 +108,9 @@ def test_model_parallel_gpt_mlp_column_row() -> None:
     for out in outs:
         for how in ("fit", "loop"):
             got = out[f"nanogpt/model_parallel/{how}"]
-            assert got["plan"] == {f"transformer.h.{i}.mlp.{n}": kind for i in (0, 1)
-                                   for n, kind in (("c_fc", "colwise"), ("c_proj", "rowwise"))}
+            assert got["plan"] == {f"transformer.h.{i}.{n}": kind for i in (0, 1)
+                                   for n, kind in (("attn.c_attn", "colwise"), ("attn.c_proj", "rowwise"),
+                                                   ("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise"))}
             assert got["init_diff"] == 0.0, (how, got["init_diff"])
             assert got["diff"] < TOL, (how, got["diff"])
             assert got["tied"] == (True, True)
