@@ -48,16 +48,16 @@ def register_attention_rules() -> None:
 
     @register_sharding(fwd.default)  # type: ignore[untyped-decorator]
     def _forward(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> list[Any]:
-        extra = [None] * len(args)  # dropout_p, is_causal when given: not tensors
-        rules = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), *extra])]
+        extra: list[Any] = [None] * len(args)  # dropout_p, is_causal when given: not tensors
+        rules: list[Any] = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), *extra])]
         rules += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), *extra]) for d in (0, 1)]
         return rules
 
     @register_sharding(bwd.default)  # type: ignore[untyped-decorator]
     def _backward(g: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *args: Any, **kwargs: Any) -> list[Any]:
-        extra = [None] * len(args)
-        rules = [([Replicate()] * 3, [Replicate()] * 6 + extra)]
-        rules += [([Shard(d)] * 3, [Shard(d)] * 6 + extra) for d in (0, 1)]
+        extra: list[Any] = [None] * len(args)
+        rules: list[Any] = [([Replicate()] * 3, [Replicate()] * 6 + extra)]
+        rules += [([Shard(d)] * 3, [*[Shard(d)] * 6, *extra]) for d in (0, 1)]
         return rules
 
 
