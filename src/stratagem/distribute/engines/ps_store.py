@@ -91,27 +91,25 @@ class ParameterStore:
 
     def _step(self, opt_key: str, spec: OptimizerSpec, key: str, grad: torch.Tensor) -> None:
         with self._locks[key]:
-            value = self._values[key]
-            opt = self._optimizers.get((opt_key, key))
-            if opt is None:
-                module, qualname, hyper = spec
-                param = torch.nn.Parameter(value, requires_grad=True)
-                self._values[key] = param
-                opt = _optimizer_class(module, qualname)([param], **hyper)
-                self._optimizers[(opt_key, key)] = opt
-            else:
-                opt.param_groups[0].update(spec[2])  # a schedule on the coordinator changed them
+            opt = self._optimizer(opt_key, spec, key)
+            opt.param_groups[0].update(spec[2])  # a schedule on the coordinator may change them
             param = opt.param_groups[0]["params"][0]
             param.grad = grad.to(param.dtype)
             with torch.sparse.check_sparse_tensor_invariants(enable=False):  # said, not implied: no warning
                 opt.step()
             param.grad = None
 
-    def set_hyperparameters(self, opt_key: str, hyper: dict[str, Any]) -> None:
-        """A learning-rate schedule on the coordinator reaches the optimizers here."""
-        for (k, _), opt in list(self._optimizers.items()):
-            if k == opt_key:
-                opt.param_groups[0].update(hyper)
+    def _optimizer(self, opt_key: str, spec: OptimizerSpec, key: str) -> torch.optim.Optimizer:
+        """The optimizer of shard ``key`` for the worker optimizer ``opt_key`` (made on first use;
+        the caller holds the shard's lock)."""
+        opt = self._optimizers.get((opt_key, key))
+        if opt is None:
+            module, qualname, hyper = spec
+            param = torch.nn.Parameter(self._values[key], requires_grad=True)
+            self._values[key] = param
+            opt = _optimizer_class(module, qualname)([param], **hyper)
+            self._optimizers[(opt_key, key)] = opt
+        return opt
 
     # --- optimizer state (checkpoints) ------------------------------------------------------
     def optimizer_state(self, opt_key: str, keys: Sequence[str]) -> list[dict[str, Any]]:
@@ -129,13 +127,7 @@ class ParameterStore:
     def load_optimizer_state(self, opt_key: str, spec: OptimizerSpec, states: dict[str, dict[str, Any]]) -> None:
         for key, state in states.items():
             with self._locks[key]:
-                opt = self._optimizers.get((opt_key, key))
-                if opt is None:
-                    module, qualname, hyper = spec
-                    param = torch.nn.Parameter(self._values[key], requires_grad=True)
-                    self._values[key] = param
-                    opt = _optimizer_class(module, qualname)([param], **hyper)
-                    self._optimizers[(opt_key, key)] = opt
+                opt = self._optimizer(opt_key, spec, key)
                 param = opt.param_groups[0]["params"][0]
                 opt.state[param] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
