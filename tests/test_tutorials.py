@@ -56,11 +56,6 @@ def test_data_performance_guide(tmp_path):
     assert float(speedups["cache"]) > 1.5 and float(speedups["vectorized map"]) > 2, out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ClusterCoordinator numbers per-worker datasets per coordinator: the tutorial's own "
-    "coordinator, made after fit's, gets fit's dataset on the workers (tests/ps/test_known_issues_xfail.py)",
-)
 @pytest.mark.timeout(90)
 def test_parameter_server_training_tutorial(tmp_path):
     pytest.importorskip("cloudpickle")

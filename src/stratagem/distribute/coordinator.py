@@ -158,9 +158,21 @@ def _rebuild_error(name: str, message: str, where: str, remote_tb: str) -> BaseE
 
 
 class ClusterCoordinator:
-    """Schedules functions onto the workers of a ParameterServerStrategy (on the chief)."""
+    """Schedules functions onto the workers of a ParameterServerStrategy (on the chief).
+
+    One per strategy, as in tf: ``ClusterCoordinator(strategy)`` again (``fit`` does) returns the
+    same coordinator while it is open."""
+
+    def __new__(cls, strategy: Any, **kwargs: Any) -> ClusterCoordinator:
+        ext = getattr(strategy, "extended", None)
+        existing = getattr(ext, "coordinator", None)
+        if isinstance(existing, cls) and not existing._closed:
+            return existing
+        return super().__new__(cls)
 
     def __init__(self, strategy: Any, *, function_timeout: float = 600.0) -> None:
+        if getattr(self, "_started", False):
+            return  # the strategy's open coordinator, returned by __new__
         ext = getattr(strategy, "extended", None)
         if not isinstance(ext, ParameterServerExtended):
             raise TypeError(f"ClusterCoordinator needs a ParameterServerStrategy, got {type(strategy).__name__}")
@@ -176,7 +188,6 @@ class ClusterCoordinator:
         self._fatal: BaseException | None = None
         self._closed = False
         self._live = set(ext.worker_names)
-        self._datasets = itertools.count()
         self._sent: dict[str, set[str]] = {w: set() for w in ext.worker_names}
         self._configured: dict[str, int] = {}
         self.lost_workers: list[str] = []
@@ -184,7 +195,8 @@ class ClusterCoordinator:
             threading.Thread(target=self._work, args=(w,), name=f"coordinator-{w}", daemon=True)
             for w in ext.worker_names
         ]
-        ext.coordinators.add(self)
+        ext.coordinator = self
+        self._started = True
         for t in self._threads:
             t.start()
 
@@ -225,7 +237,8 @@ class ClusterCoordinator:
                 f"create_per_worker_dataset takes a function returning a dataset, got {type(dataset_fn).__name__}: "
                 "wrap it, e.g. `lambda: dataset`"
             )
-        return PerWorkerDataset(self, dataset_fn, f"d{next(self._datasets)}")
+        # numbered per strategy: a worker keeps every dataset it built under its key
+        return PerWorkerDataset(self, dataset_fn, f"d{next(self._ext.dataset_keys)}")
 
     def close(self) -> None:
         """Take no more functions; the worker threads end after the one they run."""
@@ -313,6 +326,7 @@ class ClusterCoordinator:
             if status == "gone":  # the worker is leaving (the chief is shutting down)
                 self._finish(closure, requeue=True)
                 return
+            ext.functions_done += 1  # the chief's copies of the variables may be stale now
             if status == "ok":
                 closure.value._set(value)
                 self._finish(closure)

@@ -101,7 +101,15 @@ def fit_coordinated(
             "Keras does: each worker reads its own copy of the data, repeated, so an epoch is a "
             "number of steps; pass steps_per_epoch=N"
         )
-    coordinator = ClusterCoordinator(strategy)
+    from stratagem.train.callbacks import BackupAndRestore
+
+    if any(isinstance(cb, BackupAndRestore) for cb in callbacks):
+        raise ValueError(
+            f"BackupAndRestore is not supported by fit under {type(strategy).__name__} yet: save with "
+            "ModelCheckpoint or a CheckpointManager (variables and optimizer state are read from the "
+            "ps tasks) and restore before fit"
+        )
+    coordinator = ClusterCoordinator(strategy)  # the strategy's one coordinator (the user's too)
     iterator = iter(coordinator.create_per_worker_dataset(Repeated(data)))
     params = dict(params, steps=steps_per_epoch)
     history = History(params)
@@ -112,37 +120,34 @@ def fit_coordinated(
         cbs.insert(0, Progress(mode))
     cblist = CallbackList(cbs, state)
     logs: Logs = {}
-    try:
-        with context.strategy_scope(strategy):
-            cblist.call("on_train_begin", None)
-            for epoch in range(initial_epoch, epochs):
-                state.epoch, state.step = epoch, 0
-                for m in tracked:
-                    m.reset_state()
-                cblist.call("on_epoch_begin", epoch, None)
-                values = [
-                    coordinator.schedule(train_step, args=(iterator, strategy, model, optimizer, loss_fn, tracked))
-                    for _ in range(steps_per_epoch)
-                ]
-                for value in values:  # in order, as they arrive: every step's totals added once
-                    cblist.call("on_train_batch_begin", state.step, None)
-                    for m, totals in zip(tracked, value.fetch()):
-                        m.add_totals(totals)
-                    state.step += 1
-                    state.iterations += 1
-                    cblist.call("on_train_batch_end", state.step - 1, {m.name: float(m.result()) for m in tracked})
-                coordinator.join()
-                logs = {m.name: float(m.result()) for m in tracked}
-                if validate is not None:
-                    logs.update({f"val_{k}": v for k, v in validate().items()})
-                history.record(epoch, logs)
-                cblist.call("on_epoch_end", epoch, logs)
-                history.update_last(logs)
-                if state.stop_training:
-                    break
-            cblist.call("on_train_end", dict(logs))
-    finally:
-        coordinator.close()
+    with context.strategy_scope(strategy):
+        cblist.call("on_train_begin", None)
+        for epoch in range(initial_epoch, epochs):
+            state.epoch, state.step = epoch, 0
+            for m in tracked:
+                m.reset_state()
+            cblist.call("on_epoch_begin", epoch, None)
+            values = [
+                coordinator.schedule(train_step, args=(iterator, strategy, model, optimizer, loss_fn, tracked))
+                for _ in range(steps_per_epoch)
+            ]
+            for value in values:  # in order, as they arrive: every step's totals added once
+                cblist.call("on_train_batch_begin", state.step, None)
+                for m, totals in zip(tracked, value.fetch()):
+                    m.add_totals(totals)
+                state.step += 1
+                state.iterations += 1
+                cblist.call("on_train_batch_end", state.step - 1, {m.name: float(m.result()) for m in tracked})
+            coordinator.join()
+            logs = {m.name: float(m.result()) for m in tracked}
+            if validate is not None:
+                logs.update({f"val_{k}": v for k, v in validate().items()})
+            history.record(epoch, logs)
+            cblist.call("on_epoch_end", epoch, logs)
+            history.update_last(logs)
+            if state.stop_training:
+                break
+        cblist.call("on_train_end", dict(logs))
     return history
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import sys
 import threading
@@ -269,7 +270,10 @@ class ParameterServerExtended(StrategyExtended):
         self._closed = False
         self.lost_tasks: list[str] = []  # workers the coordinator found unreachable
         self._optimizer_keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        self.coordinators: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.coordinator: Any = None  # the strategy's ClusterCoordinator (one per strategy, as tf)
+        self.dataset_keys = itertools.count()  # per-worker datasets, numbered per strategy
+        self.functions_done = 0  # functions workers ran (the chief's copies are stale after one)
+        self._pulled_at = 0
         self.last_checkpoint: str | None = None  # what a lost ps task's error names to resume from
         self._join()
 
@@ -392,8 +396,8 @@ class ParameterServerExtended(StrategyExtended):
         without waiting, when a task was lost)."""
         if self._closed:
             return
-        for coordinator in list(self.coordinators):
-            coordinator.close()
+        if self.coordinator is not None:
+            self.coordinator.close()
         self._closed = True
         rpc = _rpc()
         lost = set(self.lost_tasks)
@@ -473,6 +477,8 @@ class ParameterServerExtended(StrategyExtended):
                 module.register_forward_hook(embedding_rows_hook)
             owned.setdefault(id(module), (module, []))[1].append(plan.vid)
         for module, vids in owned.values():
+            # a forward pass on the chief computes with the variables' current values
+            module.register_forward_pre_hook(_ChiefRead(self))
             # state_dict() reads the variables from the ps tasks; load_state_dict() writes them there
             module.register_state_dict_pre_hook(_ChiefSync(self, vids, pull=True))
             module.register_load_state_dict_post_hook(_ChiefSync(self, vids, pull=False))
@@ -566,6 +572,13 @@ class ParameterServerExtended(StrategyExtended):
     def traffic(self) -> list[tuple[int, int]]:
         """Bytes each ps task received and sent."""
         return [store.rpc_sync(timeout=self.timeout).traffic() for store in self.stores]
+
+    def refresh(self) -> None:
+        """The chief's copies read anew if a worker ran a function since they were last read."""
+        done = self.functions_done
+        if done != self._pulled_at:
+            self.pull_all()
+            self._pulled_at = done
 
     def pull_all(self, vids: Sequence[int] | None = None) -> None:
         """The chief's tensors set to the variables' current values (embedding tables whole)."""
@@ -664,6 +677,23 @@ class _ChiefSync:
         if ext is None or ext._closed:
             return
         (ext.pull_all if self.pull else ext.push_all)(self.vids)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Inert, ())
+
+
+class _ChiefRead:
+    """A forward pre-hook on the chief: after workers ran functions, the first forward pass reads
+    every variable's current value from the ps tasks (tf reads them on the coordinator too).
+    Shipped to a worker, it does nothing."""
+
+    def __init__(self, ext: ParameterServerExtended) -> None:
+        self.ext = weakref.ref(ext)
+
+    def __call__(self, *args: Any) -> None:
+        ext = self.ext()
+        if ext is not None and not ext._closed:
+            ext.refresh()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Inert, ())

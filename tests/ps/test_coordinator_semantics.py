@@ -1,11 +1,9 @@
-"""Known bugs of ParameterServerStrategy, xfail (strict) until fixed, each a minimal job.
+"""The coordinator's semantics, each a minimal job (two were bugs once):
 
-- A second ClusterCoordinator of the same strategy (for example the one ``fit`` makes, then one of
-  the user's) names its per-worker datasets d0, d1, ... again, so a worker hands it the first
-  coordinator's cached dataset instead of building the new one.
-- A bare ``model(x)`` on the chief after training computes with the values the chief read last
-  (tf reads a variable's current value on the coordinator); ``strategy.run`` or ``state_dict()``
-  refresh them first."""
+- ``ClusterCoordinator(strategy)`` is one per strategy (as tf), and per-worker datasets are
+  numbered per strategy: a coordinator made after another (``fit`` makes one) gets its own.
+- A bare ``model(x)`` on the chief after training computes with the variables' current values
+  (as tf reads them on the coordinator), like ``strategy.run`` and ``state_dict()``."""
 
 from __future__ import annotations
 
@@ -30,11 +28,6 @@ print("RESULT", got)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ClusterCoordinator numbers per-worker datasets per coordinator (d0, d1, ...): a second "
-    "coordinator of the same strategy gets the first one's datasets on the workers",
-)
 @pytest.mark.timeout(120)
 def test_a_second_coordinator_gets_its_own_per_worker_datasets(tmp_path):
     r = _job(tmp_path, TWO_COORDINATORS)
@@ -67,11 +60,6 @@ print("RESULT", bool(torch.equal(bare, before)), bool(torch.allclose(bare, curre
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a bare model(x) on the chief computes with stale values after workers trained; only "
-    "strategy.run and state_dict() pull the variables' current values from the ps tasks",
-)
 @pytest.mark.timeout(120)
 def test_the_chief_reads_current_values_in_a_bare_forward(tmp_path):
     r = _job(tmp_path, STALE_READ)
@@ -85,3 +73,23 @@ def _job(tmp_path, code: str):
     r = run_script(argv, timeout=100)
     assert r.returncode == 0, r.stderr
     return r
+
+
+METRIC_SHIPPED = """
+import torch
+import stratagem as sg
+
+strategy = sg.ParameterServerStrategy()
+coordinator = sg.coordinator.ClusterCoordinator(strategy)
+metric = sg.metrics.Mean()
+metric.update_state(torch.tensor([1.0, 3.0]))  # on the chief, outside any scope
+totals = coordinator.schedule(lambda: metric.batch_totals(torch.tensor([5.0]))).fetch()
+metric.add_totals(totals)
+print("RESULT", float(metric.result()))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_metric_the_chief_updated_ships_to_a_worker(tmp_path):
+    r = _job(tmp_path, METRIC_SHIPPED)
+    assert "RESULT 3.0" in r.stdout, r.stdout
