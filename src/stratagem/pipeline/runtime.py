@@ -17,6 +17,7 @@ reaches every stage fast.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,26 +26,32 @@ import torch
 
 from stratagem.pipeline.errors import PipelineError
 from stratagem.pipeline.p2p import Channel, PostedRecv, RemoteStageError, raw_nbytes
-from stratagem.pipeline.schedule import BACKWARD_KINDS, Action
+from stratagem.pipeline.schedule import BACKWARD_KINDS, Action, F
 from stratagem.pipeline.stage import Stage, shape_of
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # trailing dimensions and dtype
 
 
 class _Links:
-    """What this stage has exchanged with its neighbours in this step, so that every message,
-    error markers included, has the size the receiver expects."""
+    """What one chunk has exchanged with its neighbouring chunks in this step, so that every
+    message, error markers included, has the size the receiver expects. The activations and
+    gradients crossing the cut between chunks ``c`` and ``c + 1`` travel with tag ``c + 1`` (tag 0
+    is the step's handshake), so the links between the same two ranks never mix."""
 
     def __init__(self, stage: Stage, channel: Channel, sizes: Sequence[int], batch: int,
-                 f_order: Sequence[int], b_order: Sequence[int]) -> None:  # fmt: skip
+                 f_order: Sequence[int], b_order: Sequence[int], num_ranks: int) -> None:  # fmt: skip
         self.stage = stage
         self.channel = channel
         self.sizes = sizes
         self.batch = batch
         self.f_order = list(f_order)
         self.b_order = list(b_order)
-        self.in_spec: Spec | None = None  # activations from stage - 1
-        self.out_spec: Spec | None = None  # activations to stage + 1
+        c = stage.index
+        self.prev = (c - 1) % num_ranks  # the rank holding chunk c - 1 (unused on the first chunk)
+        self.next = (c + 1) % num_ranks
+        self.in_tag, self.out_tag = c, c + 1
+        self.in_spec: Spec | None = None  # activations from chunk - 1
+        self.out_spec: Spec | None = None  # activations to chunk + 1
         self.sent_fwd = 0
         self.sent_bwd = 0
         # the next raw activation / gradient, received ahead (its transfer overlaps compute)
@@ -59,7 +66,7 @@ class _Links:
             return
         j = self.f_order[self.got_fwd]
         trailing, dtype = self.in_spec
-        self.ahead_fwd = (j, self.channel.post_raw(self.stage.index - 1, (self.sizes[j], *trailing), dtype))
+        self.ahead_fwd = (j, self.channel.post_raw(self.prev, (self.sizes[j], *trailing), dtype, self.in_tag))
 
     def _post_next_grad(self) -> None:
         if self.out_spec is None or not self.out_spec[1].is_floating_point:
@@ -68,22 +75,21 @@ class _Links:
             return
         j = self.b_order[self.got_bwd]
         trailing, dtype = self.out_spec
-        self.ahead_bwd = (j, self.channel.post_raw(self.stage.index + 1, (self.sizes[j], *trailing), dtype))
+        self.ahead_bwd = (j, self.channel.post_raw(self.next, (self.sizes[j], *trailing), dtype, self.out_tag))
 
     # --- activations ------------------------------------------------------------------------
     def recv_activation(self, i: int) -> torch.Tensor:
         s = self.stage
-        src = s.index - 1
         if self.in_spec is None:
-            x = self.channel.recv(src)
+            x = self.channel.recv(self.prev, self.in_tag)
             n = self.channel.last_extra
             if x is not None and x.dim() > 0:  # the sender's next messages are shaped by it
                 self.in_spec = (tuple(x.shape[1:]), x.dtype)
             if x is None or x.dim() == 0 or x.shape[0] != self.sizes[i] or n != self.batch:
                 got = "nothing" if x is None else f"{shape_of(x)} (of a mini-batch of {n})"
                 raise PipelineError(
-                    f"stage {s.index} received {got} from stage {src} for micro-batch {i}, which "
-                    f"has {self.sizes[i]} examples (of {self.batch}) on stage {s.index}: every "
+                    f"stage {s.index} received {got} from stage {s.index - 1} for micro-batch {i}, "
+                    f"which has {self.sizes[i]} examples (of {self.batch}) on stage {s.index}: every "
                     "stage of a pipeline must be given the same mini-batch (call "
                     "strategy.run(pipe.train_step, ...) with the same data on every process of "
                     "the pipeline)",
@@ -106,7 +112,6 @@ class _Links:
 
     def send_activation(self, i: int, out: torch.Tensor) -> None:
         s = self.stage
-        dst = s.index + 1
         if self.out_spec is None:
             if out.dim() == 0 or out.shape[0] != self.sizes[i]:
                 raise PipelineError(
@@ -115,7 +120,7 @@ class _Links:
                     "as their first dimension",
                     stage=s.index,
                 )
-            self.channel.send(out, dst, extra=self.batch)
+            self.channel.send(out, self.next, extra=self.batch, tag=self.out_tag)
             self.out_spec = (tuple(out.shape[1:]), out.dtype)
             if self.b_order and self.ahead_bwd is None and self.got_bwd == 0:
                 self._post_next_grad()  # the first gradient's transfer overlaps the forwards
@@ -129,7 +134,7 @@ class _Links:
                     "apart from the batch dimension",
                     stage=s.index,
                 )
-            self.channel.send_raw(out, dst, raw_nbytes(tuple(out.shape), dtype))
+            self.channel.send_raw(out, self.next, raw_nbytes(tuple(out.shape), dtype), self.out_tag)
         self.sent_fwd += 1
 
     # --- gradients (only for floating-point activations) --------------------------------------
@@ -156,43 +161,128 @@ class _Links:
         nbytes = self._grad_nbytes(i)
         if nbytes is None:
             return
-        self.channel.send_raw(grad, self.stage.index - 1, nbytes)
+        self.channel.send_raw(grad, self.prev, nbytes, self.in_tag)
         self.sent_bwd += 1
 
     # --- failures -----------------------------------------------------------------------------
-    def notify(self, origin: int, message: str, skip: int | None) -> None:
-        """Send ``message`` to each neighbour but ``skip``, shaped as it expects next."""
-        s = self.stage
-        nxt, prev = s.index + 1, s.index - 1
-        if nxt < s.num_stages and nxt != skip:
-            if 0 < self.sent_fwd < len(self.f_order) and self.out_spec is not None:
-                trailing, dtype = self.out_spec
-                j = self.f_order[self.sent_fwd]
-                self.channel.send_error_raw(nxt, raw_nbytes((self.sizes[j], *trailing), dtype), origin, message)
-            else:  # the first activation or the acknowledgement: a header message
-                self.channel.send_error(nxt, origin, message)
-        if prev >= 0 and prev != skip:
-            if self.in_spec is None and self.b_order:
-                try:  # learn the gradient shape from the first activation, still on its way
-                    x = self.channel.recv(prev)
-                    if x is not None:
-                        self.in_spec = (tuple(x.shape[1:]), x.dtype)
-                except RemoteStageError:
-                    return  # stage - 1 failed as well: it waits for nothing
-                except Exception:  # noqa: BLE001
+    def forward_marker(self) -> tuple[int, int | None, int] | None:
+        """(rank, raw size or None for a header message, tag) of what the next chunk waits for
+        next from this one, or None if it waits for nothing more."""
+        if self.stage.is_last or self.sent_fwd >= len(self.f_order):
+            return None
+        if self.sent_fwd > 0 and self.out_spec is not None:
+            trailing, dtype = self.out_spec
+            j = self.f_order[self.sent_fwd]
+            return self.next, raw_nbytes((self.sizes[j], *trailing), dtype), self.out_tag
+        return self.next, None, self.out_tag
+
+    def backward_marker(self) -> tuple[int, int | None, int] | None | str:
+        """Like ``forward_marker`` for the previous chunk (which may wait for gradients), or
+        ``"unknown"`` while the first activation, which gives the gradients' shape, is still
+        on its way."""
+        if self.stage.is_first or self.sent_bwd >= len(self.b_order):
+            return None
+        if self.in_spec is None:
+            return "unknown" if self.got_fwd == 0 else None
+        nbytes = self._grad_nbytes(self.b_order[self.sent_bwd])
+        return None if nbytes is None else (self.prev, nbytes, self.in_tag)
+
+    def learn_input(self, header: torch.Tensor) -> None:
+        """The first activation's header arrived while failing: read the rest, learn the shape."""
+        x = self.channel.recv_after_header(header, self.prev, self.in_tag)
+        self.got_fwd = 1
+        if x is not None and x.dim() > 0:
+            self.in_spec = (tuple(x.shape[1:]), x.dtype)
+
+
+def _notify(links: Sequence[_Links], rank: int, num_ranks: int, origin: int, message: str, skip: int | None) -> None:
+    """Tell every neighbouring rank but ``skip`` that stage ``origin`` failed, on each link it may
+    wait on (shaped as it expects there), and on the handshake; returns once each has taken one of
+    them (or after the channel's ``error_wait``). The first activation of a link, still on its
+    way, is read first when the previous rank may wait for its gradient."""
+    if not links:
+        return
+    channel = links[0].channel
+    sent: dict[int, list[list[Any]]] = {}
+
+    def post(peer: int, nbytes: int | None, tag: int) -> None:
+        if peer != skip:
+            sent.setdefault(peer, []).append(channel.post_error(peer, origin, message, nbytes=nbytes, tag=tag))
+
+    learning: list[tuple[_Links, Any, torch.Tensor]] = []
+    for link in links:
+        fwd = link.forward_marker()
+        if fwd is not None:
+            post(*fwd)
+        bwd = link.backward_marker()
+        if bwd == "unknown":
+            if link.prev != skip:
+                try:
+                    work, header = channel.post_header(link.prev, link.in_tag)
+                    learning.append((link, work, header))
+                except Exception:  # noqa: BLE001 - the peer is gone
                     pass
-            nbytes = None
-            if self.sent_bwd < len(self.b_order):
-                nbytes = self._grad_nbytes(self.b_order[self.sent_bwd])
-            if nbytes is not None:
-                self.channel.send_error_raw(prev, nbytes, origin, message)
-            else:  # the result of the step: a header message
-                self.channel.send_error(prev, origin, message)
+        elif bwd is not None:
+            assert not isinstance(bwd, str)
+            post(*bwd)
+    for peer in (rank - 1, rank + 1):  # the result and the acknowledgement of the handshake
+        if 0 <= peer < num_ranks:
+            post(peer, None, 0)
+    deadline = time.monotonic() + channel.error_wait
+    satisfied_at: float | None = None
+    while time.monotonic() < deadline:
+        for item in list(learning):
+            link, work, header = item
+            try:
+                ready = work.is_completed()
+                if ready:
+                    learning.remove(item)
+                    link.learn_input(header)
+                    bwd = link.backward_marker()
+                    if isinstance(bwd, tuple):
+                        post(*bwd)
+            except Exception:  # noqa: BLE001 - the peer failed as well, or is gone
+                learning.remove(item)
+        done = {p: any(works and all(_completed(w) for w in works) for works in groups) for p, groups in sent.items()}
+        if all(done.values()) and not learning:
+            return
+        if all(done.values()):
+            satisfied_at = satisfied_at or time.monotonic()
+            if time.monotonic() - satisfied_at > 0.5:  # every neighbour has one: the rest may wait
+                return
+        time.sleep(0.001)
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _chunks(stage: Stage | Sequence[Stage]) -> list[Stage]:
+    return [stage] if isinstance(stage, Stage) else list(stage)
+
+
+def _make_links(
+    stages: list[Stage], channel: Channel | None, sizes: Sequence[int], actions: Sequence[Action]
+) -> dict[int, _Links]:
+    if channel is None:
+        return {}
+    num_ranks = stages[0].num_stages // len(stages)
+    rank = stages[0].index
+    out = {}
+    for st in stages:
+        mine = [a for a in actions if (rank if a.chunk is None else a.chunk) == st.index]
+        f_order = [a.microbatch for a in mine if a.kind == "F"]
+        b_order = [a.microbatch for a in mine if a.kind in BACKWARD_KINDS]
+        out[st.index] = _Links(st, channel, sizes, sum(sizes), f_order, b_order, num_ranks)
+    return out
 
 
 def run_plan(
     actions: Sequence[Action],
-    stage: Stage,
+    stage: Stage | Sequence[Stage],
     channel: Channel | None,
     inputs: Sequence[Any],
     targets: Sequence[Any],
@@ -204,89 +294,99 @@ def run_plan(
 ) -> torch.Tensor:
     """Train on one mini-batch; the summed scaled loss (the same on every stage).
 
-    ``on_last_backward(True)`` is called before the action that accumulates the last weight
-    gradients of the step (the last B; with a split backward the last W, or the last I when no
-    weight is left to W passes), ``on_last_backward(False)`` before the others."""
+    ``stage``: this rank's stage, or its chunks in model order (interleaved plans, whose actions
+    name their chunk). ``on_last_backward(True)`` is called before the action that accumulates the
+    last weight gradients of the step (the last B; with a split backward the last W, or the last I
+    when no weight is left to W passes), ``on_last_backward(False)`` before the others."""
+    stages = _chunks(stage)
+    rank = stages[0].index
+    by_chunk = {st.index: st for st in stages}
     split = any(a.kind in ("I", "W") for a in actions)
     if split:
-        stage.split_backward()
-    weight_kind = "W" if split and stage.has_weight_pass() else ("I" if split else "B")
+        for st in stages:
+            st.split_backward()
+    has_w = split and any(st.has_weight_pass() for st in stages)
+    weight_kind = "W" if has_w else ("I" if split else "B")
     last_b = max((n for n, a in enumerate(actions) if a.kind == weight_kind), default=-1)
-    f_order = [a.microbatch for a in actions if a.kind == "F"]
-    b_order = [a.microbatch for a in actions if a.kind in BACKWARD_KINDS]
-    links = _Links(stage, channel, sizes, sum(sizes), f_order, b_order) if channel else None
+    links = _make_links(stages, channel, sizes, actions)
+    # per action: its chunk's stage and links, resolved once
+    steps = [(a.kind, a.microbatch, by_chunk[rank if a.chunk is None else a.chunk]) for a in actions]
 
-    rec = stage.recorder
+    rec = stages[0].recorder
     if rec is not None:
         rec.begin_step()
         clock = rec.clock
 
     def body() -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=stage.device)
-        for n, a in enumerate(actions):
-            i = a.microbatch
+        total = torch.zeros((), dtype=torch.float64, device=stages[0].device)
+        for n, (kind, i, st) in enumerate(steps):
+            link = links.get(st.index)
             if rec is not None:
                 t0 = clock()
                 wait = 0.0
-            if a.kind == "F":
-                if stage.is_first:
+            if kind == "F":
+                if st.is_first:
                     x = inputs[i]
                 elif rec is not None:
                     w0 = clock()
-                    x = _need(links).recv_activation(i)
+                    x = _need(link).recv_activation(i)
                     wait = clock() - w0
                 else:
-                    x = _need(links).recv_activation(i)
-                out = stage.forward(
+                    x = _need(link).recv_activation(i)
+                out = st.forward(
                     i, x, recompute=i < recompute_below,
-                    target=targets[i] if stage.is_last else None, scale=scales[i],
+                    target=targets[i] if st.is_last else None, scale=scales[i],
                 )  # fmt: skip
-                if stage.is_last:
+                if st.is_last:
                     total += out.double()
                 else:
-                    _need(links).send_activation(i, out)
-            elif a.kind == "W":
+                    _need(link).send_activation(i, out)
+            elif kind == "W":
                 if on_last_backward is not None:
                     on_last_backward(n == last_b)
-                stage.backward_weight(i)
+                st.backward_weight(i)
             else:
-                stage.recompute(i)  # before waiting for the gradient: overlaps the next stage
+                st.recompute(i)  # before waiting for the gradient: overlaps the next stage
                 if rec is not None:
                     w0 = clock()
-                grad = None if stage.is_last else _need(links).recv_grad(i)
+                grad = None if st.is_last else _need(link).recv_grad(i)
                 if rec is not None:
                     wait = clock() - w0
                 if on_last_backward is not None:
                     on_last_backward(n == last_b)
-                gin = stage.backward(i, grad) if a.kind == "B" else stage.backward_input(i, grad)
-                if not stage.is_first:
-                    _need(links).send_grad(i, gin)
+                gin = st.backward(i, grad) if kind == "B" else st.backward_input(i, grad)
+                if not st.is_first:
+                    _need(link).send_grad(i, gin)
             if rec is not None:
-                rec.add(a.kind, i, t0, clock(), wait)
+                rec.add(kind, i, t0, clock(), wait, None if actions[n].chunk is None else st.index)
         return total
 
-    return _with_handshake(stage, links, body)
+    return _with_handshake(stages, channel, links, body)
 
 
 def run_inference(
-    stage: Stage, channel: Channel | None, inputs: Sequence[Any], sizes: Sequence[int]
+    stage: Stage | Sequence[Stage], channel: Channel | None, inputs: Sequence[Any], sizes: Sequence[int]
 ) -> torch.Tensor:
-    """Forward every micro-batch through the pipeline; the joined output on every stage."""
-    order = list(range(len(sizes)))
-    links = _Links(stage, channel, sizes, sum(sizes), order, []) if channel else None
+    """Forward every micro-batch through the pipeline (chunk by chunk); the joined output on every
+    stage."""
+    stages = _chunks(stage)
+    order = [F(i, st.index) for st in stages for i in range(len(sizes))]
+    links = _make_links(stages, channel, sizes, order)
 
     def body() -> torch.Tensor:
         outs = []
-        for i in order:
-            x = inputs[i] if stage.is_first else _need(links).recv_activation(i)
-            out = stage.infer(x)
-            if stage.is_last:
-                outs.append(out)
-            else:
-                _need(links).send_activation(i, out)
-        return torch.cat(outs) if stage.is_last else torch.empty(0)
+        for st in stages:
+            link = links.get(st.index)
+            for i in range(len(sizes)):
+                x = inputs[i] if st.is_first else _need(link).recv_activation(i)
+                out = st.infer(x)
+                if st.is_last:
+                    outs.append(out)
+                else:
+                    _need(link).send_activation(i, out)
+        return torch.cat(outs) if outs else torch.empty(0)
 
-    return _with_handshake(stage, links, body)
+    return _with_handshake(stages, channel, links, body)
 
 
 def _need(links: _Links | None) -> _Links:
@@ -294,38 +394,43 @@ def _need(links: _Links | None) -> _Links:
     return links
 
 
-def _with_handshake(stage: Stage, links: _Links | None, body: Callable[[], torch.Tensor]) -> torch.Tensor:
-    if links is None or stage.num_stages == 1:
+def _with_handshake(
+    stages: list[Stage], channel: Channel | None, links: dict[int, _Links], body: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    num_ranks = stages[0].num_stages // len(stages)
+    if channel is None or num_ranks == 1:
         return body()
-    channel = links.channel
+    rank = stages[0].index
+    is_first, is_last = rank == 0, rank == num_ranks - 1
     try:
         result = body()
         # the result flows back from the last stage, then an acknowledgement forward
-        if not stage.is_last:
-            got = channel.recv(stage.index + 1)
+        if not is_last:
+            got = channel.recv(rank + 1)
             assert got is not None
             result = got
-        if not stage.is_first:
-            channel.send(result, stage.index - 1)
-            channel.recv(stage.index - 1)
-        if not stage.is_last:
-            channel.send(None, stage.index + 1)
+        if not is_first:
+            channel.send(result, rank - 1)
+            channel.recv(rank - 1)
+        if not is_last:
+            channel.send(None, rank + 1)
         channel.flush()
         return result
     except RemoteStageError as e:
-        stage.clear()
+        for st in stages:
+            st.clear()
         channel.abandon()
-        sender = stage.index - 1 if e.origin < stage.index else stage.index + 1
-        links.notify(e.origin, e.message, skip=sender)
+        _notify(list(links.values()), rank, num_ranks, e.origin, e.message, skip=e.src)
         raise PipelineError(f"stage {e.origin} failed: {e.message}", stage=e.origin) from None
     except BaseException as e:
-        stage.clear()
+        for st in stages:
+            st.clear()
         channel.abandon()
-        origin = e.stage if isinstance(e, PipelineError) and e.stage is not None else stage.index
+        origin = e.stage if isinstance(e, PipelineError) and e.stage is not None else rank
         message = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, PipelineError):
             message += "\n" + "".join(traceback.format_exception(e)[-3:]).rstrip()
-        links.notify(origin, message, skip=None)
+        _notify(list(links.values()), rank, num_ranks, origin, message, skip=None)
         if isinstance(e, PipelineError):
             raise
-        raise PipelineError(f"stage {stage.index} failed: {type(e).__name__}: {e}", stage=stage.index) from e
+        raise PipelineError(f"stage {rank} failed: {type(e).__name__}: {e}", stage=rank) from e
