@@ -367,3 +367,64 @@ def test_split_backward_of_transformer_blocks():
     refs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, refs[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_interleaved_1f1b_plan():
+    from stratagem.pipeline import interleaved_1f1b
+    from stratagem.pipeline.schedule import B, F
+
+    # worked by hand: rank 0 warms up with (v-1) x 2 + 2 (K-1-0) = 4 forwards, rank 1 with 2; the
+    # forwards take a round of 2 micro-batches per chunk in turn, the backwards the chunks reversed
+    plan = interleaved_1f1b(2, 2, 2)
+    assert str(plan) == (
+        "stage 0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1\n"
+        "stage 1: 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"
+    )
+    assert plan[1][:4] == (F(0, 1), F(1, 1), F(0, 3), B(0, 3))
+    assert (plan.num_chunks, plan.chunks_of(1)) == (4, (1, 3))
+    assert plan.timeline() == (
+        "stage 0: 0F0 0F1 2F0 2F1     2B0     2B1 0B0 0B1\n"
+        "stage 1:     1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"
+    )
+    assert str(interleaved_1f1b(2, 4, 2)) == (
+        "stage 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3\n"
+        "stage 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
+    )
+    assert make_schedule("Interleaved-1F1B", 2, 4, 2) == interleaved_1f1b(2, 4, 2)
+    # every size torch accepts: each chunk runs every micro-batch once, neighbours agree on the
+    # order of their messages, and the plan never deadlocks
+    for k, m, v in itertools.product([2, 3, 4], range(1, 13), [1, 2, 3]):
+        if m % max(1, m // k):
+            continue
+        plan = interleaved_1f1b(k, m, v)
+        check(plan)
+        assert sum(a is not None for t in simulate(plan) for a in t) == 2 * m * k * v
+    # v = 1 is 1F1B with torch's warm-up (2 (K-1-r) forwards, not K-1-r)
+    assert [a.kind for a in interleaved_1f1b(2, 4, 1)[0]] == list("FFFBFBBB")
+
+
+def test_interleaved_refuses_what_does_not_fit():
+    from stratagem.pipeline import interleaved_1f1b
+
+    with pytest.raises(ValueError, match=r"num_microbatches=5 is not a multiple of 2 \(num_stages=2\); use"):
+        interleaved_1f1b(2, 5, 2)
+    cases = [
+        (dict(num_stages=2, num_microbatches=5, schedule="interleaved_1f1b"), "not a multiple of 2"),
+        (dict(num_stages=1, num_microbatches=4, schedule="interleaved_1f1b"), "needs num_stages >= 2, got num_stages=1"),
+        (dict(num_stages=2, num_microbatches=4, schedule="1f1b", virtual_stages=2), "virtual_stages=2 needs an interleaved"),
+        (dict(num_stages=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=0), "virtual_stages must be .* got 0"),
+        (dict(num_stages=2, num_microbatches=4, schedule="interleaved_1f1b", balance=[2, 2]),
+         r"balance=\[2, 2\] must hold 4 positive layer counts \(one per chunk, num_stages=2 x virtual_stages=2\)"),
+    ]  # fmt: skip
+    for kw, msg in cases:
+        k, m = kw.pop("num_stages"), kw.pop("num_microbatches")
+        with pytest.raises(PipelineConfigError, match=msg):
+            PipelineConfig.build(k, m, **kw)
+    cfg = PipelineConfig.build(2, 4, schedule="interleaved_1f1b", virtual_stages=3)
+    assert (cfg.num_chunks, cfg.chunks_of(1), cfg.make_schedule().virtual_stages) == (6, (1, 3, 5), 3)
+    assert PipelineConfig.build(2, 4, schedule="interleaved_1f1b").virtual_stages == 2
+    # a chunk placed on the wrong rank is refused
+    from stratagem.pipeline.schedule import B, F
+
+    with pytest.raises(ValueError, match="runs 1F0 on chunk 1, which it does not hold"):
+        check(Schedule("x", 2, 1, ((F(0, 1), B(0, 1)), (F(0, 0), B(0, 0))), 1))

@@ -127,17 +127,6 @@ class Channel:
         self._recv(header, src, tag)
         return self.recv_after_header(header, src, tag)
 
-    def post_header(self, src: int, tag: int = 0) -> tuple[Any, torch.Tensor]:
-        """Post the receive of the header of the next message from ``src``; finish it with
-        ``recv_after_header`` once its work has completed."""
-        assert isinstance(self.comm, ProcessGroupCommunicator)
-        header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
-        try:
-            work = dist.irecv(header, src=self._peer(src), group=self.comm.group, tag=tag)
-        except (RuntimeError, dist.DistError) as e:
-            raise self._fail(e, f"receive from stage {src}") from e
-        return work, header
-
     def recv_after_header(self, header: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor | None:
         """The rest of the message whose ``header`` came from ``src``."""
         h = header.tolist()

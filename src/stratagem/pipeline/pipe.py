@@ -164,7 +164,7 @@ class Pipe:
             loss = run_plan(
                 self.schedule[self.stage.index], self.stages, self.channel, xs, ys, scales, sizes,
                 rematerialize_stop(self.rematerialize, self.num_microbatches),
-                on_last_backward=arm if reducer is not None else None,
+                on_last_backward=arm if reducer is not None else None, plan=self.schedule,
             )  # fmt: skip
         finally:
             if reducer is not None:

@@ -17,7 +17,6 @@ reaches every stage fast.
 
 from __future__ import annotations
 
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +25,7 @@ import torch
 
 from stratagem.pipeline.errors import PipelineError
 from stratagem.pipeline.p2p import Channel, PostedRecv, RemoteStageError, raw_nbytes
-from stratagem.pipeline.schedule import BACKWARD_KINDS, Action, F
+from stratagem.pipeline.schedule import BACKWARD_KINDS, Action, Schedule, forward_only
 from stratagem.pipeline.stage import Stage, shape_of
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # trailing dimensions and dtype
@@ -165,99 +164,84 @@ class _Links:
         self.sent_bwd += 1
 
     # --- failures -----------------------------------------------------------------------------
-    def forward_marker(self) -> tuple[int, int | None, int] | None:
-        """(rank, raw size or None for a header message, tag) of what the next chunk waits for
-        next from this one, or None if it waits for nothing more."""
-        if self.stage.is_last or self.sent_fwd >= len(self.f_order):
-            return None
+    def forward_marker(self) -> int | None:
+        """The raw size of the next activation the next chunk waits for from this one, or None
+        when it waits for a header message (the first activation)."""
         if self.sent_fwd > 0 and self.out_spec is not None:
             trailing, dtype = self.out_spec
-            j = self.f_order[self.sent_fwd]
-            return self.next, raw_nbytes((self.sizes[j], *trailing), dtype), self.out_tag
-        return self.next, None, self.out_tag
+            return raw_nbytes((self.sizes[self.f_order[self.sent_fwd]], *trailing), dtype)
+        return None
 
-    def backward_marker(self) -> tuple[int, int | None, int] | None | str:
-        """Like ``forward_marker`` for the previous chunk (which may wait for gradients), or
-        ``"unknown"`` while the first activation, which gives the gradients' shape, is still
-        on its way."""
-        if self.stage.is_first or self.sent_bwd >= len(self.b_order):
-            return None
-        if self.in_spec is None:
-            return "unknown" if self.got_fwd == 0 else None
-        nbytes = self._grad_nbytes(self.b_order[self.sent_bwd])
-        return None if nbytes is None else (self.prev, nbytes, self.in_tag)
+    def sends_grads(self) -> bool | None:
+        """Whether gradients travel back to the previous chunk (None: not known yet)."""
+        return None if self.in_spec is None else self.in_spec[1].is_floating_point
 
-    def learn_input(self, header: torch.Tensor) -> None:
-        """The first activation's header arrived while failing: read the rest, learn the shape."""
-        x = self.channel.recv_after_header(header, self.prev, self.in_tag)
+    def learn_input(self) -> None:
+        """Receive the first activation (sent, not yet taken) to learn the gradients' shape."""
+        x = self.channel.recv(self.prev, self.in_tag)
         self.got_fwd = 1
         if x is not None and x.dim() > 0:
             self.in_spec = (tuple(x.shape[1:]), x.dtype)
 
 
-def _notify(links: Sequence[_Links], rank: int, num_ranks: int, origin: int, message: str, skip: int | None) -> None:
-    """Tell every neighbouring rank but ``skip`` that stage ``origin`` failed, on each link it may
-    wait on (shaped as it expects there), and on the handshake; returns once each has taken one of
-    them (or after the channel's ``error_wait``). The first activation of a link, still on its
-    way, is read first when the previous rank may wait for its gradient."""
-    if not links:
+def _awaited(peer: Sequence[Action], peer_rank: int, links: dict[int, _Links], num_chunks: int) -> tuple[_Links, str] | None:
+    """The first message the rank running ``peer`` needs from the chunks of ``links`` and has
+    not been sent: (link, "F" for an activation or "B" for a gradient), or None (all sent: it
+    waits for the handshake). Both ranks know the plan, so they agree on it."""
+    taken: dict[tuple[str, int], int] = {}
+    for a in peer:
+        c = peer_rank if a.chunk is None else a.chunk
+        if a.kind == "F" and c > 0 and c - 1 in links:
+            link, kind = links[c - 1], "F"
+        elif a.kind in BACKWARD_KINDS and c < num_chunks - 1 and c + 1 in links:
+            link, kind = links[c + 1], "B"
+            if link.sends_grads() is False:
+                continue
+        else:
+            continue
+        n = taken.get((kind, c), 0)
+        taken[kind, c] = n + 1
+        if (link.sent_fwd if kind == "F" else link.sent_bwd) <= n:
+            return link, kind
+    return None
+
+
+def _notify(plan: Schedule | None, links: dict[int, _Links], rank: int, num_ranks: int, origin: int,
+            message: str, skip: int | None) -> None:  # fmt: skip
+    """Tell each neighbouring rank but ``skip`` that stage ``origin`` failed, with the message it
+    waits for next from this rank (an error marker of that message's size on that link, or on
+    the handshake), and wait until it has received it (at most the channel's ``error_wait``)."""
+    if plan is None or not links:
         return
-    channel = links[0].channel
-    sent: dict[int, list[list[Any]]] = {}
-
-    def post(peer: int, nbytes: int | None, tag: int) -> None:
-        if peer != skip:
-            sent.setdefault(peer, []).append(channel.post_error(peer, origin, message, nbytes=nbytes, tag=tag))
-
-    learning: list[tuple[_Links, Any, torch.Tensor]] = []
-    for link in links:
-        fwd = link.forward_marker()
-        if fwd is not None:
-            post(*fwd)
-        bwd = link.backward_marker()
-        if bwd == "unknown":
-            if link.prev != skip:
-                try:
-                    work, header = channel.post_header(link.prev, link.in_tag)
-                    learning.append((link, work, header))
-                except Exception:  # noqa: BLE001 - the peer is gone
-                    pass
-        elif bwd is not None:
-            assert not isinstance(bwd, str)
-            post(*bwd)
-    for peer in (rank - 1, rank + 1):  # the result and the acknowledgement of the handshake
-        if 0 <= peer < num_ranks:
-            post(peer, None, 0)
-    deadline = time.monotonic() + channel.error_wait
-    satisfied_at: float | None = None
-    while time.monotonic() < deadline:
-        for item in list(learning):
-            link, work, header = item
-            try:
-                ready = work.is_completed()
-                if ready:
-                    learning.remove(item)
-                    link.learn_input(header)
-                    bwd = link.backward_marker()
-                    if isinstance(bwd, tuple):
-                        post(*bwd)
-            except Exception:  # noqa: BLE001 - the peer failed as well, or is gone
-                learning.remove(item)
-        done = {p: any(works and all(_completed(w) for w in works) for works in groups) for p, groups in sent.items()}
-        if all(done.values()) and not learning:
-            return
-        if all(done.values()):
-            satisfied_at = satisfied_at or time.monotonic()
-            if time.monotonic() - satisfied_at > 0.5:  # every neighbour has one: the rest may wait
-                return
-        time.sleep(0.001)
-
-
-def _completed(work: Any) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:  # noqa: BLE001
-        return True
+    channel = next(iter(links.values())).channel
+    for peer in (rank - 1, rank + 1):
+        if not 0 <= peer < num_ranks or peer == skip:
+            continue
+        for _ in range(2):
+            awaited = _awaited(plan[peer], peer, links, plan.num_chunks)
+            if awaited is None:
+                channel.send_error(peer, origin, message)  # the handshake's result or acknowledgement
+                break
+            link, kind = awaited
+            if kind == "F":
+                nbytes = link.forward_marker()
+                if nbytes is None:
+                    channel.send_error(peer, origin, message, tag=link.out_tag)
+                else:
+                    channel.send_error_raw(peer, nbytes, origin, message, tag=link.out_tag)
+                break
+            if link.sends_grads() is None:
+                try:  # the first activation, sent before the peer waits for its gradient
+                    link.learn_input()
+                except RemoteStageError:
+                    break  # the peer failed as well: it waits for nothing
+                except Exception:  # noqa: BLE001
+                    break
+                continue  # now the gradients' shape is known (or that none travel)
+            nbytes = link._grad_nbytes(link.b_order[link.sent_bwd])
+            assert nbytes is not None
+            channel.send_error_raw(peer, nbytes, origin, message, tag=link.in_tag)
+            break
 
 
 def _chunks(stage: Stage | Sequence[Stage]) -> list[Stage]:
@@ -291,13 +275,16 @@ def run_plan(
     recompute_below: int,
     *,
     on_last_backward: Callable[[bool], None] | None = None,
+    plan: Schedule | None = None,
 ) -> torch.Tensor:
     """Train on one mini-batch; the summed scaled loss (the same on every stage).
 
     ``stage``: this rank's stage, or its chunks in model order (interleaved plans, whose actions
     name their chunk). ``on_last_backward(True)`` is called before the action that accumulates the
     last weight gradients of the step (the last B; with a split backward the last W, or the last I
-    when no weight is left to W passes), ``on_last_backward(False)`` before the others."""
+    when no weight is left to W passes), ``on_last_backward(False)`` before the others. ``plan``:
+    the whole schedule (``actions`` is one rank's part), so that a failure is told to each
+    neighbour on the link it waits on."""
     stages = _chunks(stage)
     rank = stages[0].index
     by_chunk = {st.index: st for st in stages}
@@ -307,7 +294,14 @@ def run_plan(
             st.split_backward()
     has_w = split and any(st.has_weight_pass() for st in stages)
     weight_kind = "W" if has_w else ("I" if split else "B")
-    last_b = max((n for n, a in enumerate(actions) if a.kind == weight_kind), default=-1)
+    # the last action accumulating into a trainable parameter (a chunk without any, an activation
+    # say, fires no gradient hook: the reducer would never start)
+    trainable = {st.index for st in stages if any(p.requires_grad for p in st.module.parameters())}
+    last_b = max(
+        (n for n, a in enumerate(actions)
+         if a.kind == weight_kind and (rank if a.chunk is None else a.chunk) in trainable),
+        default=-1,
+    )  # fmt: skip
     links = _make_links(stages, channel, sizes, actions)
     # per action: its chunk's stage and links, resolved once
     steps = [(a.kind, a.microbatch, by_chunk[rank if a.chunk is None else a.chunk]) for a in actions]
@@ -361,7 +355,7 @@ def run_plan(
                 rec.add(kind, i, t0, clock(), wait, None if actions[n].chunk is None else st.index)
         return total
 
-    return _with_handshake(stages, channel, links, body)
+    return _with_handshake(stages, channel, links, plan, body)
 
 
 def run_inference(
@@ -370,8 +364,9 @@ def run_inference(
     """Forward every micro-batch through the pipeline (chunk by chunk); the joined output on every
     stage."""
     stages = _chunks(stage)
-    order = [F(i, st.index) for st in stages for i in range(len(sizes))]
-    links = _make_links(stages, channel, sizes, order)
+    v = len(stages)
+    plan = forward_only(stages[0].num_stages // v, len(sizes), v)
+    links = _make_links(stages, channel, sizes, plan[stages[0].index])
 
     def body() -> torch.Tensor:
         outs = []
@@ -386,7 +381,7 @@ def run_inference(
                     _need(link).send_activation(i, out)
         return torch.cat(outs) if outs else torch.empty(0)
 
-    return _with_handshake(stages, channel, links, body)
+    return _with_handshake(stages, channel, links, plan, body)
 
 
 def _need(links: _Links | None) -> _Links:
@@ -395,7 +390,8 @@ def _need(links: _Links | None) -> _Links:
 
 
 def _with_handshake(
-    stages: list[Stage], channel: Channel | None, links: dict[int, _Links], body: Callable[[], torch.Tensor]
+    stages: list[Stage], channel: Channel | None, links: dict[int, _Links], plan: Schedule | None,
+    body: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
     num_ranks = stages[0].num_stages // len(stages)
     if channel is None or num_ranks == 1:
@@ -420,7 +416,7 @@ def _with_handshake(
         for st in stages:
             st.clear()
         channel.abandon()
-        _notify(list(links.values()), rank, num_ranks, e.origin, e.message, skip=e.src)
+        _notify(plan, links, rank, num_ranks, e.origin, e.message, skip=e.src)
         raise PipelineError(f"stage {e.origin} failed: {e.message}", stage=e.origin) from None
     except BaseException as e:
         for st in stages:
@@ -430,7 +426,7 @@ def _with_handshake(
         message = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, PipelineError):
             message += "\n" + "".join(traceback.format_exception(e)[-3:]).rstrip()
-        _notify(list(links.values()), rank, num_ranks, origin, message, skip=None)
+        _notify(plan, links, rank, num_ranks, origin, message, skip=None)
         if isinstance(e, PipelineError):
             raise
         raise PipelineError(f"stage {rank} failed: {type(e).__name__}: {e}", stage=rank) from e
