@@ -428,3 +428,38 @@ def test_interleaved_refuses_what_does_not_fit():
 
     with pytest.raises(ValueError, match="runs 1F0 on chunk 1, which it does not hold"):
         check(Schedule("x", 2, 1, ((F(0, 1), B(0, 1)), (F(0, 0), B(0, 0))), 1))
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_attention_weights_wait_for_the_weight_pass(first):
+    """nn.MultiheadAttention's in_proj_weight (held by the parent of out_proj) and out_proj's
+    weight (used without calling out_proj) get their gradients in W too, from the autograd nodes
+    the I pass went through; a tied weight and a first stage (no input gradient) as well."""
+    from stratagem.pipeline.stage import Stage
+
+    torch.manual_seed(0)
+    block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, norm_first=True)
+    tied = nn.Linear(8, 8)
+    layers = [block, tied, nn.Tanh(), tied]  # the Linear called twice: its weight is reached twice
+    stage = Stage(0 if first else 1, 2, layers, 0, ["0", "1", "2", "3"], ["l"] * 4, torch.device("cpu"))
+    stage.split_backward()
+    x = torch.randn(3, 5, 8)
+    out = stage.forward(0, x, recompute=False)
+    g = torch.randn_like(out)
+    gin = stage.backward_input(0, g)
+    params = list(stage.module.parameters())
+    assert all(p.grad is None for p in params)
+    assert stage.backward_weight(0)
+    grads = [p.grad.clone() for p in params]
+    stage.module.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_(not first)
+    h = xr
+    for layer in layers:
+        h = layer(h)
+    h.backward(g)
+    for p, got in zip(params, grads):
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6)
+    if first:
+        assert gin is None
+    else:
+        torch.testing.assert_close(gin, xr.grad)
