@@ -403,6 +403,25 @@ def test_interleaved_1f1b_plan():
     assert [a.kind for a in interleaved_1f1b(2, 4, 1)[0]] == list("FFFBFBBB")
 
 
+def test_interleaved_zero_bubble_plan():
+    from stratagem.pipeline import interleaved_zero_bubble
+
+    # torch's ScheduleInterleavedZeroBubble order: warm-up (v-1) x 2 + (K-1-r), rank r holding r
+    # W passes back; zero_bubble with virtual_stages > 1 is this plan
+    plan = interleaved_zero_bubble(2, 4, 2)
+    assert str(plan) == (
+        "stage 0: 0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 2I3 2W3 0I2 0W2 0I3 0W3\n"
+        "stage 1: 1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 1I3 1W2 1W3"
+    )
+    assert make_schedule("zero_bubble", 2, 4, 2) == plan
+    assert make_schedule("zero_bubble", 2, 4).virtual_stages == 1  # ZB-H1 without virtual stages
+    for k, m, v in itertools.product([2, 3, 4], range(1, 13), [2, 3]):
+        if m % max(1, m // k) == 0:
+            p = interleaved_zero_bubble(k, m, v)
+            check(p)
+            assert sum(a is not None for t in simulate(p) for a in t) == 3 * m * k * v
+
+
 def test_interleaved_refuses_what_does_not_fit():
     from stratagem.pipeline import interleaved_1f1b
 

@@ -11,6 +11,7 @@ from stratagem.pipeline.errors import PipelineConfigError
 from stratagem.pipeline.rematerialize import MODES
 from stratagem.pipeline.schedule import (
     INTERLEAVED,
+    MAY_INTERLEAVE,
     SCHEDULES,
     Schedule,
     interleaved_rounds,
@@ -73,19 +74,20 @@ class PipelineConfig:
             virtual_stages = 2 if key in INTERLEAVED else 1
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise PipelineConfigError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
-        if virtual_stages > 1 and key not in INTERLEAVED:
+        if virtual_stages > 1 and key not in MAY_INTERLEAVE:
             raise PipelineConfigError(
                 f"virtual_stages={virtual_stages} needs an interleaved schedule, got schedule={key!r} "
-                f"(one chunk per stage); use schedule='interleaved_1f1b' or virtual_stages=1"
+                f"(one chunk per stage); use schedule='interleaved_1f1b' or 'zero_bubble', or "
+                "virtual_stages=1"
             )
-        if key in INTERLEAVED:
+        if key in INTERLEAVED or virtual_stages > 1:
             if num_stages < 2:
                 raise PipelineConfigError(
                     f"schedule={key!r} interleaves chunks across stages and needs num_stages >= 2, got "
                     f"num_stages={num_stages}; use schedule='gpipe' on one stage"
                 )
             try:
-                interleaved_rounds(num_stages, num_microbatches)
+                interleaved_rounds(num_stages, num_microbatches, key)
             except ValueError as e:
                 raise PipelineConfigError(str(e)) from None
         chunks = num_stages * virtual_stages

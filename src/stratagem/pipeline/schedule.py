@@ -181,13 +181,13 @@ def zero_bubble(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("zero_bubble", k, m, tuple(tuple(a) for a in acts))
 
 
-def interleaved_rounds(num_stages: int, num_microbatches: int) -> tuple[int, int]:
-    """Interleaved 1F1B runs micro-batches in rounds (torch's flexible rule): the number of rounds
+def interleaved_rounds(num_stages: int, num_microbatches: int, name: str = "interleaved_1f1b") -> tuple[int, int]:
+    """Interleaved plans run micro-batches in rounds (torch's flexible rule): the number of rounds
     ``max(1, M // K)`` and the micro-batches per round; M must be a multiple of the rounds."""
     rounds = max(1, num_microbatches // num_stages)
     if num_microbatches % rounds:
         raise ValueError(
-            f"interleaved_1f1b runs the micro-batches in max(1, M // K) = {rounds} rounds of equal "
+            f"{name} with virtual stages runs the micro-batches in max(1, M // K) = {rounds} rounds of equal "
             f"size, but num_microbatches={num_microbatches} is not a multiple of {rounds} "
             f"(num_stages={num_stages}); use a multiple of num_stages (e.g. "
             f"{rounds * num_stages}) or at most num_stages micro-batches"
@@ -202,15 +202,27 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int
     warms up with ``(v - 1) x per_round + 2 (K - 1 - r)`` forwards, then alternates F and B. The
     bubble shrinks by ``v`` against 1F1B; each rank sends ``v`` times as many messages.
     """
-    _check_sizes(num_stages, num_microbatches)
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
-    k, m, v = num_stages, num_microbatches, virtual_stages
-    _, per_round = interleaved_rounds(k, m)
+    return _interleaved("interleaved_1f1b", num_stages, num_microbatches, virtual_stages, split=False)
+
+
+def interleaved_zero_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """Interleaved zero-bubble, as torch's ``ScheduleInterleavedZeroBubble`` orders it: the
+    interleaved plan with ``(v - 1) x per_round + (K - 1 - r)`` warm-up forwards and the backward
+    split into ``I`` and ``W``; rank r defers its ``W`` passes by r steps, then runs one after each
+    ``I``, the rest at the end. ``zero_bubble`` with ``virtual_stages`` > 1 is this plan."""
+    return _interleaved("zero_bubble", num_stages, num_microbatches, virtual_stages, split=True)
+
+
+def _interleaved(name: str, k: int, m: int, v: int, *, split: bool) -> Schedule:
+    _check_sizes(k, m)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {v!r}")
+    _, per_round = interleaved_rounds(k, m, name)
+    back = I if split else B
     stages = []
     for r in range(k):
-        warmup = min((v - 1) * per_round + 2 * (k - 1 - r), m * v)
         total = m * v
+        warmup = min((v - 1) * per_round + (1 if split else 2) * (k - 1 - r), total)
 
         def fwd_chunk(step: int, r: int = r) -> int:
             return (step // per_round) % v * k + r
@@ -218,20 +230,32 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int
         def bwd_chunk(step: int, r: int = r, warmup: int = warmup) -> int:
             return (v - 1 - ((step - warmup) // per_round) % v) * k + r
 
-        next_f: dict[int, int] = {}
-        next_b: dict[int, int] = {}
+        counters: dict[tuple[str, int], int] = {}
+
+        def act(kind: Callable[[int, int | None], Action], c: int, counters: dict[tuple[str, int], int] = counters) -> Action:
+            """The next micro-batch of ``kind`` on chunk ``c``."""
+            a = kind(0, c)
+            n = counters.get((a.kind, c), 0)
+            counters[a.kind, c] = n + 1
+            return kind(n, c)
+
         acts: list[Action] = []
+        backward_ops: list[int] = []
+        weights = 0
         for op in range(total + warmup):  # warm-up forwards, F/B pairs, cool-down backwards
             if op < total:
-                c = fwd_chunk(op)
-                acts.append(F(next_f.setdefault(c, 0), c))
-                next_f[c] += 1
+                acts.append(act(F, fwd_chunk(op)))
             if op >= warmup:
-                c = bwd_chunk(op)
-                acts.append(B(next_b.setdefault(c, 0), c))
-                next_b[c] += 1
+                acts.append(act(back, bwd_chunk(op)))
+                backward_ops.append(op)
+                if split and op - warmup >= r:  # rank r holds r W passes back
+                    acts.append(act(W, bwd_chunk(backward_ops[weights])))
+                    weights += 1
+        while split and weights < len(backward_ops):
+            acts.append(act(W, bwd_chunk(backward_ops[weights])))
+            weights += 1
         stages.append(tuple(acts))
-    return Schedule("interleaved_1f1b", k, m, tuple(stages), v)
+    return Schedule(name, k, m, tuple(stages), v)
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
@@ -241,8 +265,10 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "interleaved_1f1b": interleaved_1f1b,
 }
 
-#: the schedules that hold several chunks per rank (``virtual_stages``)
+#: the schedules that hold several chunks per rank (``virtual_stages``, default 2)
 INTERLEAVED = ("interleaved_1f1b",)
+#: the schedules that may (``virtual_stages`` > 1; default 1)
+MAY_INTERLEAVE = ("interleaved_1f1b", "zero_bubble")
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
@@ -252,10 +278,12 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_sta
         raise ValueError(f"unknown schedule {name!r}; use one of {sorted(SCHEDULES)}")
     if key in INTERLEAVED:
         plan = SCHEDULES[key](num_stages, num_microbatches, virtual_stages)
+    elif key == "zero_bubble" and virtual_stages != 1:
+        plan = interleaved_zero_bubble(num_stages, num_microbatches, virtual_stages)
     elif virtual_stages != 1:
         raise ValueError(
             f"schedule {key!r} holds one chunk per stage, got virtual_stages={virtual_stages}; "
-            f"use schedule='interleaved_1f1b' for several chunks per stage"
+            f"use schedule='interleaved_1f1b' or 'zero_bubble' for several chunks per stage"
         )
     else:
         plan = SCHEDULES[key](num_stages, num_microbatches)

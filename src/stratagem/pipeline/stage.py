@@ -59,8 +59,8 @@ def _grad_node(t: torch.Tensor) -> Any:
     """The autograd node of ``t``: its grad_fn, or a leaf's gradient accumulator."""
     if t.grad_fn is not None:
         return t.grad_fn
-    view = t.view_as(t)
-    return view.grad_fn.next_functions[0][0] if view.grad_fn is not None else None
+    fn = t.view_as(t).grad_fn
+    return fn.next_functions[0][0] if fn is not None else None
 
 
 def _graph_groups(out: torch.Tensor, targets: Sequence[torch.Tensor], params: Sequence[nn.Parameter]
@@ -70,7 +70,7 @@ def _graph_groups(out: torch.Tensor, targets: Sequence[torch.Tensor], params: Se
     from which the parameter is reached without passing another such node. Returns the groups
     (nodes, parameters; parameters sharing a node share a group) and the parameters ``out`` does
     not reach (left to the I pass)."""
-    root = out.grad_fn
+    root: Any = out.grad_fn
     consumers: dict[Any, list[Any]] = {root: []}
     queue = [root]
     while queue:  # the reverse edges of the graph
