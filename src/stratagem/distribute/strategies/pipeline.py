@@ -43,7 +43,8 @@ class PipelineStrategy(Strategy):
 
     ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"zero_bubble"`` or ``"interleaved_1f1b"`` (with
     ``virtual_stages`` v chunks per process, default 2: the model is cut into ``num_stages x v``
-    chunks, process ``s`` holding chunks ``s, s + num_stages, ...``); ``rematerialize``: ``"always"``, ``"except_last"``
+    chunks, process ``s`` holding chunks ``s, s + num_stages, ...``; ``"zero_bubble"`` takes
+    ``virtual_stages`` > 1 too); ``rematerialize``: ``"always"``, ``"except_last"``
     (default) or ``"never"`` (torchgpipe's re-materialization modes); ``balance``: a list of
     layer counts per stage, ``"params"`` (default) or ``"time"``. ``devices``: as for
     MirroredStrategy (None: a GPU per process when there are enough, else the CPU; ``"cpu"``). ``timeout`` bounds every
