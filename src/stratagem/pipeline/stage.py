@@ -315,26 +315,27 @@ class Stage:
             passes.append(_WeightPass([out], [grad if grad is not None else torch.ones_like(out)], rest, []))
             rest = []
         groups: list[tuple[list[Any], list[nn.Parameter]]] = []
-        if rest:
-            groups, rest = _graph_groups(out, targets, rest)
-        if not (targets or rest):
+        if rest:  # those the output does not reach are left without a gradient, as by autograd
+            groups, _ = _graph_groups(out, targets, rest)
+        if not targets:
             saved.leaf_grads = passes
             return None
-        # one backward pass: parameters left to it (none reached) accumulate into .grad, the input
-        # and the module outputs get .grad (read, then let go), the gradients entering the nodes
-        # of the groups are recorded by hooks
+        # one backward pass to the input and the module outputs (their gradients returned, not
+        # accumulated: no copies), the gradients entering the nodes of the groups recorded by hooks
         seen: dict[Any, tuple[Any, ...]] = {}
         hooks = [
             node.register_prehook(lambda g, node=node: seen.__setitem__(node, tuple(g)))
             for nodes, _ in groups for node in nodes
         ]  # fmt: skip
-        unique = list({id(t): t for t in (*targets, *rest)}.values())
         try:
-            torch.autograd.backward(out, grad, inputs=unique, retain_graph=bool(leaves or groups))
+            got = torch.autograd.grad(
+                out, targets, grad, retain_graph=bool(leaves or groups), allow_unused=True
+            )
         finally:
             for h in hooks:
                 h.remove()
-        gx = x.grad if wants_x else None
+        gx = got[0] if wants_x else None
+        leaf_grads = got[1:] if wants_x else got
         for nodes, params in groups:
             starts, grads = [], []
             for node in nodes:
@@ -345,8 +346,7 @@ class Stage:
             clamps = [(node, seen[node]) for node in nodes if node in seen] if len(nodes) > 1 else []
             if starts:
                 passes.append(_WeightPass(starts, grads, params, clamps))
-        for o, params in leaves:
-            g, o.grad = o.grad, None
+        for (o, params), g in zip(leaves, leaf_grads):
             if g is not None:
                 passes.append(_WeightPass([o], [g], params, []))
         saved.leaf_grads = passes
