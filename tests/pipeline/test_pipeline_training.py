@@ -399,6 +399,31 @@ def test_three_stages_zero_bubble():
     assert [r.value for r in results] == [[]] * 3
 
 
+def ring_failure_worker() -> tuple[str, float]:
+    """3 stages x 2 chunks: the last chunk's rank sends to rank 0 (a ring); chunk 1 fails in its
+    backward."""
+    s = PipelineStrategy(3, 6, schedule="interleaved_1f1b", balance=[1] * 6, devices="cpu")
+    boom = Boom()
+    layers = [nn.Linear(5, 8), boom, nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)]
+    pipe, _ = make_pipe(s, lambda: nn.Sequential(*layers), nn.CrossEntropyLoss())
+    x, y = batches([12])[0]
+    s.run(pipe.train_step, args=(x, y))
+    boom.mode = "backward"
+    t0 = time.monotonic()
+    try:
+        s.run(pipe.train_step, args=(x, y))
+    except PipelineError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", 0.0
+
+
+@pytest.mark.timeout(60)
+def test_interleaved_failure_goes_round_the_ring():
+    for r in run_workers(ring_failure_worker, 3, timeout=50):
+        msg, secs = r.value
+        assert "stage 1 failed: ValueError: boom in backward" in msg and secs < 5, (msg, secs)
+
+
 # --- launch 7: interleaved 1F1B: a stage holding several chunks saves and restores them -----------
 def interleaved_worker(directory: str) -> dict:
     from stratagem import Checkpoint, CheckpointManager, RNGState

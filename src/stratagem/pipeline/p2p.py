@@ -240,6 +240,10 @@ class Channel:
         it has received the message. Returns whether it did."""
         return self._wait(self.post_error(dst, origin, message, tag=tag))
 
+    def wait_sent(self, works: list[Any]) -> bool:
+        """Wait (at most ``error_wait`` s in all) until the peers have received ``works``."""
+        return self._wait(works)
+
     def _wait(self, works: list[Any]) -> bool:
         if not works:
             return False

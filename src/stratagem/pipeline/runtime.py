@@ -70,8 +70,8 @@ class _Links:
     def _post_next_grad(self) -> None:
         if self.out_spec is None or not self.out_spec[1].is_floating_point:
             return
-        if self.got_bwd >= len(self.b_order):
-            return
+        if self.got_bwd == 0 or self.got_bwd >= len(self.b_order):
+            return  # the first gradient comes with a header
         j = self.b_order[self.got_bwd]
         trailing, dtype = self.out_spec
         self.ahead_bwd = (j, self.channel.post_raw(self.next, (self.sizes[j], *trailing), dtype, self.out_tag))
@@ -121,8 +121,6 @@ class _Links:
                 )
             self.channel.send(out, self.next, extra=self.batch, tag=self.out_tag)
             self.out_spec = (tuple(out.shape[1:]), out.dtype)
-            if self.b_order and self.ahead_bwd is None and self.got_bwd == 0:
-                self._post_next_grad()  # the first gradient's transfer overlaps the forwards
         else:
             trailing, dtype = self.out_spec
             if tuple(out.shape) != (self.sizes[i], *trailing) or out.dtype != dtype:
@@ -141,6 +139,14 @@ class _Links:
         assert self.out_spec is not None
         if not self.out_spec[1].is_floating_point:
             return None
+        if self.got_bwd == 0:
+            # the first gradient of a link comes with a header, as the first activation does:
+            # a stage that fails before it knows the gradients' shape can still tell its sender
+            assert self.b_order[0] == i, "gradients out of plan order"
+            self.got_bwd = 1
+            grad = self.channel.recv(self.next, self.out_tag)
+            self._post_next_grad()
+            return grad
         if self.ahead_bwd is None:
             self._post_next_grad()
         assert self.ahead_bwd is not None and self.ahead_bwd[0] == i, "gradients out of plan order"
@@ -160,7 +166,10 @@ class _Links:
         nbytes = self._grad_nbytes(i)
         if nbytes is None:
             return
-        self.channel.send_raw(grad, self.prev, nbytes, self.in_tag)
+        if self.sent_bwd == 0:
+            self.channel.send(grad, self.prev, tag=self.in_tag)
+        else:
+            self.channel.send_raw(grad, self.prev, nbytes, self.in_tag)
         self.sent_bwd += 1
 
     # --- failures -----------------------------------------------------------------------------
@@ -176,12 +185,12 @@ class _Links:
         """Whether gradients travel back to the previous chunk (None: not known yet)."""
         return None if self.in_spec is None else self.in_spec[1].is_floating_point
 
-    def learn_input(self) -> None:
-        """Receive the first activation (sent, not yet taken) to learn the gradients' shape."""
-        x = self.channel.recv(self.prev, self.in_tag)
-        self.got_fwd = 1
-        if x is not None and x.dim() > 0:
-            self.in_spec = (tuple(x.shape[1:]), x.dtype)
+    def backward_marker(self) -> int | None:
+        """The raw size of the next gradient the previous chunk waits for from this one, or None
+        when it waits for a header message (the first gradient)."""
+        if self.sent_bwd == 0:
+            return None
+        return self._grad_nbytes(self.b_order[self.sent_bwd])
 
 
 def _awaited(peer: Sequence[Action], peer_rank: int, links: dict[int, _Links], num_chunks: int) -> tuple[_Links, str] | None:
@@ -210,38 +219,25 @@ def _notify(plan: Schedule | None, links: dict[int, _Links], rank: int, num_rank
             message: str, skip: int | None) -> None:  # fmt: skip
     """Tell each neighbouring rank but ``skip`` that stage ``origin`` failed, with the message it
     waits for next from this rank (an error marker of that message's size on that link, or on
-    the handshake), and wait until it has received it (at most the channel's ``error_wait``)."""
+    the handshake); returns once they have received them, or after the channel's ``error_wait``
+    (a neighbour blocked on a third rank learns of the failure from that one instead)."""
     if plan is None or not links:
         return
     channel = next(iter(links.values())).channel
-    for peer in (rank - 1, rank + 1):
-        if not 0 <= peer < num_ranks or peer == skip:
+    posted: list[Any] = []
+    handshake = {p for p in (rank - 1, rank + 1) if 0 <= p < num_ranks}
+    ring = {ln.prev for ln in links.values() if not ln.stage.is_first}
+    ring |= {ln.next for ln in links.values() if not ln.stage.is_last}  # rank 0 and K-1 when interleaved
+    for peer in sorted((handshake | ring) - {skip, rank}):
+        awaited = _awaited(plan[peer], peer, links, plan.num_chunks)
+        if awaited is None:  # the handshake's result or acknowledgement
+            if peer in handshake:
+                posted += channel.post_error(peer, origin, message)
             continue
-        for _ in range(2):
-            awaited = _awaited(plan[peer], peer, links, plan.num_chunks)
-            if awaited is None:
-                channel.send_error(peer, origin, message)  # the handshake's result or acknowledgement
-                break
-            link, kind = awaited
-            if kind == "F":
-                nbytes = link.forward_marker()
-                if nbytes is None:
-                    channel.send_error(peer, origin, message, tag=link.out_tag)
-                else:
-                    channel.send_error_raw(peer, nbytes, origin, message, tag=link.out_tag)
-                break
-            if link.sends_grads() is None:
-                try:  # the first activation, sent before the peer waits for its gradient
-                    link.learn_input()
-                except RemoteStageError:
-                    break  # the peer failed as well: it waits for nothing
-                except Exception:  # noqa: BLE001
-                    break
-                continue  # now the gradients' shape is known (or that none travel)
-            nbytes = link._grad_nbytes(link.b_order[link.sent_bwd])
-            assert nbytes is not None
-            channel.send_error_raw(peer, nbytes, origin, message, tag=link.in_tag)
-            break
+        link, kind = awaited
+        nbytes, tag = (link.forward_marker(), link.out_tag) if kind == "F" else (link.backward_marker(), link.in_tag)
+        posted += channel.post_error(peer, origin, message, nbytes=nbytes, tag=tag)
+    channel.wait_sent(posted)
 
 
 def _chunks(stage: Stage | Sequence[Stage]) -> list[Stage]:
@@ -305,6 +301,7 @@ def run_plan(
     links = _make_links(stages, channel, sizes, actions)
     # per action: its chunk's stage and links, resolved once
     steps = [(a.kind, a.microbatch, by_chunk[rank if a.chunk is None else a.chunk]) for a in actions]
+    current = [rank]  # the chunk of the action under way: a failure names it
 
     rec = stages[0].recorder
     if rec is not None:
@@ -314,6 +311,7 @@ def run_plan(
     def body() -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=stages[0].device)
         for n, (kind, i, st) in enumerate(steps):
+            current[0] = st.index
             link = links.get(st.index)
             if rec is not None:
                 t0 = clock()
@@ -355,7 +353,7 @@ def run_plan(
                 rec.add(kind, i, t0, clock(), wait, None if actions[n].chunk is None else st.index)
         return total
 
-    return _with_handshake(stages, channel, links, plan, body)
+    return _with_handshake(stages, channel, links, plan, body, current)
 
 
 def run_inference(
@@ -391,7 +389,7 @@ def _need(links: _Links | None) -> _Links:
 
 def _with_handshake(
     stages: list[Stage], channel: Channel | None, links: dict[int, _Links], plan: Schedule | None,
-    body: Callable[[], torch.Tensor],
+    body: Callable[[], torch.Tensor], current: list[int] | None = None,
 ) -> torch.Tensor:
     num_ranks = stages[0].num_stages // len(stages)
     if channel is None or num_ranks == 1:
@@ -422,11 +420,12 @@ def _with_handshake(
         for st in stages:
             st.clear()
         channel.abandon()
-        origin = e.stage if isinstance(e, PipelineError) and e.stage is not None else rank
+        here = current[0] if current else rank
+        origin = e.stage if isinstance(e, PipelineError) and e.stage is not None else here
         message = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, PipelineError):
             message += "\n" + "".join(traceback.format_exception(e)[-3:]).rstrip()
         _notify(plan, links, rank, num_ranks, origin, message, skip=None)
         if isinstance(e, PipelineError):
             raise
-        raise PipelineError(f"stage {rank} failed: {type(e).__name__}: {e}", stage=rank) from e
+        raise PipelineError(f"stage {here} failed: {type(e).__name__}: {e}", stage=here) from e

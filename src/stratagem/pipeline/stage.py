@@ -71,6 +71,8 @@ def _graph_groups(out: torch.Tensor, targets: Sequence[torch.Tensor], params: Se
     (nodes, parameters; parameters sharing a node share a group) and the parameters ``out`` does
     not reach (left to the I pass)."""
     root: Any = out.grad_fn
+    if root is None:
+        return [], list(params)
     consumers: dict[Any, list[Any]] = {root: []}
     queue = [root]
     while queue:  # the reverse edges of the graph
@@ -121,6 +123,8 @@ def _foreign_uses(out: torch.Tensor, leaves: Sequence[tuple[torch.Tensor, Sequen
     """The ids of parameters in ``leaves`` that ``out`` also depends on other than through their
     own module's output: a walk of the autograd graph from ``out`` in regions, a new region
     starting at each module output; a parameter met in a region not its module's is foreign."""
+    if out.grad_fn is None:  # the output is the input (a stage of identities)
+        return set()
     starts = {o.grad_fn: k for k, (o, _) in enumerate(leaves) if o.grad_fn is not None}
     owner = {id(p): k for k, (_, ps) in enumerate(leaves) for p in ps}
     foreign: set[int] = set()
