@@ -441,8 +441,8 @@ def report(rows: list[dict[str, Any]], args: Any) -> None:
         )
     print("  t/ours = torch's best time / ours, same schedule and memory (no re-materialization);")
     print("  > 1: stratagem is faster")
-    print("\ninterleaved 1F1B (2 chunks per stage, 4 x 4 layers): best ms (median), vs torch's "
-          "ScheduleInterleaved1F1B on the same chunks, and ideal / ours")  # fmt: skip
+    print(f"\ninterleaved 1F1B (2 chunks per stage, layers per chunk {chunk_balance('mlp', args)}): best ms "
+          "(median), vs torch's ScheduleInterleaved1F1B on the same chunks, and ideal / ours")  # fmt: skip
     for r in rows:
         ours, theirs = r["interleaved/never"], r.get("torch Interleaved")
         ideal = t1 * (r["M"] + K - 1) / (r["M"] * K)
