@@ -99,4 +99,4 @@ def test_chunks_in_the_trace():
     assert [(e["tid"], e["name"], e["args"]["chunk"]) for e in actions] == [
         (0, "0F0", 0), (0, "2F0", 2), (1, "1F0", 1), (1, "3F0", 3),
     ]  # fmt: skip
-    assert Event(0, "B", 3).label == "B3"
+    assert Event(0, "B", 3, 0.0, 1.0).label == "B3"
