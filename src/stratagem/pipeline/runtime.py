@@ -1,20 +1,20 @@
-"""Carry out a schedule on this stage for one mini-batch: compute, exchange activations and
-gradients with the neighbouring stages, and spread a failure to every stage of the pipeline.
+"""Carry out a schedule on this stage (its chunk, or its chunks under interleaved plans) for one
+mini-batch: compute, exchange activations and gradients with the neighbouring chunks, and spread
+a failure to every stage of the pipeline.
 
-Messages: the first activation of a step travels with a header (shape, dtype, mini-batch size);
+Messages: each link between chunks c and c + 1 has its own tag (c + 1). Its first activation of
+a step travels with a header (shape, dtype, mini-batch size), and so does its first gradient;
 the receiver checks it and from then on both sides know every message's size (trailing
 dimensions fixed within a step, micro-batch sizes from the plan), so the other activations and
-all gradients travel as raw payloads with one status byte. After the plan, the result (the loss,
-or the predictions) travels with a header from the last stage back to the first and an
-acknowledgement forward again, so every stage returns the same value and every message of the
-step has been received.
+gradients travel as raw payloads with one status byte. After the plan, the result (the loss, or
+the predictions) travels with a header from the last stage back to the first and an
+acknowledgement forward again (tag 0), so every stage returns the same value and every message of
+the step has been received.
 
 A stage that fails sends each neighbour an error marker shaped like the message that neighbour
-waits for next, and the neighbours pass it on: each stage only ever blocks in a receive from a
-neighbour, and that neighbour sends either the expected message or the marker, so a failure
-reaches every stage fast.
-"""
-
+waits for next from it (both know the plan, so both know which link that is), and the
+neighbours pass it on: each stage only ever blocks in a receive from a neighbour, and that
+neighbour sends either the expected message or the marker, so a failure reaches every stage fast.
 from __future__ import annotations
 
 import traceback
