@@ -390,6 +390,11 @@ def three_stage_worker() -> list[str]:
             ref_loss = sum(loss_fn(ref(xs), ys) * (len(xs) / len(x)) for xs, ys in zip(x.tensor_split(5), y.tensor_split(5)))
             ref_loss.backward()
             check_step(pipe, ref, (opt, ref_opt), loss, ref_loss, f"3 stages {schedule}/{remat} step {step}", errors)
+        pipe.eval()
+        ref.eval()
+        x = data[0][0]
+        if not torch.allclose(pipe.predict(x), ref(x).detach(), rtol=RTOL, atol=ATOL):  # round the ring
+            errors.append(f"3 stages {schedule}: predict differs")
     return errors
 
 
