@@ -1,5 +1,6 @@
 """Benchmark: a 2-stage pipeline on 2 single-threaded CPU processes against the bubble formula and
-torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B) on the same split and data.
+torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B) on the same
+split and data.
 
 Run: ``python benchmarks/pipeline.py`` (it starts its second process itself, as a user's script
 would). For M in {1, 2, 4, 8, 16} it prints the time per mini-batch of stratagem's GPipe and 1F1B
@@ -11,8 +12,9 @@ interleaved, round by round, so they see the same load; the best round is report
 
 ``--shape mlp1024`` (8 x Linear(1024)+ReLU and a head, batch 256) and ``--shape transformer``
 (4 pre-LN transformer blocks of width 256, sequence 128, batch 64) compare, at M = 8 (``--micro``),
-stratagem's GPipe, 1F1B and zero-bubble with torch's ScheduleGPipe, Schedule1F1B and
-ScheduleInterleavedZeroBubble (one stage per rank) on the same split and data, and with the
+stratagem's GPipe, 1F1B, zero-bubble and interleaved 1F1B (2 chunks per stage) with torch's
+ScheduleGPipe, Schedule1F1B, ScheduleInterleavedZeroBubble (one stage per rank) and
+ScheduleInterleaved1F1B (the same 4 chunks) on the same split and data, and with the
 bubble bound ``T1' (M + K - 1) / (M K)`` (T1': the unsplit model over the same M micro-batches
 on one single-threaded process); the order of the variants alternates round by round and
 medians with their spread are reported.
@@ -122,6 +124,17 @@ def build_shape(shape: str) -> tuple[nn.Sequential, list[int], Any, Any, nn.Modu
     return model, [2, 4], x, y, _TokenLoss()
 
 
+def chunk_balance(shape: str, args: Any) -> list[int]:
+    """The layers of each of the K x 2 chunks of interleaved 1F1B (virtual_stages=2)."""
+    if shape == "mlp1024":
+        return [4, 4, 4, 5]  # 2 [Linear, ReLU] pairs per chunk, the head on the last
+    if shape == "transformer":
+        return [1, 1, 1, 3]  # a block per chunk, LayerNorm and head on the last
+    n_mods = 2 * args.layers + 1
+    q = 2 * (args.layers // 4)
+    return [q, q, q, n_mods - 3 * q]
+
+
 def shapes_main(args: Any) -> None:
     first = PipelineStrategy(K, 1, rematerialize="never", devices="cpu")
     torch.set_num_threads(1)
@@ -140,8 +153,9 @@ def shapes_main(args: Any) -> None:
                 full.zero_grad(set_to_none=True)
 
         runners: dict[str, Any] = {"T1'": unsplit}
-        for sched in ("gpipe", "1f1b", "zero_bubble"):
-            s = PipelineStrategy(K, m, schedule=sched, rematerialize="never", balance=balance, devices="cpu")
+        for sched in ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b"):
+            bal = chunk_balance(args.shape, args) if sched == "interleaved_1f1b" else balance
+            s = PipelineStrategy(K, m, schedule=sched, rematerialize="never", balance=bal, devices="cpu")
             with s.scope():
                 torch.manual_seed(0)
                 pipe = s.pipeline(build_shape(args.shape)[0], loss_fn, verbose=False)
@@ -152,9 +166,10 @@ def shapes_main(args: Any) -> None:
                     p.grad = None
 
             runners[sched] = ours
-        for name in ("GPipe", "1F1B", "ZB"):
+        for name in ("GPipe", "1F1B", "ZB", "Interleaved"):
+            bal = chunk_balance(args.shape, args) if name == "Interleaved" else balance
             try:
-                step, _ = torch_pipelining(name, m, args, balance, x, y, loss_fn, rank)
+                step, _ = torch_pipelining(name, m, args, bal, x, y, loss_fn, rank)
                 step()
             except Exception as e:  # noqa: BLE001 - reported, not fatal
                 if rank == 0:
@@ -192,7 +207,8 @@ def shape_report(rows: list[tuple[int, dict[str, list[float]]]], args: Any) -> N
     print(f"\n2-stage pipeline: {what}; 2 processes x 1 thread; {args.rounds} rounds, order alternating")
     print("ms per mini-batch: median [min-max]; bound = T1' (M+K-1)/(MK); x bound = median / bound;")
     print("vs torch = torch's median / ours (> 1: stratagem faster)")
-    pairs = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "zero_bubble": "torch ZB"}
+    pairs = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "zero_bubble": "torch ZB",
+             "interleaved_1f1b": "torch Interleaved"}  # fmt: skip
     for m, walls in rows:
         med = {k: statistics.median(v) for k, v in walls.items()}
         bound = med["T1'"] * (m + K - 1) / (m * K)
@@ -269,10 +285,23 @@ def main() -> None:
 
                 runners[f"{sched}/{ck}"] = ours
                 mems[f"{sched}/{ck}"] = world.all_gather_object(our_memory(pipe, ours))
-        for name in ("GPipe", "1F1B"):
+        s = PipelineStrategy(K, m, schedule="interleaved_1f1b", rematerialize="never",
+                             balance=chunk_balance("mlp", args), devices="cpu")  # fmt: skip
+        with s.scope():
+            torch.manual_seed(0)
+            pipe = s.pipeline(build(args.width, args.layers), loss_fn, verbose=False)
+
+        def interleaved(pipe: Any = pipe, s: Any = s) -> None:
+            s.run(pipe.train_step, args=(x, y))
+            for p in pipe.parameters():
+                p.grad = None
+
+        runners["interleaved/never"] = interleaved
+        for name in ("GPipe", "1F1B", "Interleaved"):
             if name == "1F1B" and m < K:
                 continue  # torch's Schedule1F1B needs M >= K
-            step, part = torch_pipelining(name, m, args, balance, x, y, loss_fn, rank)
+            bal = chunk_balance("mlp", args) if name == "Interleaved" else balance
+            step, part = torch_pipelining(name, m, args, bal, x, y, loss_fn, rank)
             runners[f"torch {name}"] = step
             step()  # torch infers the shapes in the first step
             meter = ActivationMeter(list(part.parameters()))
@@ -342,20 +371,32 @@ def torch_pipelining(
         PipelineStage,
         Schedule1F1B,
         ScheduleGPipe,
+        ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
     )
 
     torch.manual_seed(0)
     model = build(args.width, args.layers) if args.shape == "mlp" else build_shape(args.shape)[0]
     layers = list(model)
-    start = sum(balance[:rank])
-    part = nn.Sequential(*layers[start : start + balance[rank]])
-    stage = PipelineStage(part, rank, K, torch.device("cpu"))  # shapes inferred in the first step
-    sched: Any
-    if name == "ZB":
-        sched = ScheduleInterleavedZeroBubble([stage], m, loss_fn=loss_fn)
+    if name == "Interleaved":  # balance counts the layers of each of the K x V chunks
+        chunks = [rank + j * K for j in range(len(balance) // K)]
     else:
-        sched = (ScheduleGPipe if name == "GPipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)
+        chunks = [rank]
+    parts = []
+    stages = []
+    for c in chunks:
+        start = sum(balance[:c])
+        parts.append(nn.Sequential(*layers[start : start + balance[c]]))
+        # shapes inferred in the first step
+        stages.append(PipelineStage(parts[-1], c, len(balance), torch.device("cpu")))
+    part = nn.ModuleList(parts)
+    sched: Any
+    if name == "Interleaved":
+        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    elif name == "ZB":
+        sched = ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
+    else:
+        sched = (ScheduleGPipe if name == "GPipe" else Schedule1F1B)(stages[0], m, loss_fn=loss_fn)
 
     def step() -> None:
         if rank == 0:
@@ -400,6 +441,13 @@ def report(rows: list[dict[str, Any]], args: Any) -> None:
         )
     print("  t/ours = torch's best time / ours, same schedule and memory (no re-materialization);")
     print("  > 1: stratagem is faster")
+    print(f"\ninterleaved 1F1B (2 chunks per stage, layers per chunk {chunk_balance('mlp', args)}): best ms "
+          "(median), vs torch's ScheduleInterleaved1F1B on the same chunks, and ideal / ours")  # fmt: skip
+    for r in rows:
+        ours, theirs = r["interleaved/never"], r.get("torch Interleaved")
+        ideal = t1 * (r["M"] + K - 1) / (r["M"] * K)
+        vs = f"t/ours {theirs[0] / ours[0]:.2f}" if theirs else "-"
+        print(f"  M={r['M']:>2}: ours {cell(ours)}  torch {cell(theirs)}  {vs}  eff {ideal / ours[0]:.2f}")
     print("\nre-materialization (rematerialize='except_last'): best ms, and x time without it")
     for r in rows:
         a, b = r["gpipe/except_last"], r["1f1b/except_last"]

@@ -367,3 +367,118 @@ def test_split_backward_of_transformer_blocks():
     refs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, refs[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_interleaved_1f1b_plan():
+    from stratagem.pipeline import interleaved_1f1b
+    from stratagem.pipeline.schedule import B, F
+
+    # worked by hand: rank 0 warms up with (v-1) x 2 + 2 (K-1-0) = 4 forwards, rank 1 with 2; the
+    # forwards take a round of 2 micro-batches per chunk in turn, the backwards the chunks reversed
+    plan = interleaved_1f1b(2, 2, 2)
+    assert str(plan) == (
+        "stage 0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1\n"
+        "stage 1: 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"
+    )
+    assert plan[1][:4] == (F(0, 1), F(1, 1), F(0, 3), B(0, 3))
+    assert (plan.num_chunks, plan.chunks_of(1)) == (4, (1, 3))
+    assert plan.timeline() == (
+        "stage 0: 0F0 0F1 2F0 2F1     2B0     2B1 0B0 0B1\n"
+        "stage 1:     1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"
+    )
+    assert str(interleaved_1f1b(2, 4, 2)) == (
+        "stage 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3\n"
+        "stage 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
+    )
+    assert make_schedule("Interleaved-1F1B", 2, 4, 2) == interleaved_1f1b(2, 4, 2)
+    # every size torch accepts: each chunk runs every micro-batch once, neighbours agree on the
+    # order of their messages, and the plan never deadlocks
+    for k, m, v in itertools.product([2, 3, 4], range(1, 13), [1, 2, 3]):
+        if m % max(1, m // k):
+            continue
+        plan = interleaved_1f1b(k, m, v)
+        check(plan)
+        assert sum(a is not None for t in simulate(plan) for a in t) == 2 * m * k * v
+    # v = 1 is 1F1B with torch's warm-up (2 (K-1-r) forwards, not K-1-r)
+    assert [a.kind for a in interleaved_1f1b(2, 4, 1)[0]] == list("FFFBFBBB")
+
+
+def test_interleaved_zero_bubble_plan():
+    from stratagem.pipeline import interleaved_zero_bubble
+
+    # torch's ScheduleInterleavedZeroBubble order: warm-up (v-1) x 2 + (K-1-r), rank r holding r
+    # W passes back; zero_bubble with virtual_stages > 1 is this plan
+    plan = interleaved_zero_bubble(2, 4, 2)
+    assert str(plan) == (
+        "stage 0: 0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 2I3 2W3 0I2 0W2 0I3 0W3\n"
+        "stage 1: 1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 1I3 1W2 1W3"
+    )
+    assert make_schedule("zero_bubble", 2, 4, 2) == plan
+    assert make_schedule("zero_bubble", 2, 4).virtual_stages == 1  # ZB-H1 without virtual stages
+    for k, m, v in itertools.product([2, 3, 4], range(1, 13), [2, 3]):
+        if m % max(1, m // k) == 0:
+            p = interleaved_zero_bubble(k, m, v)
+            check(p)
+            assert sum(a is not None for t in simulate(p) for a in t) == 3 * m * k * v
+
+
+def test_interleaved_refuses_what_does_not_fit():
+    from stratagem.pipeline import interleaved_1f1b
+
+    with pytest.raises(ValueError, match=r"num_microbatches=5 is not a multiple of 2 \(num_stages=2\); use"):
+        interleaved_1f1b(2, 5, 2)
+    cases = [
+        (dict(num_stages=2, num_microbatches=5, schedule="interleaved_1f1b"), "not a multiple of 2"),
+        (dict(num_stages=1, num_microbatches=4, schedule="interleaved_1f1b"), "needs num_stages >= 2, got num_stages=1"),
+        (dict(num_stages=2, num_microbatches=4, schedule="1f1b", virtual_stages=2), "virtual_stages=2 needs an interleaved"),
+        (dict(num_stages=2, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=0), "virtual_stages must be .* got 0"),
+        (dict(num_stages=2, num_microbatches=4, schedule="interleaved_1f1b", balance=[2, 2]),
+         r"balance=\[2, 2\] must hold 4 positive layer counts \(one per chunk, num_stages=2 x virtual_stages=2\)"),
+    ]  # fmt: skip
+    for kw, msg in cases:
+        k, m = kw.pop("num_stages"), kw.pop("num_microbatches")
+        with pytest.raises(PipelineConfigError, match=msg):
+            PipelineConfig.build(k, m, **kw)
+    cfg = PipelineConfig.build(2, 4, schedule="interleaved_1f1b", virtual_stages=3)
+    assert (cfg.num_chunks, cfg.chunks_of(1), cfg.make_schedule().virtual_stages) == (6, (1, 3, 5), 3)
+    assert PipelineConfig.build(2, 4, schedule="interleaved_1f1b").virtual_stages == 2
+    # a chunk placed on the wrong rank is refused
+    from stratagem.pipeline.schedule import B, F
+
+    with pytest.raises(ValueError, match="runs 1F0 on chunk 1, which it does not hold"):
+        check(Schedule("x", 2, 1, ((F(0, 1), B(0, 1)), (F(0, 0), B(0, 0))), 1))
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_attention_weights_wait_for_the_weight_pass(first):
+    """nn.MultiheadAttention's in_proj_weight (held by the parent of out_proj) and out_proj's
+    weight (used without calling out_proj) get their gradients in W too, from the autograd nodes
+    the I pass went through; a tied weight and a first stage (no input gradient) as well."""
+    from stratagem.pipeline.stage import Stage
+
+    torch.manual_seed(0)
+    block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, norm_first=True)
+    tied = nn.Linear(8, 8)
+    layers = [block, tied, nn.Tanh(), tied]  # the Linear called twice: its weight is reached twice
+    stage = Stage(0 if first else 1, 2, layers, 0, ["0", "1", "2", "3"], ["l"] * 4, torch.device("cpu"))
+    stage.split_backward()
+    x = torch.randn(3, 5, 8)
+    out = stage.forward(0, x, recompute=False)
+    g = torch.randn_like(out)
+    gin = stage.backward_input(0, g)
+    params = list(stage.module.parameters())
+    assert all(p.grad is None for p in params)
+    assert stage.backward_weight(0)
+    grads = [p.grad.clone() for p in params]
+    stage.module.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_(not first)
+    h = xr
+    for layer in layers:
+        h = layer(h)
+    h.backward(g)
+    for p, got in zip(params, grads):
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6)
+    if first:
+        assert gin is None
+    else:
+        torch.testing.assert_close(gin, xr.grad)

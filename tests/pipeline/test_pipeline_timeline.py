@@ -87,3 +87,16 @@ def test_bubble_arithmetic():
     assert t.bound == pytest.approx(0.5)
     with pytest.raises(ValueError, match="step 3 was not profiled"):
         t.step_bubble(3)
+
+
+def test_chunks_in_the_trace():
+    """Interleaved plans' events carry their chunk: named as the plan prints them (``2F0``)."""
+    t = Timeline("interleaved_1f1b", 2, 1, [
+        [Event(0, "F", 0, 0.0, 1.0, chunk=0), Event(0, "F", 0, 2.0, 3.0, chunk=2)],
+        [Event(0, "F", 0, 1.0, 2.0, chunk=1), Event(0, "F", 0, 3.0, 4.0, chunk=3)],
+    ])  # fmt: skip
+    actions = [e for e in t.chrome_trace()["traceEvents"] if e["ph"] == "X"]
+    assert [(e["tid"], e["name"], e["args"]["chunk"]) for e in actions] == [
+        (0, "0F0", 0), (0, "2F0", 2), (1, "1F0", 1), (1, "3F0", 3),
+    ]  # fmt: skip
+    assert Event(0, "B", 3, 0.0, 1.0).label == "B3"

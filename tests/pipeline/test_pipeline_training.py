@@ -16,7 +16,10 @@ from stratagem.pipeline import PipelineConfigError, PipelineError, StageShapeErr
 from stratagem.testing import run_workers
 
 RTOL, ATOL = 1e-5, 4e-5
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b")
+#: interleaved_1f1b (2 chunks per stage) cuts the 6-layer dropout model so that the dropout
+#: (layer 2) stays on stage 0, as [3, 3] puts it under the other schedules
+DROPOUT_BALANCE = {"interleaved_1f1b": [3, 1, 1, 1]}
 
 
 def build(dropout: float = 0.0) -> nn.Sequential:
@@ -69,7 +72,7 @@ def compare(pipe, ref, what, errors, *, grads=True):
 def check_step(pipe, ref, opts, loss, ref_loss, what, errors):
     """The step's loss and gradients equal the reference's; then both optimizers step."""
     if not torch.allclose(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL):
-        errors.append(f"{what}: loss {float(loss)} != {float(ref_loss)}")
+        errors.append(f"{what}: loss {float(loss)} != {float(ref_loss.detach())}")
     compare(pipe, ref, what, errors)
     for o in opts:
         o.step()
@@ -81,7 +84,7 @@ def matrix_worker() -> dict:
     errors: list[str] = []
     out: dict = {}
     data = batches([11, 11])
-    for schedule in SCHEDULES:
+    for schedule in reversed(SCHEDULES):  # the last pipe (zero_bubble's, one chunk per stage) is looked at below
         for checkpoint in ("always", "except_last", "never"):
             for m in (1, 2, 8):
                 for reduction in ("mean", "sum"):
@@ -116,7 +119,8 @@ def dropout_checks() -> dict:
     results = {}
     for schedule in SCHEDULES:
         for checkpoint in ("always", "except_last", "never"):
-            s = PipelineStrategy(2, 4, schedule=schedule, rematerialize=checkpoint, balance=[3, 3], devices="cpu")
+            balance = DROPOUT_BALANCE.get(schedule, [3, 3])
+            s = PipelineStrategy(2, 4, schedule=schedule, rematerialize=checkpoint, balance=balance, devices="cpu")
             pipe, _ = make_pipe(s, lambda: build(0.5), nn.CrossEntropyLoss())
             torch.manual_seed(7)
             loss = s.run(pipe.train_step, args=(x, y))
@@ -145,8 +149,9 @@ def batchnorm_checks(errors) -> bool:
     running statistics are updated once per micro-batch, also when it is recomputed."""
     x, y = batches([12])[0]
     loss_fn = nn.CrossEntropyLoss()
-    for m, checkpoint, schedule in itertools.product((1, 3), ("always", "never"), ("gpipe", "zero_bubble")):
-        s = PipelineStrategy(2, m, schedule=schedule, rematerialize=checkpoint, balance=[3, 3], devices="cpu")
+    for m, checkpoint, schedule in itertools.product((1, 3), ("always", "never"), ("gpipe", "zero_bubble", "interleaved_1f1b")):
+        balance = [2, 1, 2, 1] if schedule == "interleaved_1f1b" else [3, 3]
+        s = PipelineStrategy(2, m, schedule=schedule, rematerialize=checkpoint, balance=balance, devices="cpu")
         pipe, _ = make_pipe(s, build_bn, loss_fn)
         s.run(pipe.train_step, args=(x, y))
         ref, _ = reference(build_bn)
@@ -255,7 +260,8 @@ class Boom(nn.Module):
 
 
 def failure_worker(schedule: str, mode: str, position: int) -> tuple[str, float]:
-    s = PipelineStrategy(2, 4, schedule=schedule, balance=[2, 2], devices="cpu")
+    balance = [1, 1, 1, 1] if schedule == "interleaved_1f1b" else [2, 2]
+    s = PipelineStrategy(2, 4, schedule=schedule, balance=balance, devices="cpu")
     boom = Boom()
     layers = [nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 3)]
     layers.insert(position, boom)  # position 1: stage 0, position 2: stage 1
@@ -275,11 +281,14 @@ def failure_worker(schedule: str, mode: str, position: int) -> tuple[str, float]
 @pytest.mark.parametrize(
     "schedule,mode,position",
     [("1f1b", "forward", 2), ("gpipe", "forward", 1), ("gpipe", "backward", 2), ("1f1b", "backward", 1),
-     ("zero_bubble", "backward", 1), ("zero_bubble", "backward", 2)],
+     ("zero_bubble", "backward", 1), ("zero_bubble", "backward", 2),
+     ("interleaved_1f1b", "forward", 2), ("interleaved_1f1b", "backward", 1)],
 )
 def test_exception_in_one_stage_reaches_every_process(schedule, mode, position):
     results = run_workers(failure_worker, 2, args=(schedule, mode, position), timeout=50)
-    stage = position - 1
+    # one layer per chunk under interleaved_1f1b: the Boom at ``position`` is chunk ``position``
+    # (chunk 1 on stage 1, chunk 2 on stage 0); errors name the chunk
+    stage = position if schedule == "interleaved_1f1b" else position - 1
     for r in results:
         msg, secs = r.value
         assert f"boom in {mode}" in msg and f"stage {stage}" in msg, msg
@@ -289,7 +298,7 @@ def test_exception_in_one_stage_reaches_every_process(schedule, mode, position):
 # --- launch 4: two stages x two data-parallel copies ----------------------------------------------------
 def hybrid_worker() -> list[str]:
     errors: list[str] = []
-    for schedule, reduction in (("gpipe", "mean"), ("1f1b", "sum"), ("zero_bubble", "mean")):
+    for schedule, reduction in (("gpipe", "mean"), ("1f1b", "sum"), ("zero_bubble", "mean"), ("interleaved_1f1b", "sum")):
         s = PipelineStrategy(2, 2, schedule=schedule, data_parallel=2, devices="cpu")
         assert s.num_replicas_in_sync == 2
         loss_fn = nn.CrossEntropyLoss(reduction=reduction)
@@ -307,8 +316,8 @@ def hybrid_worker() -> list[str]:
         # each copy's timeline holds both of its stages, the plan's actions once
         with s.profile(None) as timeline:
             s.run(pipe.train_step, args=next(iter(s.experimental_distribute_dataset(global_batches))))
-        got = [[(e.kind, e.microbatch) for e in st] for st in timeline.stages]
-        if got != [[(a.kind, a.microbatch) for a in acts] for acts in s.schedule.stages]:
+        got = [[e.label for e in st] for st in timeline.stages]  # "2F0" under interleaved_1f1b
+        if got != [[str(a) for a in acts] for acts in s.schedule.stages]:
             errors.append(f"hybrid {schedule}: timeline {got}")
     # gradual unfreezing: every layer frozen when the pipeline is built, all trainable from step 1
     s = PipelineStrategy(2, 2, data_parallel=2, devices="cpu")
@@ -361,12 +370,17 @@ def test_plain_script_launches_its_stages():
 def three_stage_worker() -> list[str]:
     errors: list[str] = []
     data = batches([13, 10])  # uneven micro-batches: 13 = 3+3+3+2+2
-    for schedule, remat in (("zero_bubble", "except_last"), ("zero_bubble", "never"), ("1f1b", "always")):
-        s = PipelineStrategy(3, 5, schedule=schedule, rematerialize=remat, balance=[2, 2, 2],
-                             devices="cpu")  # fmt: skip
+    for schedule, remat in (("zero_bubble", "except_last"), ("zero_bubble", "never"), ("1f1b", "always"),
+                            ("interleaved_1f1b", "except_last")):  # fmt: skip
+        model_fn = lambda: build(0.3)  # noqa: E731
+        balance = [2, 2, 2]
+        if schedule == "interleaved_1f1b":  # 3 x 2 chunks, each stage with a Linear
+            model_fn = lambda: nn.Sequential(*build(0.3), nn.Linear(3, 3))  # noqa: E731
+            balance = [2, 1, 1, 1, 1, 1]
+        s = PipelineStrategy(3, 5, schedule=schedule, rematerialize=remat, balance=balance, devices="cpu")
         loss_fn = nn.CrossEntropyLoss()
-        pipe, opt = make_pipe(s, lambda: build(0.3), loss_fn)
-        ref, ref_opt = reference(lambda: build(0.3))
+        pipe, opt = make_pipe(s, model_fn, loss_fn)
+        ref, ref_opt = reference(model_fn)
         for step, (x, y) in enumerate(data):
             torch.manual_seed(10 + step)
             loss = s.run(pipe.train_step, args=(x, y))
@@ -376,6 +390,11 @@ def three_stage_worker() -> list[str]:
             ref_loss = sum(loss_fn(ref(xs), ys) * (len(xs) / len(x)) for xs, ys in zip(x.tensor_split(5), y.tensor_split(5)))
             ref_loss.backward()
             check_step(pipe, ref, (opt, ref_opt), loss, ref_loss, f"3 stages {schedule}/{remat} step {step}", errors)
+        pipe.eval()
+        ref.eval()
+        x = data[0][0]
+        if not torch.allclose(pipe.predict(x), ref(x).detach(), rtol=RTOL, atol=ATOL):  # round the ring
+            errors.append(f"3 stages {schedule}: predict differs")
     return errors
 
 
@@ -383,3 +402,112 @@ def three_stage_worker() -> list[str]:
 def test_three_stages_zero_bubble():
     results = run_workers(three_stage_worker, 3, timeout=120)
     assert [r.value for r in results] == [[]] * 3
+
+
+def ring_failure_worker() -> tuple[str, float]:
+    """3 stages x 2 chunks: the last chunk's rank sends to rank 0 (a ring); chunk 1 fails in its
+    backward."""
+    s = PipelineStrategy(3, 6, schedule="interleaved_1f1b", balance=[1] * 6, devices="cpu")
+    boom = Boom()
+    layers = [nn.Linear(5, 8), boom, nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)]
+    pipe, _ = make_pipe(s, lambda: nn.Sequential(*layers), nn.CrossEntropyLoss())
+    x, y = batches([12])[0]
+    s.run(pipe.train_step, args=(x, y))
+    boom.mode = "backward"
+    t0 = time.monotonic()
+    try:
+        s.run(pipe.train_step, args=(x, y))
+    except PipelineError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", 0.0
+
+
+@pytest.mark.timeout(60)
+def test_interleaved_failure_goes_round_the_ring():
+    for r in run_workers(ring_failure_worker, 3, timeout=50):
+        msg, secs = r.value
+        assert "stage 1 failed: ValueError: boom in backward" in msg and secs < 5, (msg, secs)
+
+
+# --- launch 7: interleaved 1F1B: a stage holding several chunks saves and restores them -----------
+def interleaved_worker(directory: str) -> dict:
+    from stratagem import Checkpoint, CheckpointManager, RNGState
+
+    out: dict = {}
+    s = PipelineStrategy(2, 4, schedule="interleaved_1f1b", devices="cpu")
+    with s.scope():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 3))
+        pipe = s.pipeline(model, nn.CrossEntropyLoss(), verbose=False)
+        opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(4)]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        s.run(pipe.train_step, args=(x, y))
+        opt.step()
+        opt.zero_grad()
+
+    manager = CheckpointManager(Checkpoint(model=model, optimizer=opt, rng=RNGState()), directory, strategy=s)
+    for x, y in data[:2]:
+        step(x, y)
+    path = manager.save(2)
+    for x, y in data[2:]:
+        step(x, y)
+    straight = {k: v.clone() for k, v in pipe.state_dict().items()}
+    for p in pipe.parameters():  # wreck the state: restore must bring it back
+        p.data.fill_(7.0)
+    manager.restore(path)
+    for x, y in data[2:]:
+        step(x, y)
+    resumed = pipe.state_dict()
+    # interleaved zero-bubble and 3 chunks per stage: BatchNorm, uneven micro-batches (11 = 3+3+3+2)
+    loss_fn = nn.CrossEntropyLoss()
+    out["errors"] = errors = []
+    for schedule, v, remat in (("zero_bubble", 2, "except_last"), ("interleaved_1f1b", 3, "always")):
+        s2 = PipelineStrategy(2, 4, schedule=schedule, virtual_stages=v, rematerialize=remat,
+                              balance=[3, 3, 3, 3] if v == 2 else [2] * 6, devices="cpu")  # fmt: skip
+        bn = lambda: nn.Sequential(  # noqa: E731
+            nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8),
+            nn.ReLU(), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3),
+        )  # fmt: skip
+        p2, o2 = make_pipe(s2, bn, loss_fn)
+        ref, ref_opt = reference(bn)
+        for step, (x, y) in enumerate(batches([11, 11], seed=3)):
+            loss = s2.run(p2.train_step, args=(x, y))
+            ref_loss = sum(loss_fn(ref(xs), ys) * (len(xs) / len(x)) for xs, ys in zip(x.tensor_split(4), y.tensor_split(4)))
+            ref_loss.backward()
+            check_step(p2, ref, (o2, ref_opt), loss, ref_loss, f"{schedule} v={v} step {step}", errors)
+        refs = dict(ref.named_buffers())
+        for name, b in p2.named_buffers():
+            if not torch.allclose(b.float(), refs[name].float(), rtol=RTOL, atol=ATOL):
+                errors.append(f"{schedule} v={v}: buffer {name} differs")
+    out["names"] = sorted(straight)
+    out["same"] = all(torch.equal(straight[k], resumed[k]) for k in straight)
+    out["repr"] = repr(pipe)
+    out["partition"] = str(s.partition)
+    # balance="time" over the 4 chunks
+    s = PipelineStrategy(2, 2, schedule="interleaved_1f1b", balance="time", devices="cpu")
+    heavy = lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])  # noqa: E731
+    make_pipe(s, heavy, nn.MSELoss(), sample_input=torch.randn(8, 64))
+    out["time"] = list(s.partition.balance)
+    try:
+        make_pipe(PipelineStrategy(2, 2, schedule="interleaved_1f1b", virtual_stages=3, devices="cpu"), build,
+                  nn.CrossEntropyLoss())  # fmt: skip
+        out["few"] = "no error"
+    except PipelineConfigError as e:
+        out["few"] = str(e)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_interleaved_stage_checkpoints_its_chunks(tmp_path):
+    r0, r1 = (r.value for r in run_workers(interleaved_worker, 2, args=(str(tmp_path),), timeout=100))
+    # chunks 0 and 2 (Linear, Dropout) on stage 0, chunks 1 and 3 (Tanh, Linear) on stage 1
+    assert (r0["names"], r1["names"]) == (["0.bias", "0.weight"], ["3.bias", "3.weight"])
+    assert r0["same"] and r1["same"]
+    assert r0["errors"] == [] and r1["errors"] == []
+    assert "Pipe(stage 1 of 2, layers 1..1, 3..3, interleaved_1f1b, 4 micro-batches" in r1["repr"]
+    assert "chunk 3 (stage 1): layers 3..3" in r0["partition"]
+    assert r0["time"] == r1["time"] and len(r0["time"]) == 4 and sum(r0["time"]) == 6
+    assert "the model has 5 layers" in r0["few"] and "2 stages x 3 virtual stages = 6 chunks" in r0["few"]

@@ -1,4 +1,4 @@
-"""pipeline: GPipe/1F1B/zero-bubble pipelines: schedules and partitions as data, micro-batching,
+"""pipeline: GPipe/1F1B/zero-bubble/interleaved pipelines: schedules and partitions as data, micro-batching,
 re-materialization, the stage runtime over point-to-point messages (imports only comm)."""
 
 from stratagem.pipeline.config import PipelineConfig
@@ -12,6 +12,8 @@ from stratagem.pipeline.schedule import (
     Action,
     Schedule,
     gpipe,
+    interleaved_1f1b,
+    interleaved_zero_bubble,
     make_schedule,
     one_f_one_b,
     simulate,
@@ -32,6 +34,8 @@ __all__ = [
     "block_partition",
     "rematerialize_stop",
     "gpipe",
+    "interleaved_1f1b",
+    "interleaved_zero_bubble",
     "loss_scales",
     "make_schedule",
     "one_f_one_b",

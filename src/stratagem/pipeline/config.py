@@ -9,7 +9,15 @@ from dataclasses import dataclass
 
 from stratagem.pipeline.errors import PipelineConfigError
 from stratagem.pipeline.rematerialize import MODES
-from stratagem.pipeline.schedule import SCHEDULES, Schedule, make_schedule, schedule_key
+from stratagem.pipeline.schedule import (
+    INTERLEAVED,
+    MAY_INTERLEAVE,
+    SCHEDULES,
+    Schedule,
+    interleaved_rounds,
+    make_schedule,
+    schedule_key,
+)
 
 BALANCE_METHODS = ("params", "time")
 
@@ -17,7 +25,9 @@ BALANCE_METHODS = ("params", "time")
 @dataclass(frozen=True)
 class PipelineConfig:
     """``num_stages`` x ``data_parallel`` processes; rank ``r`` runs stage ``r % num_stages`` of
-    data-parallel copy ``r // num_stages``."""
+    data-parallel copy ``r // num_stages``. With ``virtual_stages`` v > 1 (interleaved schedules)
+    the model is cut into ``num_stages x v`` chunks and stage ``s`` holds chunks ``s, s + K, ...``;
+    ``balance`` then counts layers per chunk."""
 
     num_stages: int
     num_microbatches: int
@@ -25,6 +35,16 @@ class PipelineConfig:
     rematerialize: str = "except_last"
     balance: tuple[int, ...] | str = "params"
     data_parallel: int = 1
+    virtual_stages: int = 1
+
+    @property
+    def num_chunks(self) -> int:
+        """The pieces the model is cut into: ``num_stages x virtual_stages``."""
+        return self.num_stages * self.virtual_stages
+
+    def chunks_of(self, stage: int) -> tuple[int, ...]:
+        """The chunks ``stage`` holds, in model order (looping placement)."""
+        return tuple(stage + j * self.num_stages for j in range(self.virtual_stages))
 
     @classmethod
     def build(
@@ -36,6 +56,7 @@ class PipelineConfig:
         rematerialize: object = "except_last",
         balance: object = None,
         data_parallel: object = 1,
+        virtual_stages: object = None,
     ) -> PipelineConfig:
         for name, value in (
             ("num_stages", num_stages),
@@ -49,6 +70,27 @@ class PipelineConfig:
         key = schedule_key(schedule)
         if key is None:
             raise PipelineConfigError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        if virtual_stages is None:
+            virtual_stages = 2 if key in INTERLEAVED else 1
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise PipelineConfigError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+        if virtual_stages > 1 and key not in MAY_INTERLEAVE:
+            raise PipelineConfigError(
+                f"virtual_stages={virtual_stages} needs an interleaved schedule, got schedule={key!r} "
+                f"(one chunk per stage); use schedule='interleaved_1f1b' or 'zero_bubble', or "
+                "virtual_stages=1"
+            )
+        if key in INTERLEAVED or virtual_stages > 1:
+            if num_stages < 2:
+                raise PipelineConfigError(
+                    f"schedule={key!r} interleaves chunks across stages and needs num_stages >= 2, got "
+                    f"num_stages={num_stages}; use schedule='gpipe' on one stage"
+                )
+            try:
+                interleaved_rounds(num_stages, num_microbatches, key)
+            except ValueError as e:
+                raise PipelineConfigError(str(e)) from None
+        chunks = num_stages * virtual_stages
         if rematerialize not in MODES:
             raise PipelineConfigError(f"rematerialize must be one of {list(MODES)}, got {rematerialize!r}")
         bal: tuple[int, ...] | str
@@ -63,19 +105,22 @@ class PipelineConfig:
             bal = balance
         elif isinstance(balance, Sequence):
             counts = list(balance)
-            if len(counts) != num_stages or any(
+            if len(counts) != chunks or any(
                 isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts
             ):
+                per = (
+                    f"stage, num_stages={num_stages}" if virtual_stages == 1 else
+                    f"chunk, num_stages={num_stages} x virtual_stages={virtual_stages}"
+                )  # fmt: skip
                 raise PipelineConfigError(
-                    f"balance={counts} must hold {num_stages} positive layer counts (one per "
-                    f"stage, num_stages={num_stages})"
+                    f"balance={counts} must hold {chunks} positive layer counts (one per {per})"
                 )
             bal = tuple(counts)
         else:
             raise PipelineConfigError(
                 f"balance must be a list of layer counts, 'params' or 'time', got {balance!r}"
             )
-        return cls(num_stages, num_microbatches, key, str(rematerialize), bal, data_parallel)
+        return cls(num_stages, num_microbatches, key, str(rematerialize), bal, data_parallel, virtual_stages)
 
     @property
     def world_size(self) -> int:
@@ -108,4 +153,4 @@ class PipelineConfig:
         return [[d * k + s for d in range(self.data_parallel)] for s in range(k)]
 
     def make_schedule(self) -> Schedule:
-        return make_schedule(self.schedule, self.num_stages, self.num_microbatches)
+        return make_schedule(self.schedule, self.num_stages, self.num_microbatches, self.virtual_stages)

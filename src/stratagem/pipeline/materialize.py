@@ -6,7 +6,7 @@ initialisation of the unsplit model built from the same seed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ def _fill(layer: nn.Module) -> None:
 
 def materialize(
     layers: list[tuple[str, nn.Module]],
-    owned: range,
+    owned: Container[int],
     device: torch.device,
     rng_state: torch.Tensor | None,
 ) -> None:

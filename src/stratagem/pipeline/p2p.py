@@ -37,21 +37,23 @@ def raw_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 class RemoteStageError(Exception):
-    """A neighbour reported that stage ``origin`` failed with ``message``."""
+    """A neighbour (stage ``src``) reported that stage ``origin`` failed with ``message``."""
 
-    def __init__(self, origin: int, message: str) -> None:
+    def __init__(self, origin: int, message: str, src: int = -1) -> None:
         super().__init__(message)
         self.origin = origin
         self.message = message
+        self.src = src
 
 
 class PostedRecv:
     """A raw receive posted ahead of need (``Channel.post_raw``), finished by ``finish_raw``."""
 
-    __slots__ = ("work", "buf", "src", "shape", "dtype")
+    __slots__ = ("work", "buf", "src", "shape", "dtype", "tag")
 
-    def __init__(self, work: Any, buf: torch.Tensor, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.work, self.buf, self.src, self.shape, self.dtype = work, buf, src, shape, dtype
+    def __init__(self, work: Any, buf: torch.Tensor, src: int, shape: tuple[int, ...], dtype: torch.dtype,
+                 tag: int = 0) -> None:  # fmt: skip
+        self.work, self.buf, self.src, self.shape, self.dtype, self.tag = work, buf, src, shape, dtype, tag
 
 
 class Channel:
@@ -74,33 +76,34 @@ class Channel:
         probe = getattr(self.comm, "probe", None)
         return classify_failure(e, probe, what)
 
-    def _isend(self, tensors: tuple[torch.Tensor, ...], dst: int) -> list[Any]:
+    def _isend(self, tensors: tuple[torch.Tensor, ...], dst: int, tag: int = 0) -> list[Any]:
         assert isinstance(self.comm, ProcessGroupCommunicator)
         works = []
         try:
             for t in tensors:
-                works.append(dist.isend(t, dst=self._peer(dst), group=self.comm.group))
+                works.append(dist.isend(t, dst=self._peer(dst), group=self.comm.group, tag=tag))
         except (RuntimeError, dist.DistError) as e:
             raise self._fail(e, f"send to stage {dst}") from e
         for w in works:
             self._pending.append((w, tensors))
         return works
 
-    def _recv(self, tensor: torch.Tensor, src: int) -> None:
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         assert isinstance(self.comm, ProcessGroupCommunicator)
         try:
-            dist.recv(tensor, src=self._peer(src), group=self.comm.group)
+            dist.recv(tensor, src=self._peer(src), group=self.comm.group, tag=tag)
         except (RuntimeError, dist.DistError) as e:
             raise self._fail(e, f"receive from stage {src}") from e
 
     # --- messages ---------------------------------------------------------------------------
-    def send(self, value: torch.Tensor | None, dst: int, *, extra: int = 0) -> None:
+    def send(self, value: torch.Tensor | None, dst: int, *, extra: int = 0, tag: int = 0) -> None:
         """Queue ``value`` (a tensor, or None) with its header for stage ``dst``; returns at once.
-        ``extra`` (an integer) travels in the header (``recv`` puts it in ``last_extra``)."""
+        ``extra`` (an integer) travels in the header (``recv`` puts it in ``last_extra``); ``tag``
+        keeps apart the messages of different links between the same two stages."""
         header = torch.zeros(HEADER, dtype=torch.int64)
         if value is None:
             header[0] = NONE
-            self._isend((header.to(self.device),), dst)
+            self._isend((header.to(self.device),), dst, tag)
             return
         if value.dim() > MAX_DIMS or value.dtype not in DTYPES:
             raise TypeError(
@@ -114,33 +117,37 @@ class Channel:
         header[4 : 4 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
         payload = value.detach().to(self.device).contiguous()
         if payload.numel() == 0:
-            self._isend((header.to(self.device),), dst)
+            self._isend((header.to(self.device),), dst, tag)
         else:
-            self._isend((header.to(self.device), payload), dst)
+            self._isend((header.to(self.device), payload), dst, tag)
 
-    def recv(self, src: int) -> torch.Tensor | None:
+    def recv(self, src: int, tag: int = 0) -> torch.Tensor | None:
         """The next message from stage ``src``; RemoteStageError if it reports a failure."""
         header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
-        self._recv(header, src)
+        self._recv(header, src, tag)
+        return self.recv_after_header(header, src, tag)
+
+    def recv_after_header(self, header: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor | None:
+        """The rest of the message whose ``header`` came from ``src``."""
         h = header.tolist()
         if h[0] == NONE:
             return None
         if h[0] == ERROR:
             buf = torch.empty(int(h[2]), dtype=torch.uint8, device=self.device)
             if buf.numel():
-                self._recv(buf, src)
-            raise RemoteStageError(int(h[1]), bytes(buf.cpu().tolist()).decode("utf-8", "replace"))
+                self._recv(buf, src, tag)
+            raise RemoteStageError(int(h[1]), bytes(buf.cpu().tolist()).decode("utf-8", "replace"), src)
         if h[0] != TENSOR:
             raise RuntimeError(f"malformed pipeline message from stage {src}: header {h}")
         shape = tuple(int(d) for d in h[4 : 4 + int(h[3])])
         out = torch.empty(shape, dtype=DTYPES[int(h[1])], device=self.device)
         self.last_extra = int(h[2])
         if out.numel():
-            self._recv(out, src)
+            self._recv(out, src, tag)
         return out
 
     # --- raw messages: shape agreed beforehand, one status byte appended ------------------------
-    def send_raw(self, value: torch.Tensor | None, dst: int, nbytes: int) -> None:
+    def send_raw(self, value: torch.Tensor | None, dst: int, nbytes: int, tag: int = 0) -> None:
         """Queue ``value`` as ``nbytes`` raw bytes plus a status byte (None: status NONE); the
         receiver already knows its shape and dtype (``recv_raw``)."""
         buf = torch.empty(nbytes + 1, dtype=torch.uint8, device=self.device)
@@ -152,24 +159,24 @@ class Channel:
                 raise RuntimeError(f"internal: raw message of {flat.numel()} bytes, {nbytes} agreed")
             buf[:-1].copy_(flat)
             buf[-1] = TENSOR
-        self._isend((buf,), dst)
+        self._isend((buf,), dst, tag)
 
-    def recv_raw(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    def recv_raw(self, src: int, shape: tuple[int, ...], dtype: torch.dtype, tag: int = 0) -> torch.Tensor | None:
         """The next raw message from ``src``: a tensor of ``shape`` and ``dtype``, or None;
         RemoteStageError if ``src`` reports a failure instead."""
-        return self.finish_raw(self.post_raw(src, shape, dtype))
+        return self.finish_raw(self.post_raw(src, shape, dtype, tag))
 
-    def post_raw(self, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> PostedRecv:
+    def post_raw(self, src: int, shape: tuple[int, ...], dtype: torch.dtype, tag: int = 0) -> PostedRecv:
         """Post the receive of the next raw message from ``src`` now, so the transfer overlaps
         the computation until ``finish_raw`` (gloo moves a message only once it is posted)."""
         assert isinstance(self.comm, ProcessGroupCommunicator)
         nbytes = raw_nbytes(shape, dtype)
         buf = torch.empty(nbytes + 1, dtype=torch.uint8, device=self.device)
         try:
-            work = dist.irecv(buf, src=self._peer(src), group=self.comm.group)
+            work = dist.irecv(buf, src=self._peer(src), group=self.comm.group, tag=tag)
         except (RuntimeError, dist.DistError) as e:
             raise self._fail(e, f"receive from stage {src}") from e
-        return PostedRecv(work, buf, src, shape, dtype)
+        return PostedRecv(work, buf, src, shape, dtype, tag)
 
     def finish_raw(self, posted: PostedRecv) -> torch.Tensor | None:
         """Wait for a posted raw receive; the tensor, None, or RemoteStageError."""
@@ -189,47 +196,57 @@ class Channel:
                 origin = int(head[0])
                 short = bytes(buf[8 : 8 + max(0, min(int(head[1]), nbytes - 8))].cpu().tolist())
             try:
-                self.recv(src)
+                self.recv(src, posted.tag)
             except RemoteStageError:
                 raise
             except Exception:  # noqa: BLE001
                 pass
-            raise RemoteStageError(origin, short.decode("utf-8", "replace"))
+            raise RemoteStageError(origin, short.decode("utf-8", "replace"), src)
         if status == NONE:
             return None
         return buf[:-1].view(dtype).view(shape)
 
-    def send_error_raw(self, dst: int, nbytes: int, origin: int, message: str) -> bool:
-        """Like ``send_error`` when ``dst`` waits for a raw message of ``nbytes`` bytes."""
-        buf = torch.zeros(nbytes + 1, dtype=torch.uint8)
-        if nbytes >= 8:
-            text = message.encode("utf-8")[: nbytes - 8]
-            buf[:8] = torch.tensor([origin, len(text)], dtype=torch.int32).view(torch.uint8)
-            buf[8 : 8 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-        buf[-1] = ERROR
-        buf = buf.to(self.device)
-        try:
-            works = self._isend((buf,), dst)
-        except Exception:  # noqa: BLE001 - the peer may be gone already
-            return False
-        return self._wait(works) and self.send_error(dst, origin, message)
-
-    def send_error(self, dst: int, origin: int, message: str) -> bool:
-        """Tell stage ``dst`` that stage ``origin`` failed; wait (at most ``error_wait`` s) until
-        it has received the message. Returns whether it did."""
+    def post_error(self, dst: int, origin: int, message: str, *, nbytes: int | None = None, tag: int = 0) -> list[Any]:
+        """Queue, for stage ``dst``, the news that stage ``origin`` failed, shaped as the message
+        ``dst`` waits for next on ``tag``: a raw message of ``nbytes`` bytes (a marker holding the
+        origin and the start of ``message``, the whole message following as a header message), or
+        (``nbytes=None``) a header message. Returns the sends' works ([] if the peer is gone)."""
         data = message.encode("utf-8")[:65536]
+        parts: list[torch.Tensor] = []
+        if nbytes is not None:
+            buf = torch.zeros(nbytes + 1, dtype=torch.uint8)
+            if nbytes >= 8:
+                text = data[: nbytes - 8]
+                buf[:8] = torch.tensor([origin, len(text)], dtype=torch.int32).view(torch.uint8)
+                buf[8 : 8 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+            buf[-1] = ERROR
+            parts.append(buf)
         header = torch.zeros(HEADER, dtype=torch.int64)
         header[0], header[1], header[2] = ERROR, origin, len(data)
-        parts: tuple[torch.Tensor, ...] = (header.to(self.device),)
+        parts.append(header)
         if data:
-            parts += (torch.tensor(list(data), dtype=torch.uint8, device=self.device),)
+            parts.append(torch.tensor(list(data), dtype=torch.uint8))
         try:
-            works = self._isend(parts, dst)
+            return self._isend(tuple(t.to(self.device) for t in parts), dst, tag)
         except Exception:  # noqa: BLE001 - the peer may be gone already
-            return False
+            return []
+
+    def send_error_raw(self, dst: int, nbytes: int, origin: int, message: str, tag: int = 0) -> bool:
+        """Like ``send_error`` when ``dst`` waits for a raw message of ``nbytes`` bytes."""
+        return self._wait(self.post_error(dst, origin, message, nbytes=nbytes, tag=tag))
+
+    def send_error(self, dst: int, origin: int, message: str, tag: int = 0) -> bool:
+        """Tell stage ``dst`` that stage ``origin`` failed; wait (at most ``error_wait`` s) until
+        it has received the message. Returns whether it did."""
+        return self._wait(self.post_error(dst, origin, message, tag=tag))
+
+    def wait_sent(self, works: list[Any]) -> bool:
+        """Wait (at most ``error_wait`` s in all) until the peers have received ``works``."""
         return self._wait(works)
 
     def _wait(self, works: list[Any]) -> bool:
+        if not works:
+            return False
         deadline = time.monotonic() + self.error_wait
         try:
             for w in works:

@@ -70,12 +70,14 @@ def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> l
 
 @dataclass(frozen=True)
 class Partition:
-    """Which layers each stage holds: ``balance[s]`` consecutive layers, chosen by ``method``."""
+    """Which layers each stage holds: ``balance[s]`` consecutive layers, chosen by ``method``.
+    With ``virtual_stages`` v > 1 the entries are chunks, chunk ``c`` on stage ``c % (len / v)``."""
 
     balance: tuple[int, ...]
     method: str
     names: tuple[str, ...] = ()
     costs: tuple[float, ...] = ()
+    virtual_stages: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -99,5 +101,7 @@ class Partition:
             names = [self.names[i] for i in r] if self.names else [str(i) for i in r]
             shown = names if len(names) <= 6 else [*names[:3], "...", *names[-2:]]
             cost = f"  cost {costs[s]:.4g}" if costs else ""
-            lines.append(f"  stage {s}: layers {r.start}..{r.stop - 1} [{', '.join(shown)}]{cost}")
+            ranks = len(self.balance) // self.virtual_stages
+            where = f"stage {s}" if self.virtual_stages == 1 else f"chunk {s} (stage {s % ranks})"
+            lines.append(f"  {where}: layers {r.start}..{r.stop - 1} [{', '.join(shown)}]{cost}")
         return "\n".join(lines)

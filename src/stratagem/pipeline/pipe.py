@@ -4,7 +4,7 @@ parameters under their original names, ``train_step`` (one synchronous mini-batc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ class Pipe:
     def __init__(
         self,
         model: nn.Module,
-        stage: Stage,
+        stage: Stage | Sequence[Stage],
         channel: Channel | None,
         schedule: Schedule,
         partition: Partition,
@@ -48,7 +48,10 @@ class Pipe:
         tied: TiedGradients | None = None,
     ) -> None:
         self.model = model
-        self.stage = stage
+        #: this process's chunks of the model, in model order (one but under interleaved plans)
+        self.stages = [stage] if isinstance(stage, Stage) else list(stage)
+        self.stage = self.stages[0]
+        self.module = nn.ModuleList([st.module for st in self.stages])
         self.channel = channel
         self.schedule = schedule
         self.partition = partition
@@ -57,7 +60,7 @@ class Pipe:
         self.replicas = replicas
         self.tied = tied  # weights tied to another stage's: gradients summed after each backward
         self.num_microbatches = schedule.num_microbatches
-        owned = {id(p) for p in stage.module.parameters()}
+        owned = {id(p) for p in self.module.parameters()}
         self._named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
         self.reducer: GradientReducer | None = None
         self._trainable: list[bool] = []
@@ -87,7 +90,7 @@ class Pipe:
         return (p for _, p in self._named)
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        owned = {id(b) for b in self.stage.module.buffers()}
+        owned = {id(b) for b in self.module.buffers()}
         return ((n, b) for n, b in self.model.named_buffers() if id(b) in owned)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -97,7 +100,7 @@ class Pipe:
         return out
 
     def train(self, mode: bool = True) -> Pipe:
-        self.stage.module.train(mode)
+        self.module.train(mode)
         return self
 
     def eval(self) -> Pipe:
@@ -109,7 +112,17 @@ class Pipe:
 
     @property
     def num_stages(self) -> int:
-        return self.stage.num_stages
+        return self.schedule.num_stages
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this process holds the model's first layer (it is given the inputs)."""
+        return any(st.is_first for st in self.stages)
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this process holds the model's last layer (it computes the loss)."""
+        return any(st.is_last for st in self.stages)
 
     # --- steps ------------------------------------------------------------------------------------
     def _prepare(self, x: Any) -> tuple[list[int], int]:
@@ -137,8 +150,8 @@ class Pipe:
             self.replicas.all_reduce_(count, "sum")
             total = int(count.item())
         scales = loss_scales(sizes, self.loss_reduction, total)
-        xs = scatter(self._place(x), sizes) if self.stage.is_first else [None] * len(sizes)
-        ys = scatter(self._place(y), sizes) if self.stage.is_last else [None] * len(sizes)
+        xs = scatter(self._place(x), sizes) if self.is_first else [None] * len(sizes)
+        ys = scatter(self._place(y), sizes) if self.is_last else [None] * len(sizes)
         if self.replicas.world_size > 1 and [p.requires_grad for _, p in self._named] != self._trainable:
             self._build_reducer()  # every replica of this stage runs the same program: all do
         reducer = self.reducer
@@ -149,9 +162,9 @@ class Pipe:
 
         try:
             loss = run_plan(
-                self.schedule[self.stage.index], self.stage, self.channel, xs, ys, scales, sizes,
+                self.schedule[self.stage.index], self.stages, self.channel, xs, ys, scales, sizes,
                 rematerialize_stop(self.rematerialize, self.num_microbatches),
-                on_last_backward=arm if reducer is not None else None,
+                on_last_backward=arm if reducer is not None else None, plan=self.schedule,
             )  # fmt: skip
         finally:
             if reducer is not None:
@@ -164,15 +177,17 @@ class Pipe:
         """The model's output on ``x``, run through the stages in micro-batches without autograd;
         returned on every process of the pipeline. Uses the layers' current train/eval mode."""
         sizes, _ = self._prepare(x)
-        xs = scatter(self._place(x), sizes) if self.stage.is_first else [None] * len(sizes)
-        return run_inference(self.stage, self.channel, xs, sizes)
+        xs = scatter(self._place(x), sizes) if self.is_first else [None] * len(sizes)
+        return run_inference(self.stages, self.channel, xs, sizes)
 
     def __call__(self, x: Any) -> torch.Tensor:
         return self.predict(x)
 
     def __repr__(self) -> str:
-        r = self.partition.layers(self.stage.index)
+        held = ", ".join(
+            f"{r.start}..{r.stop - 1}" for r in (self.partition.layers(st.index) for st in self.stages)
+        )
         return (
-            f"Pipe(stage {self.stage.index} of {self.stage.num_stages}, layers {r.start}..{r.stop - 1}, "
+            f"Pipe(stage {self.stage.index} of {self.num_stages}, layers {held}, "
             f"{self.schedule.name}, {self.num_microbatches} micro-batches, rematerialize={self.rematerialize!r})"
         )

@@ -1,20 +1,20 @@
-"""Carry out a schedule on this stage for one mini-batch: compute, exchange activations and
-gradients with the neighbouring stages, and spread a failure to every stage of the pipeline.
+"""Carry out a schedule on this stage (its chunk, or its chunks under interleaved plans) for one
+mini-batch: compute, exchange activations and gradients with the neighbouring chunks, and spread
+a failure to every stage of the pipeline.
 
-Messages: the first activation of a step travels with a header (shape, dtype, mini-batch size);
+Messages: each link between chunks c and c + 1 has its own tag (c + 1). Its first activation of
+a step travels with a header (shape, dtype, mini-batch size), and so does its first gradient;
 the receiver checks it and from then on both sides know every message's size (trailing
 dimensions fixed within a step, micro-batch sizes from the plan), so the other activations and
-all gradients travel as raw payloads with one status byte. After the plan, the result (the loss,
-or the predictions) travels with a header from the last stage back to the first and an
-acknowledgement forward again, so every stage returns the same value and every message of the
-step has been received.
+gradients travel as raw payloads with one status byte. After the plan, the result (the loss, or
+the predictions) travels with a header from the last stage back to the first and an
+acknowledgement forward again (tag 0), so every stage returns the same value and every message of
+the step has been received.
 
 A stage that fails sends each neighbour an error marker shaped like the message that neighbour
-waits for next, and the neighbours pass it on: each stage only ever blocks in a receive from a
-neighbour, and that neighbour sends either the expected message or the marker, so a failure
-reaches every stage fast.
-"""
-
+waits for next from it (both know the plan, so both know which link that is), and the
+neighbours pass it on: each stage only ever blocks in a receive from a neighbour, and that
+neighbour sends either the expected message or the marker, so a failure reaches every stage fast.
 from __future__ import annotations
 
 import traceback
@@ -25,26 +25,32 @@ import torch
 
 from stratagem.pipeline.errors import PipelineError
 from stratagem.pipeline.p2p import Channel, PostedRecv, RemoteStageError, raw_nbytes
-from stratagem.pipeline.schedule import BACKWARD_KINDS, Action
+from stratagem.pipeline.schedule import BACKWARD_KINDS, Action, Schedule, forward_only
 from stratagem.pipeline.stage import Stage, shape_of
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # trailing dimensions and dtype
 
 
 class _Links:
-    """What this stage has exchanged with its neighbours in this step, so that every message,
-    error markers included, has the size the receiver expects."""
+    """What one chunk has exchanged with its neighbouring chunks in this step, so that every
+    message, error markers included, has the size the receiver expects. The activations and
+    gradients crossing the cut between chunks ``c`` and ``c + 1`` travel with tag ``c + 1`` (tag 0
+    is the step's handshake), so the links between the same two ranks never mix."""
 
     def __init__(self, stage: Stage, channel: Channel, sizes: Sequence[int], batch: int,
-                 f_order: Sequence[int], b_order: Sequence[int]) -> None:  # fmt: skip
+                 f_order: Sequence[int], b_order: Sequence[int], num_ranks: int) -> None:  # fmt: skip
         self.stage = stage
         self.channel = channel
         self.sizes = sizes
         self.batch = batch
         self.f_order = list(f_order)
         self.b_order = list(b_order)
-        self.in_spec: Spec | None = None  # activations from stage - 1
-        self.out_spec: Spec | None = None  # activations to stage + 1
+        c = stage.index
+        self.prev = (c - 1) % num_ranks  # the rank holding chunk c - 1 (unused on the first chunk)
+        self.next = (c + 1) % num_ranks
+        self.in_tag, self.out_tag = c, c + 1
+        self.in_spec: Spec | None = None  # activations from chunk - 1
+        self.out_spec: Spec | None = None  # activations to chunk + 1
         self.sent_fwd = 0
         self.sent_bwd = 0
         # the next raw activation / gradient, received ahead (its transfer overlaps compute)
@@ -59,31 +65,30 @@ class _Links:
             return
         j = self.f_order[self.got_fwd]
         trailing, dtype = self.in_spec
-        self.ahead_fwd = (j, self.channel.post_raw(self.stage.index - 1, (self.sizes[j], *trailing), dtype))
+        self.ahead_fwd = (j, self.channel.post_raw(self.prev, (self.sizes[j], *trailing), dtype, self.in_tag))
 
     def _post_next_grad(self) -> None:
         if self.out_spec is None or not self.out_spec[1].is_floating_point:
             return
-        if self.got_bwd >= len(self.b_order):
-            return
+        if self.got_bwd == 0 or self.got_bwd >= len(self.b_order):
+            return  # the first gradient comes with a header
         j = self.b_order[self.got_bwd]
         trailing, dtype = self.out_spec
-        self.ahead_bwd = (j, self.channel.post_raw(self.stage.index + 1, (self.sizes[j], *trailing), dtype))
+        self.ahead_bwd = (j, self.channel.post_raw(self.next, (self.sizes[j], *trailing), dtype, self.out_tag))
 
     # --- activations ------------------------------------------------------------------------
     def recv_activation(self, i: int) -> torch.Tensor:
         s = self.stage
-        src = s.index - 1
         if self.in_spec is None:
-            x = self.channel.recv(src)
+            x = self.channel.recv(self.prev, self.in_tag)
             n = self.channel.last_extra
             if x is not None and x.dim() > 0:  # the sender's next messages are shaped by it
                 self.in_spec = (tuple(x.shape[1:]), x.dtype)
             if x is None or x.dim() == 0 or x.shape[0] != self.sizes[i] or n != self.batch:
                 got = "nothing" if x is None else f"{shape_of(x)} (of a mini-batch of {n})"
                 raise PipelineError(
-                    f"stage {s.index} received {got} from stage {src} for micro-batch {i}, which "
-                    f"has {self.sizes[i]} examples (of {self.batch}) on stage {s.index}: every "
+                    f"stage {s.index} received {got} from stage {s.index - 1} for micro-batch {i}, "
+                    f"which has {self.sizes[i]} examples (of {self.batch}) on stage {s.index}: every "
                     "stage of a pipeline must be given the same mini-batch (call "
                     "strategy.run(pipe.train_step, ...) with the same data on every process of "
                     "the pipeline)",
@@ -106,7 +111,6 @@ class _Links:
 
     def send_activation(self, i: int, out: torch.Tensor) -> None:
         s = self.stage
-        dst = s.index + 1
         if self.out_spec is None:
             if out.dim() == 0 or out.shape[0] != self.sizes[i]:
                 raise PipelineError(
@@ -115,10 +119,8 @@ class _Links:
                     "as their first dimension",
                     stage=s.index,
                 )
-            self.channel.send(out, dst, extra=self.batch)
+            self.channel.send(out, self.next, extra=self.batch, tag=self.out_tag)
             self.out_spec = (tuple(out.shape[1:]), out.dtype)
-            if self.b_order and self.ahead_bwd is None and self.got_bwd == 0:
-                self._post_next_grad()  # the first gradient's transfer overlaps the forwards
         else:
             trailing, dtype = self.out_spec
             if tuple(out.shape) != (self.sizes[i], *trailing) or out.dtype != dtype:
@@ -129,7 +131,7 @@ class _Links:
                     "apart from the batch dimension",
                     stage=s.index,
                 )
-            self.channel.send_raw(out, dst, raw_nbytes(tuple(out.shape), dtype))
+            self.channel.send_raw(out, self.next, raw_nbytes(tuple(out.shape), dtype), self.out_tag)
         self.sent_fwd += 1
 
     # --- gradients (only for floating-point activations) --------------------------------------
@@ -137,6 +139,14 @@ class _Links:
         assert self.out_spec is not None
         if not self.out_spec[1].is_floating_point:
             return None
+        if self.got_bwd == 0:
+            # the first gradient of a link comes with a header, as the first activation does:
+            # a stage that fails before it knows the gradients' shape can still tell its sender
+            assert self.b_order[0] == i, "gradients out of plan order"
+            self.got_bwd = 1
+            grad = self.channel.recv(self.next, self.out_tag)
+            self._post_next_grad()
+            return grad
         if self.ahead_bwd is None:
             self._post_next_grad()
         assert self.ahead_bwd is not None and self.ahead_bwd[0] == i, "gradients out of plan order"
@@ -156,43 +166,103 @@ class _Links:
         nbytes = self._grad_nbytes(i)
         if nbytes is None:
             return
-        self.channel.send_raw(grad, self.stage.index - 1, nbytes)
+        if self.sent_bwd == 0:
+            self.channel.send(grad, self.prev, tag=self.in_tag)
+        else:
+            self.channel.send_raw(grad, self.prev, nbytes, self.in_tag)
         self.sent_bwd += 1
 
     # --- failures -----------------------------------------------------------------------------
-    def notify(self, origin: int, message: str, skip: int | None) -> None:
-        """Send ``message`` to each neighbour but ``skip``, shaped as it expects next."""
-        s = self.stage
-        nxt, prev = s.index + 1, s.index - 1
-        if nxt < s.num_stages and nxt != skip:
-            if 0 < self.sent_fwd < len(self.f_order) and self.out_spec is not None:
-                trailing, dtype = self.out_spec
-                j = self.f_order[self.sent_fwd]
-                self.channel.send_error_raw(nxt, raw_nbytes((self.sizes[j], *trailing), dtype), origin, message)
-            else:  # the first activation or the acknowledgement: a header message
-                self.channel.send_error(nxt, origin, message)
-        if prev >= 0 and prev != skip:
-            if self.in_spec is None and self.b_order:
-                try:  # learn the gradient shape from the first activation, still on its way
-                    x = self.channel.recv(prev)
-                    if x is not None:
-                        self.in_spec = (tuple(x.shape[1:]), x.dtype)
-                except RemoteStageError:
-                    return  # stage - 1 failed as well: it waits for nothing
-                except Exception:  # noqa: BLE001
-                    pass
-            nbytes = None
-            if self.sent_bwd < len(self.b_order):
-                nbytes = self._grad_nbytes(self.b_order[self.sent_bwd])
-            if nbytes is not None:
-                self.channel.send_error_raw(prev, nbytes, origin, message)
-            else:  # the result of the step: a header message
-                self.channel.send_error(prev, origin, message)
+    def forward_marker(self) -> int | None:
+        """The raw size of the next activation the next chunk waits for from this one, or None
+        when it waits for a header message (the first activation)."""
+        if self.sent_fwd > 0 and self.out_spec is not None:
+            trailing, dtype = self.out_spec
+            return raw_nbytes((self.sizes[self.f_order[self.sent_fwd]], *trailing), dtype)
+        return None
+
+    def sends_grads(self) -> bool | None:
+        """Whether gradients travel back to the previous chunk (None: not known yet)."""
+        return None if self.in_spec is None else self.in_spec[1].is_floating_point
+
+    def backward_marker(self) -> int | None:
+        """The raw size of the next gradient the previous chunk waits for from this one, or None
+        when it waits for a header message (the first gradient)."""
+        if self.sent_bwd == 0:
+            return None
+        return self._grad_nbytes(self.b_order[self.sent_bwd])
+
+
+def _awaited(peer: Sequence[Action], peer_rank: int, links: dict[int, _Links], num_chunks: int) -> tuple[_Links, str] | None:
+    """The first message the rank running ``peer`` needs from the chunks of ``links`` and has
+    not been sent: (link, "F" for an activation or "B" for a gradient), or None (all sent: it
+    waits for the handshake). Both ranks know the plan, so they agree on it."""
+    taken: dict[tuple[str, int], int] = {}
+    for a in peer:
+        c = peer_rank if a.chunk is None else a.chunk
+        if a.kind == "F" and c > 0 and c - 1 in links:
+            link, kind = links[c - 1], "F"
+        elif a.kind in BACKWARD_KINDS and c < num_chunks - 1 and c + 1 in links:
+            link, kind = links[c + 1], "B"
+            if link.sends_grads() is False:
+                continue
+        else:
+            continue
+        n = taken.get((kind, c), 0)
+        taken[kind, c] = n + 1
+        if (link.sent_fwd if kind == "F" else link.sent_bwd) <= n:
+            return link, kind
+    return None
+
+
+def _notify(plan: Schedule | None, links: dict[int, _Links], rank: int, num_ranks: int, origin: int,
+            message: str, skip: int | None) -> None:  # fmt: skip
+    """Tell each neighbouring rank but ``skip`` that stage ``origin`` failed, with the message it
+    waits for next from this rank (an error marker of that message's size on that link, or on
+    the handshake); returns once they have received them, or after the channel's ``error_wait``
+    (a neighbour blocked on a third rank learns of the failure from that one instead)."""
+    if plan is None or not links:
+        return
+    channel = next(iter(links.values())).channel
+    posted: list[Any] = []
+    handshake = {p for p in (rank - 1, rank + 1) if 0 <= p < num_ranks}
+    ring = {ln.prev for ln in links.values() if not ln.stage.is_first}
+    ring |= {ln.next for ln in links.values() if not ln.stage.is_last}  # rank 0 and K-1 when interleaved
+    for peer in sorted((handshake | ring) - {skip, rank}):
+        awaited = _awaited(plan[peer], peer, links, plan.num_chunks)
+        if awaited is None:  # the handshake's result or acknowledgement
+            if peer in handshake:
+                posted += channel.post_error(peer, origin, message)
+            continue
+        link, kind = awaited
+        nbytes, tag = (link.forward_marker(), link.out_tag) if kind == "F" else (link.backward_marker(), link.in_tag)
+        posted += channel.post_error(peer, origin, message, nbytes=nbytes, tag=tag)
+    channel.wait_sent(posted)
+
+
+def _chunks(stage: Stage | Sequence[Stage]) -> list[Stage]:
+    return [stage] if isinstance(stage, Stage) else list(stage)
+
+
+def _make_links(
+    stages: list[Stage], channel: Channel | None, sizes: Sequence[int], actions: Sequence[Action]
+) -> dict[int, _Links]:
+    if channel is None:
+        return {}
+    num_ranks = stages[0].num_stages // len(stages)
+    rank = stages[0].index
+    out = {}
+    for st in stages:
+        mine = [a for a in actions if (rank if a.chunk is None else a.chunk) == st.index]
+        f_order = [a.microbatch for a in mine if a.kind == "F"]
+        b_order = [a.microbatch for a in mine if a.kind in BACKWARD_KINDS]
+        out[st.index] = _Links(st, channel, sizes, sum(sizes), f_order, b_order, num_ranks)
+    return out
 
 
 def run_plan(
     actions: Sequence[Action],
-    stage: Stage,
+    stage: Stage | Sequence[Stage],
     channel: Channel | None,
     inputs: Sequence[Any],
     targets: Sequence[Any],
@@ -201,92 +271,115 @@ def run_plan(
     recompute_below: int,
     *,
     on_last_backward: Callable[[bool], None] | None = None,
+    plan: Schedule | None = None,
 ) -> torch.Tensor:
     """Train on one mini-batch; the summed scaled loss (the same on every stage).
 
-    ``on_last_backward(True)`` is called before the action that accumulates the last weight
-    gradients of the step (the last B; with a split backward the last W, or the last I when no
-    weight is left to W passes), ``on_last_backward(False)`` before the others."""
+    ``stage``: this rank's stage, or its chunks in model order (interleaved plans, whose actions
+    name their chunk). ``on_last_backward(True)`` is called before the action that accumulates the
+    last weight gradients of the step (the last B; with a split backward the last W, or the last I
+    when no weight is left to W passes), ``on_last_backward(False)`` before the others. ``plan``:
+    the whole schedule (``actions`` is one rank's part), so that a failure is told to each
+    neighbour on the link it waits on."""
+    stages = _chunks(stage)
+    rank = stages[0].index
+    by_chunk = {st.index: st for st in stages}
     split = any(a.kind in ("I", "W") for a in actions)
     if split:
-        stage.split_backward()
-    weight_kind = "W" if split and stage.has_weight_pass() else ("I" if split else "B")
-    last_b = max((n for n, a in enumerate(actions) if a.kind == weight_kind), default=-1)
-    f_order = [a.microbatch for a in actions if a.kind == "F"]
-    b_order = [a.microbatch for a in actions if a.kind in BACKWARD_KINDS]
-    links = _Links(stage, channel, sizes, sum(sizes), f_order, b_order) if channel else None
+        for st in stages:
+            st.split_backward()
+    has_w = split and any(st.has_weight_pass() for st in stages)
+    weight_kind = "W" if has_w else ("I" if split else "B")
+    # the last action accumulating into a trainable parameter (a chunk without any, an activation
+    # say, fires no gradient hook: the reducer would never start)
+    trainable = {st.index for st in stages if any(p.requires_grad for p in st.module.parameters())}
+    last_b = max(
+        (n for n, a in enumerate(actions)
+         if a.kind == weight_kind and (rank if a.chunk is None else a.chunk) in trainable),
+        default=-1,
+    )  # fmt: skip
+    links = _make_links(stages, channel, sizes, actions)
+    # per action: its chunk's stage and links, resolved once
+    steps = [(a.kind, a.microbatch, by_chunk[rank if a.chunk is None else a.chunk]) for a in actions]
+    current = [rank]  # the chunk of the action under way: a failure names it
 
-    rec = stage.recorder
+    rec = stages[0].recorder
     if rec is not None:
         rec.begin_step()
         clock = rec.clock
 
     def body() -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=stage.device)
-        for n, a in enumerate(actions):
-            i = a.microbatch
+        total = torch.zeros((), dtype=torch.float64, device=stages[0].device)
+        for n, (kind, i, st) in enumerate(steps):
+            current[0] = st.index
+            link = links.get(st.index)
             if rec is not None:
                 t0 = clock()
                 wait = 0.0
-            if a.kind == "F":
-                if stage.is_first:
+            if kind == "F":
+                if st.is_first:
                     x = inputs[i]
                 elif rec is not None:
                     w0 = clock()
-                    x = _need(links).recv_activation(i)
+                    x = _need(link).recv_activation(i)
                     wait = clock() - w0
                 else:
-                    x = _need(links).recv_activation(i)
-                out = stage.forward(
+                    x = _need(link).recv_activation(i)
+                out = st.forward(
                     i, x, recompute=i < recompute_below,
-                    target=targets[i] if stage.is_last else None, scale=scales[i],
+                    target=targets[i] if st.is_last else None, scale=scales[i],
                 )  # fmt: skip
-                if stage.is_last:
+                if st.is_last:
                     total += out.double()
                 else:
-                    _need(links).send_activation(i, out)
-            elif a.kind == "W":
+                    _need(link).send_activation(i, out)
+            elif kind == "W":
                 if on_last_backward is not None:
                     on_last_backward(n == last_b)
-                stage.backward_weight(i)
+                st.backward_weight(i)
             else:
-                stage.recompute(i)  # before waiting for the gradient: overlaps the next stage
+                st.recompute(i)  # before waiting for the gradient: overlaps the next stage
                 if rec is not None:
                     w0 = clock()
-                grad = None if stage.is_last else _need(links).recv_grad(i)
+                grad = None if st.is_last else _need(link).recv_grad(i)
                 if rec is not None:
                     wait = clock() - w0
                 if on_last_backward is not None:
                     on_last_backward(n == last_b)
-                gin = stage.backward(i, grad) if a.kind == "B" else stage.backward_input(i, grad)
-                if not stage.is_first:
-                    _need(links).send_grad(i, gin)
+                gin = st.backward(i, grad) if kind == "B" else st.backward_input(i, grad)
+                if not st.is_first:
+                    _need(link).send_grad(i, gin)
             if rec is not None:
-                rec.add(a.kind, i, t0, clock(), wait)
+                rec.add(kind, i, t0, clock(), wait, None if actions[n].chunk is None else st.index)
         return total
 
-    return _with_handshake(stage, links, body)
+    return _with_handshake(stages, channel, links, plan, body, current)
 
 
 def run_inference(
-    stage: Stage, channel: Channel | None, inputs: Sequence[Any], sizes: Sequence[int]
+    stage: Stage | Sequence[Stage], channel: Channel | None, inputs: Sequence[Any], sizes: Sequence[int]
 ) -> torch.Tensor:
-    """Forward every micro-batch through the pipeline; the joined output on every stage."""
-    order = list(range(len(sizes)))
-    links = _Links(stage, channel, sizes, sum(sizes), order, []) if channel else None
+    """Forward every micro-batch through the pipeline (chunk by chunk); the joined output on every
+    stage."""
+    stages = _chunks(stage)
+    v = len(stages)
+    plan = forward_only(stages[0].num_stages // v, len(sizes), v)
+    links = _make_links(stages, channel, sizes, plan[stages[0].index])
 
     def body() -> torch.Tensor:
         outs = []
-        for i in order:
-            x = inputs[i] if stage.is_first else _need(links).recv_activation(i)
-            out = stage.infer(x)
-            if stage.is_last:
-                outs.append(out)
-            else:
-                _need(links).send_activation(i, out)
-        return torch.cat(outs) if stage.is_last else torch.empty(0)
+        for st in stages:
+            link = links.get(st.index)
+            for i in range(len(sizes)):
+                x = inputs[i] if st.is_first else _need(link).recv_activation(i)
+                out = st.infer(x)
+                if st.is_last:
+                    outs.append(out)
+                else:
+                    _need(link).send_activation(i, out)
+        return torch.cat(outs) if outs else torch.empty(0)
 
-    return _with_handshake(stage, links, body)
+    return _with_handshake(stages, channel, links, plan, body)
 
 
 def _need(links: _Links | None) -> _Links:
@@ -294,38 +387,45 @@ def _need(links: _Links | None) -> _Links:
     return links
 
 
-def _with_handshake(stage: Stage, links: _Links | None, body: Callable[[], torch.Tensor]) -> torch.Tensor:
-    if links is None or stage.num_stages == 1:
+def _with_handshake(
+    stages: list[Stage], channel: Channel | None, links: dict[int, _Links], plan: Schedule | None,
+    body: Callable[[], torch.Tensor], current: list[int] | None = None,
+) -> torch.Tensor:
+    num_ranks = stages[0].num_stages // len(stages)
+    if channel is None or num_ranks == 1:
         return body()
-    channel = links.channel
+    rank = stages[0].index
+    is_first, is_last = rank == 0, rank == num_ranks - 1
     try:
         result = body()
         # the result flows back from the last stage, then an acknowledgement forward
-        if not stage.is_last:
-            got = channel.recv(stage.index + 1)
+        if not is_last:
+            got = channel.recv(rank + 1)
             assert got is not None
             result = got
-        if not stage.is_first:
-            channel.send(result, stage.index - 1)
-            channel.recv(stage.index - 1)
-        if not stage.is_last:
-            channel.send(None, stage.index + 1)
+        if not is_first:
+            channel.send(result, rank - 1)
+            channel.recv(rank - 1)
+        if not is_last:
+            channel.send(None, rank + 1)
         channel.flush()
         return result
     except RemoteStageError as e:
-        stage.clear()
+        for st in stages:
+            st.clear()
         channel.abandon()
-        sender = stage.index - 1 if e.origin < stage.index else stage.index + 1
-        links.notify(e.origin, e.message, skip=sender)
+        _notify(plan, links, rank, num_ranks, e.origin, e.message, skip=e.src)
         raise PipelineError(f"stage {e.origin} failed: {e.message}", stage=e.origin) from None
     except BaseException as e:
-        stage.clear()
+        for st in stages:
+            st.clear()
         channel.abandon()
-        origin = e.stage if isinstance(e, PipelineError) and e.stage is not None else stage.index
+        here = current[0] if current else rank
+        origin = e.stage if isinstance(e, PipelineError) and e.stage is not None else here
         message = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, PipelineError):
             message += "\n" + "".join(traceback.format_exception(e)[-3:]).rstrip()
-        links.notify(origin, message, skip=None)
+        _notify(plan, links, rank, num_ranks, origin, message, skip=None)
         if isinstance(e, PipelineError):
             raise
-        raise PipelineError(f"stage {stage.index} failed: {type(e).__name__}: {e}", stage=stage.index) from e
+        raise PipelineError(f"stage {here} failed: {type(e).__name__}: {e}", stage=here) from e

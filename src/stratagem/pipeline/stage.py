@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from stratagem.pipeline.errors import PipelineError, StageShapeError
 from stratagem.pipeline.rematerialize import RNGSnapshot, frozen_buffers, replay_rng
@@ -38,13 +39,92 @@ class _Saved:
     # split backward: the outputs of the parameter-holding modules, captured in the forward
     # with grad, and after the I pass the gradients of those outputs
     leaves: list[tuple[nn.Module, torch.Tensor]] | None = None
-    leaf_grads: list[tuple[torch.Tensor, torch.Tensor, list[nn.Parameter]]] | None = None
+    leaf_grads: list[_WeightPass] | None = None
+
+
+@dataclass
+class _WeightPass:
+    """One backward of a W pass: from ``starts`` (module outputs, or edges of autograd nodes the
+    I pass ran through) with their gradients to ``params``; ``clamps``: nodes whose incoming
+    gradients are pinned to what the I pass saw (so a start below another is not counted
+    twice)."""
+
+    starts: list[Any]
+    grads: list[torch.Tensor]
+    params: list[nn.Parameter]
+    clamps: list[tuple[Any, tuple[Any, ...]]]
+
+
+def _grad_node(t: torch.Tensor) -> Any:
+    """The autograd node of ``t``: its grad_fn, or a leaf's gradient accumulator."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    fn = t.view_as(t).grad_fn
+    return fn.next_functions[0][0] if fn is not None else None
+
+
+def _graph_groups(out: torch.Tensor, targets: Sequence[torch.Tensor], params: Sequence[nn.Parameter]
+                  ) -> tuple[list[tuple[list[Any], list[nn.Parameter]]], list[nn.Parameter]]:  # fmt: skip
+    """Weight gradients that need no module output (torch's stage_backward_input/weight): for each
+    parameter, the nodes of the graph from ``out`` that the I pass (towards ``targets``) runs and
+    from which the parameter is reached without passing another such node. Returns the groups
+    (nodes, parameters; parameters sharing a node share a group) and the parameters ``out`` does
+    not reach (left to the I pass)."""
+    root: Any = out.grad_fn
+    if root is None:
+        return [], list(params)
+    consumers: dict[Any, list[Any]] = {root: []}
+    queue = [root]
+    while queue:  # the reverse edges of the graph
+        node = queue.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt not in consumers:
+                consumers[nxt] = []
+                queue.append(nxt)
+            consumers[nxt].append(node)
+    ran: set[Any] = set()  # the nodes on paths from out to a target: the I pass runs them
+    queue = [n for n in map(_grad_node, targets) if n in consumers]
+    while queue:
+        node = queue.pop()
+        if node in ran:
+            continue
+        ran.add(node)
+        queue.extend(consumers[node])
+    groups: list[tuple[set[Any], list[nn.Parameter]]] = []
+    unreached: list[nn.Parameter] = []
+    for p in params:
+        acc = _grad_node(p)
+        if acc not in consumers:
+            unreached.append(p)
+            continue
+        starts: set[Any] = set()
+        seen = {acc}
+        queue = [acc]
+        while queue:
+            for up in consumers[queue.pop()]:
+                if up in seen:
+                    continue
+                seen.add(up)
+                if up in ran:
+                    starts.add(up)
+                else:
+                    queue.append(up)
+        merged = [g for g in groups if g[0] & starts]
+        for g in merged:
+            groups.remove(g)
+            starts |= g[0]
+        groups.append((starts, [q for g in merged for q in g[1]] + [p]))
+    return [(list(nodes), ps) for nodes, ps in groups], unreached
 
 
 def _foreign_uses(out: torch.Tensor, leaves: Sequence[tuple[torch.Tensor, Sequence[nn.Parameter]]]) -> set[int]:
     """The ids of parameters in ``leaves`` that ``out`` also depends on other than through their
     own module's output: a walk of the autograd graph from ``out`` in regions, a new region
     starting at each module output; a parameter met in a region not its module's is foreign."""
+    if out.grad_fn is None:  # the output is the input (a stage of identities)
+        return set()
     starts = {o.grad_fn: k for k, (o, _) in enumerate(leaves) if o.grad_fn is not None}
     owner = {id(p): k for k, (_, ps) in enumerate(leaves) for p in ps}
     foreign: set[int] = set()
@@ -158,10 +238,10 @@ class Stage:
         """Prepare for I/W actions: hook the modules that hold parameters directly, so each
         forward with grad records their outputs (the W pass starts from them).
 
-        A parameter gets its gradient in the W pass when exactly one module of the stage holds it
-        and that module has no parameter-holding children; others (tied within the stage, or
-        held by a parent such as nn.MultiheadAttention, whose W pass would redo its children's
-        backward) get theirs in the I pass."""
+        A parameter held by exactly one module of the stage, that module having no
+        parameter-holding children, gets its gradient in the W pass from that module's output;
+        the others (tied within the stage, held by a parent such as nn.MultiheadAttention, or used
+        outside their module) from the autograd nodes through which the I pass reaches them."""
         if self._split:
             return
         self._split = True
@@ -178,8 +258,8 @@ class Stage:
                 self._hooks.append(m.register_forward_hook(self._capture_hook))
 
     def has_weight_pass(self) -> bool:
-        """Whether some trainable parameter gets its gradient in W passes."""
-        return any(p.requires_grad for ps in self._w_modules.values() for p in ps)
+        """Whether some trainable parameter gets its gradient in W passes (all do)."""
+        return any(p.requires_grad for p in self.module.parameters())
 
     def _capture_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._capturing is not None and torch.is_grad_enabled():
@@ -196,9 +276,9 @@ class Stage:
         return out
 
     def backward_input(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """The I pass of micro-batch ``i``: the gradient of its input (None on the first stage)
-        and of the captured module outputs (kept for ``backward_weight``); parameters the W pass
-        does not cover get their gradients here."""
+        """The I pass of micro-batch ``i``: the gradient of its input (None on the first stage),
+        and what ``backward_weight`` starts from: the gradients of the captured module outputs and
+        those entering the autograd nodes that lead to the other parameters."""
         self.recompute(i)
         saved = self._saved[i]
         out = saved.output
@@ -227,25 +307,53 @@ class Stage:
                 leaves.append((o, params))
                 covered.update(id(p) for p in params)
         foreign = _foreign_uses(out, leaves)
-        if foreign:  # used outside their module (a parent reading a child's weight): all in I
+        if foreign:  # used outside their module (a parent reading a child's weight): by graph
             leaves = [(o, kept) for o, ps in leaves if (kept := [p for p in ps if id(p) not in foreign])]
             covered -= foreign
         rest = [p for p in self.module.parameters() if p.requires_grad and id(p) not in covered]
         saved.leaves = None
         saved.output = None
-        if not (wants_x or leaves or rest):
-            return None
-        # one backward pass: the parameters left to this pass accumulate into .grad (their hooks
-        # fire), the input and the module outputs get .grad too (read, then let go)
         targets = ([x] if wants_x else []) + [o for o, _ in leaves]
-        unique = list({id(t): t for t in (*targets, *rest)}.values())
-        torch.autograd.backward(out, grad, inputs=unique, retain_graph=bool(leaves))
-        gx = x.grad if wants_x else None
-        saved.leaf_grads = []
-        for o, params in leaves:
-            g, o.grad = o.grad, None
+        passes: list[_WeightPass] = []
+        if rest and not targets:  # nothing for I to compute: W is the whole backward
+            passes.append(_WeightPass([out], [grad if grad is not None else torch.ones_like(out)], rest, []))
+            rest = []
+        groups: list[tuple[list[Any], list[nn.Parameter]]] = []
+        if rest:  # those the output does not reach are left without a gradient, as by autograd
+            groups, _ = _graph_groups(out, targets, rest)
+        if not targets:
+            saved.leaf_grads = passes
+            return None
+        # one backward pass to the input and the module outputs (their gradients returned, not
+        # accumulated: no copies), the gradients entering the nodes of the groups recorded by hooks
+        seen: dict[Any, tuple[Any, ...]] = {}
+        hooks = [
+            node.register_prehook(lambda g, node=node: seen.__setitem__(node, tuple(g)))
+            for nodes, _ in groups for node in nodes
+        ]  # fmt: skip
+        try:
+            got = torch.autograd.grad(
+                out, targets, grad, retain_graph=bool(leaves or groups), allow_unused=True
+            )
+        finally:
+            for h in hooks:
+                h.remove()
+        gx = got[0] if wants_x else None
+        leaf_grads = got[1:] if wants_x else got
+        for nodes, params in groups:
+            starts, grads = [], []
+            for node in nodes:
+                for k, g in enumerate(seen.get(node, ())):
+                    if g is not None:
+                        starts.append(GradientEdge(node, k))
+                        grads.append(g)
+            clamps = [(node, seen[node]) for node in nodes if node in seen] if len(nodes) > 1 else []
+            if starts:
+                passes.append(_WeightPass(starts, grads, params, clamps))
+        for (o, params), g in zip(leaves, leaf_grads):
             if g is not None:
-                saved.leaf_grads.append((o, g, params))
+                passes.append(_WeightPass([o], [g], params, []))
+        saved.leaf_grads = passes
         return gx
 
     def backward_weight(self, i: int) -> bool:
@@ -254,8 +362,13 @@ class Stage:
         saved = self._saved.pop(i)
         pending = saved.leaf_grads or []
         saved.leaf_grads = None
-        for n, (o, g, params) in enumerate(pending):
-            torch.autograd.backward(o, g, inputs=params, retain_graph=n < len(pending) - 1)
+        for n, w in enumerate(pending):
+            pins = [node.register_prehook(lambda g, s=s: s) for node, s in w.clamps]
+            try:
+                torch.autograd.backward(w.starts, w.grads, inputs=w.params, retain_graph=n < len(pending) - 1)
+            finally:
+                for h in pins:
+                    h.remove()
         return bool(pending)
 
     def forward(

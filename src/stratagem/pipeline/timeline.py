@@ -29,6 +29,12 @@ class Event(NamedTuple):
     start: float
     end: float
     wait: float = 0.0
+    chunk: int | None = None  # interleaved plans: the model chunk the action ran on
+
+    @property
+    def label(self) -> str:
+        """As the plan prints the action: ``F3``, or ``2F3`` on chunk 2."""
+        return f"{'' if self.chunk is None else self.chunk}{self.kind}{self.microbatch}"
 
     @property
     def busy(self) -> float:
@@ -47,8 +53,8 @@ class Recorder:
     def begin_step(self) -> None:
         self.step += 1
 
-    def add(self, kind: str, microbatch: int, start: float, end: float, wait: float) -> None:
-        self.events.append(Event(self.step, kind, microbatch, start, end, wait))
+    def add(self, kind: str, microbatch: int, start: float, end: float, wait: float, chunk: int | None = None) -> None:
+        self.events.append(Event(self.step, kind, microbatch, start, end, wait, chunk))
 
 
 @dataclass
@@ -112,7 +118,9 @@ class Timeline:
             out.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}})
             for e in events:
                 args = {"step": e.step, "microbatch": e.microbatch, "wait_us": round(e.wait * 1e6, 3)}
-                out.append({"name": f"{e.kind}{e.microbatch}", "cat": e.kind, "ph": "X", "pid": 0, "tid": s,
+                if e.chunk is not None:
+                    args["chunk"] = e.chunk
+                out.append({"name": e.label, "cat": e.kind, "ph": "X", "pid": 0, "tid": s,
                             "ts": us(e.start), "dur": us(e.end) - us(e.start), "args": args})  # fmt: skip
                 if e.wait > 0:
                     out.append({"name": "wait", "cat": "wait", "ph": "X", "pid": 0, "tid": s,
@@ -152,7 +160,7 @@ class Timeline:
                 ax.broken_barh([(ms(e.start + e.wait), e.busy * 1e3)], (s - 0.4, 0.8),
                                facecolor=COLOURS.get(e.kind, "black"), edgecolor="white", linewidth=0.5)  # fmt: skip
                 if self.num_microbatches <= 16 and len(chosen) <= 2:
-                    ax.text(ms(e.start + e.wait) + e.busy * 500, s, f"{e.kind}{e.microbatch}",
+                    ax.text(ms(e.start + e.wait) + e.busy * 500, s, e.label,
                             ha="center", va="center", fontsize=6, color="white")  # fmt: skip
         ax.set_yticks(range(self.num_stages), [f"stage {s}" for s in range(self.num_stages)])
         ax.set_ylim(self.num_stages - 0.5, -0.5)

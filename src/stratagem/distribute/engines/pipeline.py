@@ -7,7 +7,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -54,7 +54,7 @@ class PipelineExtended(OverReplicas):
         self._dp = DataParallelExtended(replicas, device, mirror=False, name="PipelineStrategy")
         self._rng_state: torch.Tensor | None = None
         self._capture = 0
-        self._stage: Stage | None = None  # the stage the last pipeline() built
+        self._stages: list[Stage] = []  # the chunks the last pipeline() built
 
     # --- facts ------------------------------------------------------------------------------------
     @property
@@ -134,14 +134,20 @@ class PipelineExtended(OverReplicas):
     def _partition(self, layers: list[tuple[str, nn.Module]], sample_input: Any) -> Partition:
         cfg = self.config
         names = tuple(n for n, _ in layers)
-        if len(layers) < cfg.num_stages:
+        parts = cfg.num_chunks
+        if len(layers) < parts:
+            what = (
+                f"{cfg.num_stages} stages" if cfg.virtual_stages == 1 else
+                f"{cfg.num_stages} stages x {cfg.virtual_stages} virtual stages = {parts} chunks"
+            )  # fmt: skip
             raise PipelineConfigError(
                 f"the model has {len(layers)} layers (after flattening nested nn.Sequential) but "
-                f"there are {cfg.num_stages} stages; every stage needs at least one layer"
+                f"there are {what}; every {'stage' if cfg.virtual_stages == 1 else 'chunk'} needs "
+                "at least one layer"
             )
         if isinstance(cfg.balance, tuple):
-            counts = check_balance(cfg.balance, len(layers), cfg.num_stages)
-            return Partition(tuple(counts), "balance", names)
+            counts = check_balance(cfg.balance, len(layers), parts)
+            return Partition(tuple(counts), "balance", names, (), cfg.virtual_stages)
         if cfg.balance == "params":
             costs = param_costs(layers)
         else:
@@ -152,8 +158,8 @@ class PipelineExtended(OverReplicas):
                 )
             mine = time_costs(layers, sample_input) if self._world.rank == 0 else None
             costs = self._world.broadcast_object(mine, src=0)
-        balance = block_partition(costs, cfg.num_stages)
-        return Partition(tuple(balance), cfg.balance, names, tuple(costs))
+        balance = block_partition(costs, parts)
+        return Partition(tuple(balance), cfg.balance, names, tuple(costs), cfg.virtual_stages)
 
     def build_pipe(
         self,
@@ -176,9 +182,11 @@ class PipelineExtended(OverReplicas):
         rng_state, self._rng_state = self._rng_state, None
         with self._no_capture(), torch.device(self._device):
             partition = self._partition(layers, sample_input)
-            owned = partition.layers(self.stage)
+            chunks = [partition.layers(c) for c in cfg.chunks_of(self.stage)]
+            owned = chunks[0] if len(chunks) == 1 else cast(range, [j for r in chunks for j in r])
             descriptions = [describe(m) for _, m in layers]
-            ties = find_ties(layers, [s for s in range(cfg.num_stages) for _ in partition.layers(s)])
+            rank_of = [c % cfg.num_stages for c in range(cfg.num_chunks) for _ in partition.layers(c)]
+            ties = find_ties(layers, rank_of)
             if ties and any(has_meta(m) for _, m in layers):
                 raise PipelineConfigError(
                     f"the model ties parameters across stages ({'; '.join(map(str, ties))}) and was "
@@ -189,12 +197,16 @@ class PipelineExtended(OverReplicas):
             materialize(layers, owned, self._device, rng_state)
             if isinstance(loss_fn, nn.Module):
                 loss_fn.to(self._device)
-            stage = Stage(
-                self.stage, cfg.num_stages, [layers[j][1] for j in owned], owned.start,
-                [n for n, _ in layers], descriptions, self._device, loss_fn,
-            )  # fmt: skip
+            stages = [
+                Stage(
+                    c, cfg.num_chunks, [layers[j][1] for j in r], r.start,
+                    [n for n, _ in layers], descriptions, self._device, loss_fn,
+                )  # fmt: skip
+                for c, r in zip(cfg.chunks_of(self.stage), chunks)
+            ]
+            modules = nn.ModuleList([st.module for st in stages])
             if self.replicas.world_size > 1:
-                tensors = [*stage.module.parameters(), *stage.module.buffers()]
+                tensors = [*modules.parameters(), *modules.buffers()]
                 self.replicas.broadcast_tensors_([t.data for t in tensors], src=0)
             channel = Channel(self.pipeline_comm) if cfg.num_stages > 1 else None
             tied = (
@@ -202,14 +214,14 @@ class PipelineExtended(OverReplicas):
                 if ties else None
             )  # fmt: skip
             pipe = Pipe(
-                model, stage, channel, self.schedule, partition,
+                model, stages, channel, self.schedule, partition,
                 rematerialize=cfg.rematerialize, loss_reduction=reduction, replicas=self.replicas,
                 tied=tied,
             )  # fmt: skip
-        for t in (*stage.module.parameters(), *stage.module.buffers()):
+        for t in (*modules.parameters(), *modules.buffers()):
             ownership.claim(t, self.owner())
         self.partition = partition
-        self._stage = stage
+        self._stages = stages
         if verbose and self._world.rank == 0:
             print(f"stratagem PipelineStrategy: {partition}", flush=True)
             for tie in ties:
@@ -219,20 +231,23 @@ class PipelineExtended(OverReplicas):
     # --- the timeline ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def profile(self, path: str | os.PathLike[str] | None, picture: bool) -> Iterator[Timeline]:
-        stage = self._stage
-        if stage is None:
+        stages = self._stages
+        if not stages:
             raise RuntimeError(
                 "strategy.profile() records the pipeline's steps: build it first with "
                 "pipe = strategy.pipeline(model, loss_fn)"
             )
-        if stage.recorder is not None:
+        if stages[0].recorder is not None:
             raise RuntimeError("strategy.profile() is already recording; profiles do not nest")
         timeline = Timeline(self.schedule.name, self.config.num_stages, self.config.num_microbatches)
-        recorder = stage.recorder = Recorder()
+        recorder = Recorder()
+        for st in stages:
+            st.recorder = recorder
         try:
             yield timeline
         finally:
-            stage.recorder = None
+            for st in stages:
+                st.recorder = None
         # every stage of this copy gets every stage's events; copy 0's stage 0 writes the files
         timeline.stages = list(self.pipeline_comm.all_gather_object(recorder.events))
         if path is not None and self._world.rank == 0:

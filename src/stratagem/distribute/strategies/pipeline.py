@@ -1,5 +1,5 @@
 """PipelineStrategy: a model split into stages, one process each (times data-parallel copies),
-trained with GPipe, 1F1B or zero-bubble schedules over point-to-point messages.
+trained with GPipe, 1F1B, zero-bubble or interleaved 1F1B schedules over point-to-point messages.
 
 Launch works as for MirroredStrategy: a plain ``python train.py`` re-runs itself to start the
 other ``num_stages x data_parallel - 1`` processes; under torchrun or ``stratagem run`` it joins
@@ -41,7 +41,10 @@ class PipelineStrategy(Strategy):
     """GPipe pipeline parallelism: ``num_stages`` processes, each holding consecutive layers of an
     ``nn.Sequential``, times ``data_parallel`` copies of the pipeline.
 
-    ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"zero_bubble"``; ``rematerialize``: ``"always"``, ``"except_last"``
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"zero_bubble"`` or ``"interleaved_1f1b"`` (with
+    ``virtual_stages`` v chunks per process, default 2: the model is cut into ``num_stages x v``
+    chunks, process ``s`` holding chunks ``s, s + num_stages, ...``; ``"zero_bubble"`` takes
+    ``virtual_stages`` > 1 too); ``rematerialize``: ``"always"``, ``"except_last"``
     (default) or ``"never"`` (torchgpipe's re-materialization modes); ``balance``: a list of
     layer counts per stage, ``"params"`` (default) or ``"time"``. ``devices``: as for
     MirroredStrategy (None: a GPU per process when there are enough, else the CPU; ``"cpu"``). ``timeout`` bounds every
@@ -60,6 +63,7 @@ class PipelineStrategy(Strategy):
         timeout: float = 120.0,
         devices: str | Sequence[str] | None = None,
         checkpoint: str | None = None,
+        virtual_stages: int | None = None,
     ) -> None:
         if checkpoint is not None:
             warn_user(
@@ -71,7 +75,7 @@ class PipelineStrategy(Strategy):
             rematerialize = checkpoint
         config = PipelineConfig.build(
             num_stages, num_microbatches, schedule=schedule, rematerialize=rematerialize,
-            balance=balance, data_parallel=data_parallel,
+            balance=balance, data_parallel=data_parallel, virtual_stages=virtual_stages,
         )  # fmt: skip
         launched = ClusterSpec.from_environ()
         if launched is not None:
@@ -162,5 +166,7 @@ class PipelineStrategy(Strategy):
         c = self.config
         return (
             f"PipelineStrategy(num_stages={c.num_stages}, num_microbatches={c.num_microbatches}, "
-            f"schedule={c.schedule!r}, rematerialize={c.rematerialize!r}, data_parallel={c.data_parallel})"
+            f"schedule={c.schedule!r}, "
+            + (f"virtual_stages={c.virtual_stages}, " if c.virtual_stages > 1 else "")
+            + f"rematerialize={c.rematerialize!r}, data_parallel={c.data_parallel})"
         )
