@@ -15,6 +15,8 @@ A stage that fails sends each neighbour an error marker shaped like the message 
 waits for next from it (both know the plan, so both know which link that is), and the
 neighbours pass it on: each stage only ever blocks in a receive from a neighbour, and that
 neighbour sends either the expected message or the marker, so a failure reaches every stage fast.
+"""
+
 from __future__ import annotations
 
 import traceback
