@@ -1,10 +1,11 @@
 """Carry out a schedule on this stage for one mini-batch: compute, exchange activations and
 gradients with the neighbouring stages, and spread a failure to every stage of the pipeline.
 
-Messages: the first activation of a step travels with a header (shape, dtype, mini-batch size);
-the receiver checks it and from then on both sides know every message's size (trailing
-dimensions fixed within a step, micro-batch sizes from the plan), so the other activations and
-all gradients travel as raw payloads with one status byte. After the plan, the result (the loss,
+Messages: the first activation of a step travels with a header (shape, dtype, mini-batch size;
+for a tuple or dict flattened into one tensor, its layout: ``boundary.py``); the receiver checks
+it and from then on both sides know every message's size (trailing dimensions fixed within a
+step, micro-batch sizes from the plan), so the other activations and all gradients travel as raw
+payloads with one status byte. After the plan, the result (the loss,
 or the predictions) travels with a header from the last stage back to the first and an
 acknowledgement forward again, so every stage returns the same value and every message of the
 step has been received.
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from stratagem.pipeline import boundary
 from stratagem.pipeline.errors import PipelineError
 from stratagem.pipeline.p2p import Channel, PostedRecv, RemoteStageError, raw_nbytes
 from stratagem.pipeline.schedule import BACKWARD_KINDS, Action
@@ -45,6 +47,7 @@ class _Links:
         self.b_order = list(b_order)
         self.in_spec: Spec | None = None  # activations from stage - 1
         self.out_spec: Spec | None = None  # activations to stage + 1
+        self.out_layout: boundary.Layout | None = None  # a tuple / dict sent as one carrier
         self.sent_fwd = 0
         self.sent_bwd = 0
         # the next raw activation / gradient, received ahead (its transfer overlaps compute)
@@ -77,6 +80,7 @@ class _Links:
         if self.in_spec is None:
             x = self.channel.recv(src)
             n = self.channel.last_extra
+            s.boundary_in = boundary.decode(self.channel.last_meta)  # a tuple / dict's layout
             if x is not None and x.dim() > 0:  # the sender's next messages are shaped by it
                 self.in_spec = (tuple(x.shape[1:]), x.dtype)
             if x is None or x.dim() == 0 or x.shape[0] != self.sizes[i] or n != self.batch:
@@ -115,12 +119,21 @@ class _Links:
                     "as their first dimension",
                     stage=s.index,
                 )
-            self.channel.send(out, dst, extra=self.batch)
+            self.channel.send(out, dst, extra=self.batch, meta=boundary.encode(s.boundary_out))
             self.out_spec = (tuple(out.shape[1:]), out.dtype)
+            self.out_layout = s.boundary_out
             if self.b_order and self.ahead_bwd is None and self.got_bwd == 0:
                 self._post_next_grad()  # the first gradient's transfer overlaps the forwards
         else:
             trailing, dtype = self.out_spec
+            if s.boundary_out != self.out_layout:
+                raise PipelineError(
+                    f"stage {s.index} produced {_layout_text(s.boundary_out)} for micro-batch {i} but "
+                    f"{_layout_text(self.out_layout)} for the first one; within a mini-batch, what "
+                    "crosses a stage boundary must keep its structure, dtypes and shapes apart from the "
+                    "batch dimension",
+                    stage=s.index,
+                )
             if tuple(out.shape) != (self.sizes[i], *trailing) or out.dtype != dtype:
                 raise PipelineError(
                     f"stage {s.index} produced {shape_of(out)} for micro-batch {i} but "
@@ -188,6 +201,10 @@ class _Links:
                 self.channel.send_error_raw(prev, nbytes, origin, message)
             else:  # the result of the step: a header message
                 self.channel.send_error(prev, origin, message)
+
+
+def _layout_text(layout: boundary.Layout | None) -> str:
+    return "a tensor" if layout is None else layout.describe()
 
 
 def run_plan(
