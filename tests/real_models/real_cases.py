@@ -85,7 +85,7 @@ def gpt2() -> nn.Module:
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=2, n_head=2,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-                     bos_token_id=0, eos_token_id=0)
+                     bos_token_id=0, eos_token_id=0, use_cache=False)
     return GPT2LMHeadModel(cfg)
 
 

@@ -303,10 +303,16 @@ def model_parallel(names: list[str]) -> dict[str, Any]:
     layout[r"mlp\.c_proj\.weight"] = (None, "model")
     layout[r"attn\.c_attn\.weight"] = ("model", None)
     layout[r"attn\.c_proj\.weight"] = (None, "model")
-    s = stratagem.ModelParallelStrategy(mesh, layout)
+    # GPT-2's Conv1D layers hold their weights (in, out): the same split, the other dimension
+    conv = stratagem.LayoutMap(mesh)
+    conv[r"(attn\.c_attn|mlp\.c_fc)\.weight"] = (None, "model")
+    conv[r"(attn|mlp)\.c_proj\.weight"] = ("model", None)
+    strategies = {"nanogpt": stratagem.ModelParallelStrategy(mesh, layout),
+                  "gpt2": stratagem.ModelParallelStrategy(mesh, conv)}  # fmt: skip
     out: dict[str, Any] = {}
     for name in names:
         case = M.CASES[name]
+        s = strategies[name]
         init, trained = reference(case)
         for how in ("fit", "loop"):
             got = under(s, case, how)
