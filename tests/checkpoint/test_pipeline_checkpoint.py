@@ -74,3 +74,35 @@ def test_unsplit_to_pipeline_stages_and_back(tmp_path):
     for k in joined:
         assert torch.equal(plain.state_dict()[k], joined[k]), k
         assert torch.equal(restored.state_dict()[k], joined[k]), k
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_checkpoint_writes_a_tied_weight_once(tmp_path):
+    """The embedding on stage 0 tied to the head on stage 1: the checkpoint holds the tensor once
+    (stage 0's file, under both names); restore puts it into both ends and training continues
+    exactly; a checkpoint lacking it, or holding two values for it, is refused naming the tie."""
+    import torch
+    from pipe_ckpt_workers import tied_checkpoint_worker, tied_model
+
+    from stratagem.train.checkpoint import load_state_dict
+
+    r0, r1 = (r.value for r in run_workers(tied_checkpoint_worker, 2, args=(str(tmp_path),)))
+    assert r0["names"] == ["0.weight", "1.bias", "1.weight"] and r1["names"] == ["3.out.weight"]
+    assert r0["same"] and r1["same"]
+    assert torch.equal(r0["restored_end"], r1["restored_end"]) and torch.equal(r0["end"], r1["end"])  # tied
+    ckpt = tmp_path / "ckpt-2"
+    rank0 = json.loads((ckpt / "rank-0.json").read_text())["model"]["__dict__"]
+    rank0 = {k: v["__tensor__"] for k, v in rank0}
+    assert rank0["0.weight"] == rank0["3.out.weight"]  # one tensor, both names
+    assert json.loads((ckpt / "rank-1.json").read_text())["model"] == {"__dict__": []}  # stage 1 writes none
+    # the unsplit model reads it back as one tied parameter
+    state = load_state_dict(ckpt)
+    assert state["0.weight"] is state["3.out.weight"]
+    plain = tied_model()
+    plain.load_state_dict(state)
+    assert plain[0].weight is plain[3].out.weight
+    for r in (r0, r1):
+        assert ("the checkpoint's 'model' lacks the weight tied across stages 0.weight = 3.out.weight "
+                "(stages 0, 1), which the lowest stage holding it (stage 0) writes") in r["missing"], r["missing"]
+        assert ("holds different values for 0.weight and 3.out.weight, which are one weight tied across "
+                "stages") in r["different"], r["different"]

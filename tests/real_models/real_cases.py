@@ -85,7 +85,7 @@ def gpt2() -> nn.Module:
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=2, n_head=2,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-                     bos_token_id=0, eos_token_id=0)
+                     bos_token_id=0, eos_token_id=0, use_cache=False)
     return GPT2LMHeadModel(cfg)
 
 
@@ -191,6 +191,45 @@ class HFBlock(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
+class BertEmbed(nn.Module):
+    """BERT's forward up to its first layer: the embeddings, the padding mask passed on as it came
+    (an integer tensor: it crosses the stage boundaries beside the hidden states, no gradient)."""
+
+    def __init__(self, embeddings: nn.Module) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"hidden_states": self.embeddings(input_ids=x["input_ids"]), "attention_mask": x["attention_mask"]}
+
+
+class BertBlock(nn.Module):
+    """One BERT layer given the hidden states and the padding mask, which it turns into the
+    attention mask exactly as ``BertModel.forward`` does (``create_bidirectional_mask``)."""
+
+    def __init__(self, layer: nn.Module, config: Any) -> None:
+        super().__init__()
+        self.layer, self.config = layer, config
+
+    def forward(self, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from transformers.masking_utils import create_bidirectional_mask
+
+        h = x["hidden_states"]
+        mask = create_bidirectional_mask(config=self.config, inputs_embeds=h, attention_mask=x["attention_mask"])
+        return {"hidden_states": self.layer(h, mask), "attention_mask": x["attention_mask"]}
+
+
+class BertHead(nn.Module):
+    """BERT's pooler, dropout and classifier (BertForSequenceClassification after its encoder)."""
+
+    def __init__(self, pooler: nn.Module, dropout: nn.Module, classifier: nn.Module) -> None:
+        super().__init__()
+        self.pooler, self.dropout, self.classifier = pooler, dropout, classifier
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.classifier(self.dropout(self.pooler(x["hidden_states"])))
+
+
 class ImageHead(nn.Module):
     """A Hugging Face ResNet's pooling and classifier."""
 
@@ -208,6 +247,10 @@ def stages_of(name: str, model: nn.Module) -> nn.Sequential:
     if name == "resnet":
         r = model.resnet  # type: ignore[union-attr]
         return nn.Sequential(r.embedder, *r.encoder.stages, ImageHead(r.pooler, model.classifier))
+    if name == "bert":  # stages pass {"hidden_states", "attention_mask"} on
+        b = model.bert  # type: ignore[union-attr]
+        blocks = [BertBlock(layer, model.config) for layer in b.encoder.layer]
+        return nn.Sequential(BertEmbed(b.embeddings), *blocks, BertHead(b.pooler, model.dropout, model.classifier))
     t = model.transformer  # type: ignore[union-attr]
     blocks = list(t.h) if name == "nanogpt" else [HFBlock(b) for b in t.h]
     return nn.Sequential(GPTEmbed(t.wte, t.wpe, t.drop), *blocks, GPTHead(t.ln_f, model.lm_head))
@@ -222,10 +265,13 @@ def shifted_token_mean(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].transpose(1, 2), y[:, 1:], reduction="none").mean(dim=1)
 
 
-def pipeline_batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Token ids and targets (no attention mask: stages exchange one tensor); images, labels."""
+def pipeline_batches(name: str) -> list[tuple[Any, torch.Tensor]]:
+    """Token ids and targets (the GPTs: causal, no padding); images, labels; BERT's batches as
+    they are ({"input_ids", "attention_mask"}, labels)."""
     if name == "resnet":
         return [(x["pixel_values"], y) for x, y in image_batches()]
+    if name == "bert":
+        return bert_batches()
     return [(x["input_ids"], y) for x, y in _tokens(1 if name == "nanogpt" else 2, masked=False)]
 
 

@@ -179,15 +179,25 @@ def data_parallel(names: list[str], tmp: str) -> dict[str, Any]:
     return out
 
 
+def pieces(x: Any, n: int) -> list[Any]:
+    """``x`` (a tensor or a dict of tensors) in ``n`` pieces along the batch."""
+    if isinstance(x, dict):
+        parts = {k: v.chunk(n) for k, v in x.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(n)]
+    return list(x.chunk(n))
+
+
 def pipeline(names: list[str], data_parallel: int = 1) -> dict[str, Any]:
-    """GPTs in 2 stages (embeddings + block 0 | block 1 + head: the tie crosses the stages),
-    through fit and the custom loop, against the unsplit model on one device; with
-    ``data_parallel`` copies of the pipeline, each stage's gradients also summed over copies."""
+    """GPTs in 2 stages (embeddings + block 0 | block 1 + head: the tie crosses the stages), BERT
+    (its padding mask crossing beside the hidden states), a ResNet, through fit and the custom
+    loop, against the unsplit model on one device; with ``data_parallel`` copies of the pipeline,
+    each stage's gradients also summed over copies."""
     s = stratagem.PipelineStrategy(num_stages=2, num_microbatches=2, balance=[2, 2], data_parallel=data_parallel)
     out: dict[str, Any] = {}
     for name in names:
         case = M.CASES[name]
-        per_example = {"nanogpt": M.token_mean, "gpt2": M.shifted_token_mean, "resnet": M.class_mean}[name]
+        per_example = {"nanogpt": M.token_mean, "gpt2": M.shifted_token_mean, "resnet": M.class_mean,
+                       "bert": M.class_mean}[name]
         batches = M.pipeline_batches(name)
 
         def mean_loss(logits: torch.Tensor, y: torch.Tensor, per_example: Any = per_example) -> torch.Tensor:
@@ -200,9 +210,16 @@ def pipeline(names: list[str], data_parallel: int = 1) -> dict[str, Any]:
         with torch.no_grad():
             if name == "nanogpt":
                 own = whole(x0, y0)[0]
+            elif name == "bert":
+                own = whole(**x0).logits
             else:
                 own = whole(**{"input_ids" if name == "gpt2" else "pixel_values": x0}).logits
             split_diff = float((M.stages_of(name, whole)(x0) - own).abs().max())
+            mask_matters = 0.0
+            if name == "bert":  # the padding mask matters: without it the hidden states differ
+                masked = whole.bert(**x0).last_hidden_state
+                unmasked = whole.bert(input_ids=x0["input_ids"]).last_hidden_state
+                mask_matters = float((unmasked - masked).abs().max())
         # one device: the unsplit model, the same layers
         torch.manual_seed(SEED)
         ref = M.stages_of(name, quiet_build(case))
@@ -211,7 +228,7 @@ def pipeline(names: list[str], data_parallel: int = 1) -> dict[str, Any]:
         for x, y in batches:
             ref_opt.zero_grad()
             chunks = 2 * data_parallel  # 2 micro-batches per copy (BatchNorm: each its own)
-            for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+            for xs, ys in zip(pieces(x, chunks), y.chunk(chunks)):
                 (per_example(ref(xs), ys).sum() / y.shape[0]).backward()
             ref_opt.step()
         want = full_state(ref)
@@ -231,12 +248,21 @@ def pipeline(names: list[str], data_parallel: int = 1) -> dict[str, Any]:
                     opt.step()
                     opt.zero_grad()
             got = pipe.state_dict()
+            with torch.no_grad():  # predict: the output travels back to every stage of a copy
+                pipe.eval()
+                ref.eval()
+                predict_diff = float((pipe.predict(x0) - ref(x0)).abs().max())
+                pipe.train()
+                ref.train()
             out[f"{name}/pipeline/{how}"] = {
+                "predict_diff": predict_diff,
                 "names": sorted(got),
-                "init_diff": max(float((got_init[k] - init[k]).abs().max()) for k in got_init),
-                "diff": max(float((got[k] - want[k]).abs().max()) for k in got if not M.is_statistic(k)),
+                # (pipe.state_dict() also lists non-persistent buffers: BERT's position ids)
+                "init_diff": max(float((got_init[k] - init[k]).abs().max()) for k in got_init if k in init),
+                "diff": max(float((got[k] - want[k]).abs().max()) for k in got if k in want and not M.is_statistic(k)),
                 "printed": printed.getvalue(),
                 "split_diff": split_diff,
+                "mask_matters": mask_matters,
                 # this stage's end of the tie (embedding on stage 0, head on stage 1)
                 "tied_end": (got.get("0.wte.weight") if s.extended.stage == 0 else got.get("3.lm_head.weight")),
                 "stage": s.extended.stage,
@@ -277,10 +303,16 @@ def model_parallel(names: list[str]) -> dict[str, Any]:
     layout[r"mlp\.c_proj\.weight"] = (None, "model")
     layout[r"attn\.c_attn\.weight"] = ("model", None)
     layout[r"attn\.c_proj\.weight"] = (None, "model")
-    s = stratagem.ModelParallelStrategy(mesh, layout)
+    # GPT-2's Conv1D layers hold their weights (in, out): the same split, the other dimension
+    conv = stratagem.LayoutMap(mesh)
+    conv[r"(attn\.c_attn|mlp\.c_fc)\.weight"] = (None, "model")
+    conv[r"(attn|mlp)\.c_proj\.weight"] = ("model", None)
+    strategies = {"nanogpt": stratagem.ModelParallelStrategy(mesh, layout),
+                  "gpt2": stratagem.ModelParallelStrategy(mesh, conv)}  # fmt: skip
     out: dict[str, Any] = {}
     for name in names:
         case = M.CASES[name]
+        s = strategies[name]
         init, trained = reference(case)
         for how in ("fit", "loop"):
             got = under(s, case, how)

@@ -1,5 +1,5 @@
 """Point-to-point messages between the stages of one pipeline: a fixed-size header (kind, dtype,
-shape) then the payload, so the receiver can allocate; or, once both sides know the shape, a raw
+shape, length of a metadata blob) then the payload and the blob, so the receiver can allocate; or, once both sides know the shape, a raw
 payload with one status byte appended. An error marker in place of the expected message tells a
 neighbour that a stage failed, so no process stays blocked in a receive.
 
@@ -22,7 +22,7 @@ from stratagem.comm.communicator import classify_failure
 
 TENSOR, NONE, ERROR = 1, 2, 3
 MAX_DIMS = 8
-HEADER = 4 + MAX_DIMS
+HEADER = 5 + MAX_DIMS  # kind, dtype, extra, ndim, dims..., metadata bytes (the last)
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -67,6 +67,7 @@ class Channel:
         self.error_wait = error_wait
         self._pending: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
         self.last_extra = 0
+        self.last_meta = b""
 
     def _peer(self, rank: int) -> int:
         assert isinstance(self.comm, ProcessGroupCommunicator)
@@ -96,9 +97,12 @@ class Channel:
             raise self._fail(e, f"receive from stage {src}") from e
 
     # --- messages ---------------------------------------------------------------------------
-    def send(self, value: torch.Tensor | None, dst: int, *, extra: int = 0, tag: int = 0) -> None:
+    def send(
+        self, value: torch.Tensor | None, dst: int, *, extra: int = 0, tag: int = 0, meta: bytes = b""
+    ) -> None:
         """Queue ``value`` (a tensor, or None) with its header for stage ``dst``; returns at once.
-        ``extra`` (an integer) travels in the header (``recv`` puts it in ``last_extra``); ``tag``
+        ``extra`` (an integer) travels in the header (``recv`` puts it in ``last_extra``), ``meta``
+        (bytes: a boundary layout) after the payload (``recv`` puts it in ``last_meta``); ``tag``
         keeps apart the messages of different links between the same two stages."""
         header = torch.zeros(HEADER, dtype=torch.int64)
         if value is None:
@@ -115,11 +119,14 @@ class Channel:
         header[2] = extra
         header[3] = value.dim()
         header[4 : 4 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
+        header[-1] = len(meta)
+        parts: tuple[torch.Tensor, ...] = (header.to(self.device),)
         payload = value.detach().to(self.device).contiguous()
-        if payload.numel() == 0:
-            self._isend((header.to(self.device),), dst, tag)
-        else:
-            self._isend((header.to(self.device), payload), dst, tag)
+        if payload.numel():
+            parts += (payload,)
+        if meta:
+            parts += (torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device),)
+        self._isend(parts, dst, tag)
 
     def recv(self, src: int, tag: int = 0) -> torch.Tensor | None:
         """The next message from stage ``src``; RemoteStageError if it reports a failure."""
@@ -144,6 +151,11 @@ class Channel:
         self.last_extra = int(h[2])
         if out.numel():
             self._recv(out, src, tag)
+        self.last_meta = b""
+        if h[-1] > 0:
+            meta = torch.empty(int(h[-1]), dtype=torch.uint8, device=self.device)
+            self._recv(meta, src, tag)
+            self.last_meta = bytes(meta.cpu().numpy().tobytes())
         return out
 
     # --- raw messages: shape agreed beforehand, one status byte appended ------------------------

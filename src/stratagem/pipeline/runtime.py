@@ -3,13 +3,13 @@ mini-batch: compute, exchange activations and gradients with the neighbouring ch
 a failure to every stage of the pipeline.
 
 Messages: each link between chunks c and c + 1 has its own tag (c + 1). Its first activation of
-a step travels with a header (shape, dtype, mini-batch size), and so does its first gradient;
-the receiver checks it and from then on both sides know every message's size (trailing
-dimensions fixed within a step, micro-batch sizes from the plan), so the other activations and
-gradients travel as raw payloads with one status byte. After the plan, the result (the loss, or
-the predictions) travels with a header from the last stage back to the first and an
-acknowledgement forward again (tag 0), so every stage returns the same value and every message of
-the step has been received.
+a step travels with a header (shape, dtype, mini-batch size; for a tuple or dict flattened into
+one tensor, its layout: ``boundary.py``), and so does its first gradient; the receiver checks it
+and from then on both sides know every message's size (trailing dimensions fixed within a step,
+micro-batch sizes from the plan), so the other activations and gradients travel as raw payloads
+with one status byte. After the plan, the result (the loss, or the predictions) travels with a
+header from the last stage back to the first and an acknowledgement forward again (tag 0), so
+every stage returns the same value and every message of the step has been received.
 
 A stage that fails sends each neighbour an error marker shaped like the message that neighbour
 waits for next from it (both know the plan, so both know which link that is), and the
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from stratagem.pipeline import boundary
 from stratagem.pipeline.errors import PipelineError
 from stratagem.pipeline.p2p import Channel, PostedRecv, RemoteStageError, raw_nbytes
 from stratagem.pipeline.schedule import BACKWARD_KINDS, Action, Schedule, forward_only
@@ -53,6 +54,7 @@ class _Links:
         self.in_tag, self.out_tag = c, c + 1
         self.in_spec: Spec | None = None  # activations from chunk - 1
         self.out_spec: Spec | None = None  # activations to chunk + 1
+        self.out_layout: boundary.Layout | None = None  # a tuple / dict sent as one carrier
         self.sent_fwd = 0
         self.sent_bwd = 0
         # the next raw activation / gradient, received ahead (its transfer overlaps compute)
@@ -84,6 +86,7 @@ class _Links:
         if self.in_spec is None:
             x = self.channel.recv(self.prev, self.in_tag)
             n = self.channel.last_extra
+            s.boundary_in = boundary.decode(self.channel.last_meta)  # a tuple / dict's layout
             if x is not None and x.dim() > 0:  # the sender's next messages are shaped by it
                 self.in_spec = (tuple(x.shape[1:]), x.dtype)
             if x is None or x.dim() == 0 or x.shape[0] != self.sizes[i] or n != self.batch:
@@ -121,10 +124,19 @@ class _Links:
                     "as their first dimension",
                     stage=s.index,
                 )
-            self.channel.send(out, self.next, extra=self.batch, tag=self.out_tag)
+            self.channel.send(out, self.next, extra=self.batch, tag=self.out_tag, meta=boundary.encode(s.boundary_out))
             self.out_spec = (tuple(out.shape[1:]), out.dtype)
+            self.out_layout = s.boundary_out
         else:
             trailing, dtype = self.out_spec
+            if s.boundary_out != self.out_layout:
+                raise PipelineError(
+                    f"stage {s.index} produced {_layout_text(s.boundary_out)} for micro-batch {i} but "
+                    f"{_layout_text(self.out_layout)} for the first one; within a mini-batch, what "
+                    "crosses a stage boundary must keep its structure, dtypes and shapes apart from the "
+                    "batch dimension",
+                    stage=s.index,
+                )
             if tuple(out.shape) != (self.sizes[i], *trailing) or out.dtype != dtype:
                 raise PipelineError(
                     f"stage {s.index} produced {shape_of(out)} for micro-batch {i} but "
@@ -260,6 +272,10 @@ def _make_links(
         b_order = [a.microbatch for a in mine if a.kind in BACKWARD_KINDS]
         out[st.index] = _Links(st, channel, sizes, sum(sizes), f_order, b_order, num_ranks)
     return out
+
+
+def _layout_text(layout: boundary.Layout | None) -> str:
+    return "a tensor" if layout is None else layout.describe()
 
 
 def run_plan(

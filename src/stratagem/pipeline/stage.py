@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
+from stratagem.pipeline import boundary
 from stratagem.pipeline.errors import PipelineError, StageShapeError
 from stratagem.pipeline.rematerialize import RNGSnapshot, frozen_buffers, replay_rng
 from stratagem.pipeline.timeline import Recorder
@@ -26,7 +27,7 @@ def describe(module: nn.Module) -> str:
 def shape_of(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"{list(x.shape)} ({str(x.dtype).replace('torch.', '')})"
-    return type(x).__name__
+    return boundary.describe(x)
 
 
 @dataclass
@@ -179,6 +180,10 @@ class Stage:
         self._hooks: list[Any] = []
         self._w_modules: dict[nn.Module, list[nn.Parameter]] = {}
         self.recorder: Recorder | None = None  # set while the strategy profiles
+        # a tuple/dict crossing a boundary travels as one carrier tensor: the layout of what this
+        # stage receives (set by the runtime from the step's first message) and of what it sends
+        self.boundary_in: boundary.Layout | None = None
+        self.boundary_out: boundary.Layout | None = None
 
     @property
     def is_first(self) -> bool:
@@ -194,6 +199,8 @@ class Stage:
 
     # --- compute ----------------------------------------------------------------------------
     def _run(self, x: Any, target: Any, scale: float, *, with_loss: bool = True) -> torch.Tensor:
+        if not self.is_first and self.boundary_in is not None:
+            x = boundary.unflatten(x, self.boundary_in)  # the previous stage's tuple / dict
         h = x
         for j, layer in enumerate(self.layers):
             try:
@@ -215,12 +222,12 @@ class Stage:
                     stage=self.index,
                 ) from e
         if not self.is_last:
-            if not isinstance(h, torch.Tensor):
+            try:
+                h, self.boundary_out = boundary.flatten(h, f"the output of stage {self.index}")
+            except (TypeError, ValueError) as e:
                 raise PipelineError(
-                    f"stage {self.index} produced a {type(h).__name__} (its last layer is "
-                    f"{self._layer(len(self.layers) - 1)}); stages exchange exactly one tensor",
-                    stage=self.index,
-                )
+                    f"{e} (its last layer is {self._layer(len(self.layers) - 1)})", stage=self.index
+                ) from None
             return h
         if self.loss_fn is None or not with_loss:
             return h

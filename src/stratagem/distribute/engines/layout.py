@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 Layout = tuple[str | None, ...]
@@ -96,6 +97,17 @@ class LayoutMap:
         return f"LayoutMap({dict(self._items)!r})"
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2, GPT): a linear layer whose weight is stored (in, out)
+    and applied as ``addmm(bias, x, weight)``; known by its class name and attributes, so that
+    transformers need not be imported."""
+    w = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
+        and tuple(w.shape) == (getattr(module, "nx", None), getattr(module, "nf", None))
+    )  # fmt: skip
+
+
 def tensor_parallel_plan(model: nn.Module, layout_map: LayoutMap, axis: str = "model") -> dict[str, str]:
     """``{module path: "colwise" | "rowwise"}`` for the linear and embedding layers whose weight
     the map splits along ``axis``; an error for a layout this cannot express."""
@@ -109,13 +121,15 @@ def tensor_parallel_plan(model: nn.Module, layout_map: LayoutMap, axis: str = "m
                 continue
             if len(layout) != p.dim():
                 raise ValueError(f"LayoutMap: {full} has {p.dim()} dimensions but its layout {layout} has {len(layout)}")
-            if not isinstance(module, (nn.Linear, nn.Embedding)) or name != "weight" or p.dim() != 2:
+            conv1d = is_conv1d(module)
+            if not (isinstance(module, (nn.Linear, nn.Embedding)) or conv1d) or name != "weight" or p.dim() != 2:
                 raise ValueError(
                     f"LayoutMap: {full} ({type(module).__name__}.{name}) is split along {axis!r}, but only "
-                    "the weights of Linear and Embedding layers can be; leave it replicated"
+                    "the weights of Linear and Embedding layers (and Hugging Face's Conv1D) can be; leave it replicated"
                 )
             split = layout.index(axis)
-            # a Linear weight is (out, in): split out -> colwise; an Embedding's (num, dim): dim -> colwise
+            # a Linear weight is (out, in): split out -> colwise; an Embedding's (num, dim) and a
+            # Conv1D's (in, out): dim / out -> colwise
             col = split == 0 if isinstance(module, nn.Linear) else split == 1
             plan[path] = "colwise" if col else "rowwise"
     return plan

@@ -27,7 +27,7 @@ from stratagem.pipeline.pipe import Pipe
 from stratagem.pipeline.profile import param_costs, time_costs
 from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.stage import Stage, describe
-from stratagem.pipeline.ties import TiedGradients, find_ties
+from stratagem.pipeline.ties import Tie, TiedGradients, find_ties
 from stratagem.pipeline.timeline import Recorder, Timeline
 
 
@@ -55,6 +55,7 @@ class PipelineExtended(OverReplicas):
         self._rng_state: torch.Tensor | None = None
         self._capture = 0
         self._stages: list[Stage] = []  # the chunks the last pipeline() built
+        self.ties: list[Tie] = []  # its weights tied across stages (checkpoints write them once)
 
     # --- facts ------------------------------------------------------------------------------------
     @property
@@ -222,6 +223,7 @@ class PipelineExtended(OverReplicas):
             ownership.claim(t, self.owner())
         self.partition = partition
         self._stages = stages
+        self.ties = ties
         if verbose and self._world.rank == 0:
             print(f"stratagem PipelineStrategy: {partition}", flush=True)
             for tie in ties:

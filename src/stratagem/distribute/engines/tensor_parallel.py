@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,7 +23,12 @@ from torch import nn
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
-from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap, tensor_parallel_plan
+from stratagem.distribute.engines.layout import (
+    DeviceMesh,
+    LayoutMap,
+    is_conv1d,
+    tensor_parallel_plan,
+)
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.strategy import Strategy
@@ -46,19 +52,63 @@ def register_attention_rules() -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
+    def masks(kwargs: dict[str, Any], d: int | None) -> list[Any]:
+        """Placements of the tensor keyword arguments (an attention mask, [batch, heads, q, k] or
+        broadcast along batch or heads): split along ``d`` with q, k and v unless broadcast there
+        (size 1), else whole."""
+        out: list[Any] = []
+        for value in kwargs.values():
+            shape = getattr(value, "shape", None)
+            if shape is None:
+                continue  # a number (scale): not a tensor
+            out.append(Shard(d) if d is not None and len(shape) == 4 and shape[d] > 1 else Replicate())
+        return out
+
     @register_sharding(fwd.default)  # type: ignore[untyped-decorator]
     def _forward(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> list[Any]:
         extra: list[Any] = [None] * len(args)  # dropout_p, is_causal when given: not tensors
-        rules: list[Any] = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), *extra])]
-        rules += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), *extra]) for d in (0, 1)]
+        rules: list[Any] = [
+            ([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), *extra, *masks(kwargs, None)])
+        ]
+        rules += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), *extra, *masks(kwargs, d)]) for d in (0, 1)]
         return rules
 
     @register_sharding(bwd.default)  # type: ignore[untyped-decorator]
     def _backward(g: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *args: Any, **kwargs: Any) -> list[Any]:
         extra: list[Any] = [None] * len(args)
-        rules: list[Any] = [([Replicate()] * 3, [Replicate()] * 6 + extra)]
-        rules += [([Shard(d)] * 3, [*[Shard(d)] * 6, *extra]) for d in (0, 1)]
+        rules: list[Any] = [([Replicate()] * 3, [*[Replicate()] * 6, *extra, *masks(kwargs, None)])]
+        rules += [([Shard(d)] * 3, [*[Shard(d)] * 6, *extra, *masks(kwargs, d)]) for d in (0, 1)]
         return rules
+
+
+def conv1d_style(kind: str) -> Any:
+    """torch's column- / row-parallel style for a Hugging Face ``Conv1D``, whose weight is (in, out)
+    (torch's styles know Linear, whose weight is (out, in)): the same inputs and outputs, the
+    weight split along the other dimension (the bias with the outputs, or whole)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    weight_dim, bias = (1, Shard(0)) if kind == "colwise" else (0, Replicate())
+
+    def partition(name: str, module: nn.Module, mesh: Any) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = Shard(weight_dim) if pname == "weight" else bias
+            dist = distribute_tensor(param, mesh, [placement])
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    base = ColwiseParallel if kind == "colwise" else RowwiseParallel
+
+    class Conv1DStyle(base):  # type: ignore[valid-type, misc]
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            if kind == "rowwise":  # (torch's RowwiseParallel sets it per module type in _apply)
+                self.desired_input_layouts = (Shard(-1),)
+            return distribute_module(  # type: ignore[no-any-return]
+                module, device_mesh, partition,
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            )  # fmt: skip
+
+    return Conv1DStyle(use_local_output=False) if kind == "colwise" else Conv1DStyle()
 
 
 class TensorParallelExtended(OverReplicas):
@@ -163,10 +213,13 @@ class TensorParallelExtended(OverReplicas):
         # a column-parallel layer's output stays a DTensor (split along features): whatever the
         # model does with it next (a split into q, k, v, a view into heads) sees the whole logical
         # tensor, gathered where an op needs it; a row-parallel layer takes it as it is
-        styles: dict[str, ParallelStyle] = {
-            path: ColwiseParallel(use_local_output=False) if kind == "colwise" else RowwiseParallel()
-            for path, kind in plan.items()
-        }
+        modules = dict(root.named_modules())
+        styles: dict[str, ParallelStyle] = {}
+        for path, kind in plan.items():
+            if is_conv1d(modules[path]):
+                styles[path] = conv1d_style(kind)
+            else:
+                styles[path] = ColwiseParallel(use_local_output=False) if kind == "colwise" else RowwiseParallel()
         if styles:
             register_attention_rules()
         # built on meta: real (empty) storage once sharded, initialised by the replay after
@@ -186,4 +239,9 @@ class TensorParallelExtended(OverReplicas):
     # --- run (reductions and input: OverReplicas) ----------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         self.build.check_call(fn, args, kwargs)
-        return self._dp.call_for_replica(fn, args, kwargs)
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        # the model's own plain tensors (an attention mask it builds) meet the DTensors of the
+        # split layers' outputs as replicated DTensors (torch's public context for mixed ops)
+        with implicit_replication():
+            return self._dp.call_for_replica(fn, args, kwargs)

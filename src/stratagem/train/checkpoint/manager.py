@@ -52,6 +52,7 @@ from stratagem.train.checkpoint.lock import (
     clean_leftovers,
     writer_tag,
 )
+from stratagem.train.checkpoint.ties import StageTies
 
 _CKPT = re.compile(r"^ckpt-(\d+)$")
 
@@ -132,15 +133,20 @@ class Checkpoint:
     def objects(self) -> dict[str, Any]:
         return dict(self._objects)
 
-    def encode(self, shared: bool | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def encode(
+        self, shared: bool | None, ties: StageTies | None = None
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The shared (or per-replica, or with None all) objects' states as a JSON structure
-        and flat tensors."""
+        and flat tensors; ``ties``: a pipeline stage's weights tied to other stages' (written
+        once, by the lowest stage holding each)."""
         tensors: dict[str, torch.Tensor] = {}
-        struct = {
-            name: encode_value(_state_of(name, obj), tensors, name)
-            for name, obj in self._objects.items()
-            if shared is None or _is_shared(obj) == shared
-        }
+        struct = {}
+        for name, obj in self._objects.items():
+            if shared is None or _is_shared(obj) == shared:
+                state = _state_of(name, obj)
+                if ties is not None and isinstance(obj, nn.Module):
+                    state = ties.saved(obj, state)
+                struct[name] = encode_value(state, tensors, name)
         return struct, tensors
 
     def apply(self, states: dict[str, Any]) -> None:
@@ -383,8 +389,9 @@ class CheckpointManager:
 
             return sharded.save(self, step_int)
         try:
+            ties = StageTies.of(self.strategy.extended)  # weights tied across pipeline stages
             mine: tuple[bytes, bytes] | None = _payload(
-                *self.checkpoint.encode(shared=None if self._all_per_rank else False)
+                *self.checkpoint.encode(shared=None if self._all_per_rank else False, ties=ties)
             )
             encode_error = ""
         except (TypeError, ValueError) as e:
@@ -461,6 +468,11 @@ class CheckpointManager:
 
             return sharded.prepare(self, path, meta)
         states = portable_states(path, meta, self.checkpoint, self._comm.rank, self._comm.world_size)
+        ties = StageTies.of(self.strategy.extended)
+        if ties is not None:  # a tied weight, written once, restores every stage's end
+            for name, obj in self.checkpoint.objects.items():
+                if isinstance(obj, nn.Module) and isinstance(states.get(name), dict):
+                    states[name] = ties.restored(name, obj, states[name])
         self.checkpoint.validate(states)
         return lambda: self.checkpoint.apply(states)
 
