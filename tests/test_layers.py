@@ -30,7 +30,7 @@ ROOMS = {
     "strategies": 2,  # the final strategy classes
     "top": 3,  # current (the default strategy), loss, the package itself
 }
-API = {"strategy", "context", "reduce_op", "ownership", "function", "mixed_precision", "input_options"}
+API = {"strategy", "context", "reduce_op", "ownership", "function", "mixed_precision", "input_options", "partitioners"}
 SETUP = {"join", "bootstrap", "devices"}
 
 

@@ -1,4 +1,4 @@
-"""The four TensorFlow tutorials of examples/tutorials run as written, on small data made in code."""
+"""The five TensorFlow tutorials of examples/tutorials run as written, on small data made in code."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from stratagem.testing import assert_clean_run, run_script
 TUTORIALS = Path(__file__).resolve().parents[1] / "examples" / "tutorials"
 
 
-def _run(name: str, tmp_path: Path, timeout: float):
+def _run(name: str, tmp_path: Path, timeout: float, launcher: tuple[str, ...] = ()):
     env = {**os.environ, "CHECKPOINT_DIR": str(tmp_path / "ckpt")}
     env.pop("TF_CONFIG", None)
-    r = run_script([str(TUTORIALS / name)], timeout=timeout, env=env)
+    r = run_script([*launcher, str(TUTORIALS / name)], timeout=timeout, env=env)
     assert_clean_run(r, what=name)
     return r.stdout
 
@@ -54,3 +54,18 @@ def test_data_performance_guide(tmp_path):
     assert set(speedups) == {"prefetch", "parallel interleave", "parallel map", "cache", "vectorized map"}, out
     # the techniques whose gain does not depend on idle cores: reading a cache, one call per batch
     assert float(speedups["cache"]) > 1.5 and float(speedups["vectorized map"]) > 2, out
+
+
+@pytest.mark.timeout(90)
+def test_parameter_server_training_tutorial(tmp_path):
+    pytest.importorskip("cloudpickle")
+    # as its docstring says: a chief, 2 workers and 1 ps task on this machine
+    launcher = ("-m", "stratagem", "run", "--workers", "2", "--ps", "1")
+    out = _run("parameter_server_training.py", tmp_path, 80, launcher)
+    fit_losses = [float(v) for v in re.search(r"fit: loss per epoch (.*)", out).group(1).split(", ")]
+    assert len(fit_losses) == 5 and fit_losses[-1] < 0.1 * fit_losses[0], out
+    epochs = re.findall(r"Finished epoch (\d), accuracy is ([\d.]+)\.", out)
+    assert [e for e, _ in epochs] == ["0", "1", "2", "3"] and float(epochs[-1][1]) > 0.9, out
+    assert float(re.search(r"Final loss is ([\d.]+)", out).group(1)) < 0.3, out
+    assert float(re.search(r"Evaluation accuracy: ([\d.]+)", out).group(1)) > 0.9, out
+    assert "ckpt-5" in os.listdir(tmp_path / "ckpt" / "ckpt")  # ModelCheckpoint, written by the chief

@@ -1,6 +1,6 @@
 """stratagem: tf.distribute strategies, tf.data pipelines and GPipe pipelines for PyTorch."""
 
-from stratagem import callbacks, cluster_resolver, data, metrics
+from stratagem import callbacks, cluster_resolver, coordinator, data, metrics, partitioners
 from stratagem._version import __version__
 from stratagem.cluster.spawn import LaunchError, LaunchTimeoutError, launch
 from stratagem.comm import (
@@ -19,6 +19,7 @@ from stratagem.distribute import (
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     OutsideScopeError,
+    ParameterServerStrategy,
     PipelineStrategy,
     ReduceOp,
     ReplicaContext,
@@ -78,6 +79,7 @@ __all__ = [
     "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "OutsideScopeError",
     "PipelineStrategy",
     "RNGState",
@@ -109,6 +111,8 @@ __all__ = [
     "launch",
     "metrics",
     "mixed_precision",
+    "partitioners",
+    "coordinator",
     "predict",
     "strategy_of",
 ]

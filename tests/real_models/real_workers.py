@@ -179,10 +179,11 @@ def data_parallel(names: list[str], tmp: str) -> dict[str, Any]:
     return out
 
 
-def pipeline(names: list[str]) -> dict[str, Any]:
+def pipeline(names: list[str], data_parallel: int = 1) -> dict[str, Any]:
     """GPTs in 2 stages (embeddings + block 0 | block 1 + head: the tie crosses the stages),
-    through fit and the custom loop, against the unsplit model on one device."""
-    s = stratagem.PipelineStrategy(num_stages=2, num_microbatches=2, balance=[2, 2])
+    through fit and the custom loop, against the unsplit model on one device; with
+    ``data_parallel`` copies of the pipeline, each stage's gradients also summed over copies."""
+    s = stratagem.PipelineStrategy(num_stages=2, num_microbatches=2, balance=[2, 2], data_parallel=data_parallel)
     out: dict[str, Any] = {}
     for name in names:
         case = M.CASES[name]
@@ -209,7 +210,8 @@ def pipeline(names: list[str]) -> dict[str, Any]:
         init = full_state(ref)
         for x, y in batches:
             ref_opt.zero_grad()
-            for xs, ys in zip(x.chunk(2), y.chunk(2)):  # 2 micro-batches (BatchNorm: each its own)
+            chunks = 2 * data_parallel  # 2 micro-batches per copy (BatchNorm: each its own)
+            for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
                 (per_example(ref(xs), ys).sum() / y.shape[0]).backward()
             ref_opt.step()
         want = full_state(ref)
@@ -237,6 +239,7 @@ def pipeline(names: list[str]) -> dict[str, Any]:
                 "split_diff": split_diff,
                 # this stage's end of the tie (embedding on stage 0, head on stage 1)
                 "tied_end": (got.get("0.wte.weight") if s.extended.stage == 0 else got.get("3.lm_head.weight")),
+                "stage": s.extended.stage,
             }
     # a tie across stages in a model built on the meta device cannot be replayed: refused
     class Head(nn.Module):
@@ -272,6 +275,8 @@ def model_parallel(names: list[str]) -> dict[str, Any]:
     layout = stratagem.LayoutMap(mesh)
     layout[r"mlp\.c_fc\.weight"] = ("model", None)
     layout[r"mlp\.c_proj\.weight"] = (None, "model")
+    layout[r"attn\.c_attn\.weight"] = ("model", None)
+    layout[r"attn\.c_proj\.weight"] = (None, "model")
     s = stratagem.ModelParallelStrategy(mesh, layout)
     out: dict[str, Any] = {}
     for name in names:

@@ -100,16 +100,35 @@ def test_pipeline_two_stages_tie_across_stages() -> None:
 
 
 @pytest.mark.timeout(200)
-def test_model_parallel_gpt_mlp_column_row() -> None:
-    """nanoGPT under ModelParallelStrategy (2 processes on the "model" axis): each MLP's c_fc
-    column-parallel and c_proj row-parallel, the embedding/head tie one replicated parameter,
+def test_pipeline_tie_with_two_data_parallel_copies() -> None:
+    """nanoGPT in 2 stages x 2 data-parallel copies (4 processes): each stage's gradients summed
+    over the copies and the tie's two ends summed across the stages; every end equal, bit for
+    bit, on every process, and the model equal to one device on the global batch."""
+    outs = [r.value for r in run_workers(w.pipeline, 4, args=(["nanogpt"], 2), timeout=190)]
+    for how in ("fit", "loop"):
+        key = f"nanogpt/pipeline/{how}"
+        ends = []
+        for out in outs:
+            got = out[key]
+            assert got["init_diff"] == 0.0 and got["diff"] < TOL, (key, got["diff"])
+            ends.append(got["tied_end"])
+        assert sorted(out[key]["stage"] for out in outs) == [0, 0, 1, 1]
+        assert all(end.equal(ends[0]) for end in ends)
+
+
+@pytest.mark.timeout(200)
+def test_model_parallel_gpt_attention_and_mlp_column_row() -> None:
+    """nanoGPT as written under ModelParallelStrategy (2 processes on the "model" axis): each
+    attention's fused c_attn and each MLP's c_fc column-parallel, their c_proj row-parallel, the
+    embedding/head tie one replicated parameter,
     global-norm clipping over split and replicated gradients; equal to one device."""
     outs = [r.value for r in run_workers(w.model_parallel, 2, args=(["nanogpt"],), timeout=190)]
     for out in outs:
         for how in ("fit", "loop"):
             got = out[f"nanogpt/model_parallel/{how}"]
-            assert got["plan"] == {f"transformer.h.{i}.mlp.{n}": kind for i in (0, 1)
-                                   for n, kind in (("c_fc", "colwise"), ("c_proj", "rowwise"))}
+            assert got["plan"] == {f"transformer.h.{i}.{n}": kind for i in (0, 1)
+                                   for n, kind in (("attn.c_attn", "colwise"), ("attn.c_proj", "rowwise"),
+                                                   ("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise"))}
             assert got["init_diff"] == 0.0, (how, got["init_diff"])
             assert got["diff"] < TOL, (how, got["diff"])
             assert got["tied"] == (True, True)

@@ -1,4 +1,5 @@
-"""``stratagem run``: launch a script as N replicas on this machine, or as one node of many.
+"""``stratagem run``: launch a script as N replicas on this machine, or as one node of many, or as
+a parameter-server cluster on this machine.
 
 Built on torch's elastic agent (``torch.distributed.run``): this module only turns our options
 into its argument list. One node: ``stratagem run -n 2 train.py``; two machines:
@@ -6,6 +7,7 @@ into its argument list. One node: ``stratagem run -n 2 train.py``; two machines:
 first and ``--node-rank 1`` on the second. Gloo is pinned to the interface that holds ``--bind``
 (default: 127.0.0.1 on one node, else the address this machine reaches the endpoint from).
 torch.distributed has no authentication: run it only on a network you trust.
+A parameter-server cluster: ``stratagem run --workers 2 --ps 1 train.py`` (``cluster.ps_launch``).
 """
 
 from __future__ import annotations
@@ -21,21 +23,31 @@ from collections.abc import Sequence
 from typing import Any
 
 from stratagem.cluster.launch import find_free_port
+from stratagem.cluster.ps_launch import PSJob
 from stratagem.cluster.resolvers import split_address
 
 _SIOCGIFADDR = 0x8915
 
 #: what ``stratagem run --help`` prints above the options (plain text: argparse shows it as is)
 DESCRIPTION = """\
-Launch a script as N replicas (processes) on this machine, or as one node of a job on many.
+Launch a script as N replicas (processes) on this machine, or as one node of a job on many,
+or as a parameter-server cluster (a chief, workers and ps tasks) on this machine.
 
 Built on torch's elastic agent (torch.distributed.run). A failing replica stops every other
 one with an error naming it, and the command exits non-zero.
+
+With --workers N --ps P every task gets TF_CONFIG (the cluster, its task) and
+STRATAGEM_RESTART_COUNT. The exit code is the chief's; after the chief exits the others get
+--grace-period seconds to end, then are stopped. A failing ps task ends the job (the chief first
+gets --grace-period seconds to say what it lost); a failing worker does not: the chief runs its
+functions on the other workers. Failed workers are not restarted by default: torch.distributed.rpc
+cannot admit a task into a running cluster, so a restarted worker says so and stays out.
 
 examples:
   stratagem run -n 2 train.py --lr 0.1          2 replicas on this machine
   stratagem run -n 2 --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 train.py
                                                 machine 0 of 2 (machine 1: --node-rank 1)
+  stratagem run --workers 2 --ps 1 train.py     a chief, 2 workers and 1 ps task on this machine
 
 Gloo is pinned to the interface that holds --bind (default: 127.0.0.1 on one node, else the
 address this machine reaches the endpoint from). torch.distributed has no authentication:
@@ -70,8 +82,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-n", "--nproc-per-node", "--replicas", dest="nproc", type=int, default=1,
+    p.add_argument("-n", "--nproc-per-node", "--replicas", dest="nproc", type=int, default=None,
                    help="replicas (processes) on this machine (default 1)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="a parameter-server cluster on this machine: a chief, this many workers and "
+                        "--ps ps tasks (TF_CONFIG set for each)")
+    p.add_argument("--ps", type=int, default=None, help="the number of ps tasks (with --workers)")
+    p.add_argument("--grace-period", type=float, default=None,
+                   help="with --workers/--ps: seconds the other tasks get to end after the chief "
+                        "exited before they are stopped (default 30)")
     p.add_argument("--nnodes", type=int, default=1, help="number of machines (default 1)")
     p.add_argument("--node-rank", type=int, default=None,
                    help="this machine's index 0..nnodes-1 (fixed ranks: node i runs ranks "
@@ -83,9 +102,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--bind", default=None,
                    help="this machine's address to communicate on (its interface carries gloo "
                         "traffic); default 127.0.0.1 on one node")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart every worker up to this many times after a failure (default 0); "
-                        "reloading state is the script's job (CheckpointManager.restore_or_initialize)")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="restart every worker up to this many times after a failure (default 0; "
+                        "with --workers/--ps: each failed worker, default 0: it cannot rejoin); reloading state is "
+                        "the script's job (CheckpointManager.restore_or_initialize)")
     p.add_argument("--monitor-interval", type=float, default=0.5,
                    help="seconds between the agent's checks of its workers")
     p.add_argument("-m", "--module", action="store_true", help="run a module (python -m) instead")
@@ -96,8 +116,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def torchrun_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """The ``torch.distributed.run`` argument list and the environment additions for ``args``."""
-    if args.nproc < 1 or args.nnodes < 1:
-        raise ValueError(f"need -n >= 1 and --nnodes >= 1, got -n {args.nproc} --nnodes {args.nnodes}")
+    nproc = 1 if args.nproc is None else args.nproc
+    max_restarts = 0 if args.max_restarts is None else args.max_restarts
+    if nproc < 1 or args.nnodes < 1:
+        raise ValueError(f"need -n >= 1 and --nnodes >= 1, got -n {nproc} --nnodes {args.nnodes}")
+    if args.grace_period is not None:
+        raise ValueError("--grace-period applies to a parameter-server cluster (--workers N --ps P)")
     if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
@@ -110,9 +134,9 @@ def torchrun_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     if bind is None:
         bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else _route_source(host, port)
     out = [
-        f"--nproc-per-node={args.nproc}",
+        f"--nproc-per-node={nproc}",
         f"--nnodes={args.nnodes}",
-        f"--max-restarts={args.max_restarts}",
+        f"--max-restarts={max_restarts}",
         f"--monitor-interval={args.monitor_interval}",
         f"--local-addr={bind}",
     ]
@@ -132,7 +156,7 @@ def torchrun_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     if "OMP_NUM_THREADS" not in os.environ:
         # the replicas on this machine split its cores, as self-launched replicas do (and torch's
         # agent prints no banner about setting it to 1 for us)
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.nproc))
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     return out, env
 
 
@@ -154,8 +178,38 @@ def check_endpoint(host: str, port: int, timeout: float = 5.0) -> str:
     return ""
 
 
+def ps_job(args: argparse.Namespace) -> PSJob:
+    """The parameter-server cluster ``--workers N --ps P`` asks for (not started yet)."""
+    if args.nproc is not None:
+        raise ValueError("-n/--nproc-per-node starts replicas of an all-reduce job; it cannot be "
+                         "combined with --workers/--ps (a parameter-server cluster): use one or the other")
+    if args.workers is None or args.ps is None:
+        raise ValueError("a parameter-server cluster needs both --workers N and --ps P, got "
+                         f"--workers {args.workers} --ps {args.ps}")
+    if args.nnodes != 1 or args.node_rank is not None or args.rdzv_endpoint or args.bind:
+        raise ValueError("--workers/--ps start every task on this machine; --nnodes, --node-rank, "
+                         "--rdzv-endpoint and --bind do not apply (on many machines, set TF_CONFIG "
+                         "on each task yourself)")
+    if not args.module and not os.path.isfile(args.script):
+        raise ValueError(f"no such script: {args.script!r} (for a module, add -m)")
+    cmd = [sys.executable, *(["-m"] if args.module else []), args.script, *args.script_args]
+    return PSJob(
+        cmd, args.workers, args.ps,
+        grace=30.0 if args.grace_period is None else args.grace_period,
+        max_restarts=0 if args.max_restarts is None else args.max_restarts,
+    )
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the job; the exit code is 0 when every replica succeeded."""
+    """Run the job; the exit code is 0 when every replica succeeded (with --workers/--ps: the
+    chief's exit code)."""
+    if args.workers is not None or args.ps is not None:
+        try:
+            job = ps_job(args)
+        except ValueError as e:
+            print(f"stratagem run: {e}", file=sys.stderr)
+            return 2
+        return job.run()
     try:
         targs, env = torchrun_args(args)
     except ValueError as e:

@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import final
 
+from stratagem.cluster.ps_spec import PS_TASK_TYPES, PSClusterSpec
 from stratagem.cluster.spec import LAUNCH_VARS, ClusterSpec
 
 #: the port the chief's store listens on when a Slurm job does not say (MASTER_PORT unset).
@@ -25,6 +26,7 @@ SLURM_BASE_PORT = 15000
 __all__ = [
     "ClusterResolver",
     "ClusterSpec",
+    "PSClusterSpec",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",
@@ -86,6 +88,12 @@ class TFConfigClusterResolver(ClusterResolver):
 
     One process per task. A ``"chief"`` job, if present, comes first (rank 0); otherwise worker 0
     is the chief. The chief's ``host:port`` is the rendezvous store.
+
+    A cluster with a ``"ps"`` job is a parameter-server cluster (tf's rules: one chief, at least
+    one worker and one ps task): :meth:`ps_cluster` describes it, ``task_type``/``task_id`` are
+    TF_CONFIG's task as given, and :meth:`cluster_spec` (MultiWorkerMirroredStrategy's view)
+    refuses it. The task's restart count is ``STRATAGEM_RESTART_COUNT`` (``stratagem run
+    --workers N --ps P`` sets it), default 0.
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None, *, tf_config: str | None = None) -> None:
@@ -104,11 +112,17 @@ class TFConfigClusterResolver(ClusterResolver):
                 "TF_CONFIG must be {\"cluster\": {\"worker\": [\"host:port\", ...]}, "
                 f"\"task\": {{\"type\": \"worker\", \"index\": i}}}}; got {text[:200]!r}"
             )
+        self._spec: ClusterSpec | None = None
+        self._ps: PSClusterSpec | None = None
+        if "ps" in cluster:
+            self._ps = _ps_cluster(cluster, task, _restart_count(env))
+            return
         unknown = set(cluster) - {"chief", "worker"}
         if unknown:
             raise ValueError(
                 f"TF_CONFIG has jobs {sorted(unknown)}; MultiWorkerMirroredStrategy uses only "
-                "'chief' and 'worker' (parameter servers and evaluators are not supported)"
+                "'chief' and 'worker', ParameterServerStrategy 'chief', 'worker' and 'ps' "
+                "(evaluators are not supported)"
             )
         chief = list(cluster.get("chief", []))
         workers = chief + list(cluster.get("worker", []))
@@ -131,7 +145,96 @@ class TFConfigClusterResolver(ClusterResolver):
         )
 
     def cluster_spec(self) -> ClusterSpec:
+        if self._spec is None:
+            assert self._ps is not None
+            raise ValueError(
+                f"TF_CONFIG describes a parameter-server cluster (chief, {self._ps.num_workers} "
+                f"worker(s), {self._ps.num_ps} ps): MultiWorkerMirroredStrategy and the other "
+                "all-reduce strategies cannot run on it; use ParameterServerStrategy (or drop "
+                "the 'ps' job from TF_CONFIG)"
+            )
         return self._spec
+
+    def ps_cluster(self) -> PSClusterSpec:
+        """The parameter-server cluster TF_CONFIG describes (it must have a ``ps`` job)."""
+        if self._ps is None:
+            raise ValueError(
+                "TF_CONFIG has no 'ps' job: ParameterServerStrategy needs a cluster of a 'chief', "
+                "'worker' tasks and 'ps' tasks, e.g. {\"cluster\": {\"chief\": [\"h0:2222\"], "
+                "\"worker\": [\"h1:2222\"], \"ps\": [\"h2:2222\"]}, \"task\": {\"type\": "
+                "\"worker\", \"index\": 0}}; for all-reduce training use MultiWorkerMirroredStrategy"
+            )
+        return self._ps
+
+    @property
+    def task_type(self) -> str:
+        return self._ps.task_type if self._ps is not None else super().task_type
+
+    @property
+    def task_id(self) -> int:
+        return self._ps.task_id if self._ps is not None else super().task_id
+
+    @property
+    def num_workers(self) -> int:
+        """The workers: in a parameter-server cluster, the ``worker`` tasks (not the chief)."""
+        return self._ps.num_workers if self._ps is not None else super().num_workers
+
+    def master(self) -> str:
+        return self._ps.chief if self._ps is not None else super().master()
+
+    def __repr__(self) -> str:
+        if self._ps is not None:
+            return f"TFConfigClusterResolver({self._ps.describe()})"
+        return super().__repr__()
+
+
+def _restart_count(env: Mapping[str, str]) -> int:
+    text = env.get("STRATAGEM_RESTART_COUNT", "0") or "0"
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"STRATAGEM_RESTART_COUNT must be a whole number >= 0, got {text!r}")
+    return count
+
+
+def _ps_cluster(cluster: dict[str, object], task: dict[str, object], restart_count: int) -> PSClusterSpec:
+    """TF_CONFIG's parameter-server cluster, checked by tf's rules (one chief, >= 1 worker and ps)."""
+    unknown = set(cluster) - set(PS_TASK_TYPES)
+    if unknown:
+        raise ValueError(
+            f"TF_CONFIG has jobs {sorted(unknown)}; a parameter-server cluster has only 'chief', "
+            "'worker' and 'ps' (evaluators are not supported)"
+        )
+    jobs: dict[str, list[str]] = {}
+    for job in PS_TASK_TYPES:
+        tasks = cluster.get(job, [])
+        if not isinstance(tasks, list) or not all(isinstance(t, str) for t in tasks):
+            raise ValueError(f"TF_CONFIG job {job!r} must be a list of 'host:port' strings, got {tasks!r}")
+        for i, address in enumerate(tasks):
+            split_address(address, f"TF_CONFIG {job} {i}")
+        jobs[job] = tasks
+    counts = {job: len(tasks) for job, tasks in jobs.items()}
+    if counts["chief"] != 1 or counts["worker"] < 1 or counts["ps"] < 1:
+        raise ValueError(
+            "TF_CONFIG has a 'ps' job (parameter servers): a parameter-server cluster needs exactly "
+            "one 'chief' (the coordinator), at least one 'worker' and at least one 'ps' task; got "
+            f"{counts['chief']} chief(s), {counts['worker']} worker(s), {counts['ps']} ps"
+        )
+    ttype, tindex = task.get("type"), task.get("index", 0)
+    if ttype not in PS_TASK_TYPES or isinstance(tindex, bool) or not isinstance(tindex, int):
+        raise ValueError(
+            f"TF_CONFIG task {task!r}: type must be 'chief', 'worker' or 'ps', index an int"
+        )
+    if not 0 <= tindex < counts[ttype]:
+        raise ValueError(
+            f"TF_CONFIG task {task!r} is not in the cluster: it has {counts[ttype]} {ttype!r} task(s)"
+        )
+    return PSClusterSpec(
+        jobs["chief"][0], tuple(jobs["worker"]), tuple(jobs["ps"]), ttype, tindex,
+        "tf_config", restart_count,
+    )
 
 
 @final

@@ -343,6 +343,13 @@ class ProcessGroupCommunicator(Communicator):
             dist.recv(tensor, src=self.global_ranks[src], group=self.group)
 
     def split(self, groups: Sequence[Sequence[int]]) -> Communicator:
+        if dist.is_initialized() and self.world_size != dist.get_world_size():
+            # torch's new_group is collective over every process of the job: a sub-group's
+            # members alone calling it wait forever for the others
+            raise ValueError(
+                f"split() of a group of {self.world_size} of the job's {dist.get_world_size()} processes: "
+                "torch's new_group needs every process; split the job's whole communicator"
+            )
         flat = sorted(r for g in groups for r in g)
         if flat != list(range(self.world_size)):
             raise ValueError(f"groups {list(map(list, groups))} must cover ranks 0..{self.world_size - 1} once")

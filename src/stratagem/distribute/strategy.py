@@ -93,6 +93,12 @@ class StrategyExtended(abc.ABC):
         return False
 
     @property
+    def coordinates_workers(self) -> bool:
+        """Whether steps are functions a coordinator schedules onto workers (ParameterServerStrategy),
+        each worker stepping on its own, rather than every replica stepping together."""
+        return False
+
+    @property
     def is_pipeline(self) -> bool:
         """Whether the model runs as stages (``build_pipe``) rather than whole on every replica."""
         return False
@@ -102,6 +108,11 @@ class StrategyExtended(abc.ABC):
         the model on meta in its scope and replaces the parameters an optimizer made there
         holds. Done before a first step anyway; a checkpoint asks for it before reading state."""
         return optimizer
+
+    def checkpoint_saved(self, path: str) -> None:
+        """A CheckpointManager wrote ``path`` (a strategy whose failures need a checkpoint to
+        resume from names it in the error)."""
+        return None
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Inside: backward passes accumulate gradients locally, not reduced (see Strategy.no_sync)."""

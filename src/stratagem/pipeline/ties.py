@@ -55,14 +55,21 @@ class TiedGradients:
         layers: Sequence[tuple[str, nn.Module]],
         owned: range,
         stage: int,
-        pipeline: Communicator,
+        world: Communicator,
+        pipelines: Sequence[Sequence[int]],
     ) -> None:
+        """``pipelines``: the world ranks of each data-parallel copy's stages, in stage order. A
+        tie's ends are summed within each copy (the copies' own sums are then alike, and the
+        stage's gradient all-reduce over copies keeps them so)."""
         self.ties = list(ties)
         self._local: list[tuple[Tie, nn.Parameter, Communicator]] = []
         groups: dict[tuple[int, ...], Communicator] = {}
         for stages in sorted({t.stages for t in self.ties}):
-            others = [[r] for r in range(pipeline.world_size) if r not in stages]
-            groups[stages] = pipeline.split([list(stages), *others])  # every stage calls it
+            tied = [[copy[s] for s in stages] for copy in pipelines]
+            inside = {r for g in tied for r in g}
+            others = [[r] for r in range(world.world_size) if r not in inside]
+            # every process of the job calls it (torch's new_group is collective over the world)
+            groups[stages] = world.split([*tied, *others])
         for tie in self.ties:
             if stage not in tie.stages:
                 continue

@@ -270,6 +270,29 @@ def fit(
     if validation_data is not None:
         check_iterable(validation_data, "validation_data")
         check_finite(validation_data, validation_steps, "validation_data", "validation_steps")
+    if strategy.extended.coordinates_workers:  # ParameterServerStrategy: steps scheduled onto workers
+        from stratagem.train import coordinated_fit
+
+        coordinated_fit.unsupported({
+            "precision": policy.name != "32", "gradient_accumulation_steps": gradient_accumulation_steps != 1,
+            "clipnorm": clipnorm, "clipvalue": clipvalue, "global_clipnorm": global_clipnorm,
+            "class_weight": class_weight,
+        })  # fmt: skip
+
+        def validate() -> Logs:
+            runner = _make_steps(strategy, model, None, loss_fn)
+            return _run_test(strategy, runner, validation_data, val_tracked, None, validation_steps)  # type: ignore[arg-type]
+
+        names = [m.name for m in tracked]
+        assert isinstance(model, nn.Module)  # a Pipe exists only under PipelineStrategy
+        return coordinated_fit.fit_coordinated(
+            strategy, model, optimizer, loss_fn, data, epochs=epochs, steps_per_epoch=steps_per_epoch,
+            tracked=tracked, callbacks=callbacks, verbose=verbose, initial_epoch=initial_epoch,
+            validate=validate if validation_data is not None else None,
+            params={"epochs": epochs, "verbose": verbose, "do_validation": validation_data is not None,
+                    "metrics": names + ([f"val_{n}" for n in names] if validation_data is not None else []),
+                    "num_replicas": strategy.num_replicas_in_sync},
+        )  # fmt: skip
     steps = _make_steps(strategy, model, optimizer, loss_fn, policy, options)
     batches = GlobalBatches(strategy, data, steps_per_epoch)
     names = [m.name for m in tracked]

@@ -80,6 +80,13 @@ class Metric(abc.ABC):
         self._global: torch.Tensor | None = None
         self._strategy: Strategy | None = None  # the strategy the last update ran under
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A metric shipped elsewhere (a function a parameter-server worker runs) leaves behind
+        the strategy it was last updated under (it is that process's business)."""
+        state = dict(self.__dict__)
+        state["_strategy"] = None
+        return state
+
     # --- the per-metric parts --------------------------------------------------------------
     @abc.abstractmethod
     def batch_totals(self, *args: Any, **kwargs: Any) -> torch.Tensor:

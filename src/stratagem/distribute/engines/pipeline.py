@@ -209,7 +209,10 @@ class PipelineExtended(OverReplicas):
                 tensors = [*modules.parameters(), *modules.buffers()]
                 self.replicas.broadcast_tensors_([t.data for t in tensors], src=0)
             channel = Channel(self.pipeline_comm) if cfg.num_stages > 1 else None
-            tied = TiedGradients(ties, layers, owned, self.stage, self.pipeline_comm) if ties else None
+            tied = (
+                TiedGradients(ties, layers, owned, self.stage, self._world, self.config.pipeline_groups())
+                if ties else None
+            )  # fmt: skip
             pipe = Pipe(
                 model, stages, channel, self.schedule, partition,
                 rematerialize=cfg.rematerialize, loss_reduction=reduction, replicas=self.replicas,

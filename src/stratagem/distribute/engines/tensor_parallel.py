@@ -27,6 +27,39 @@ from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.strategy import Strategy
 
+_RULES: list[bool] = []
+
+
+def register_attention_rules() -> None:
+    """DTensor sharding rules (torch's ``register_sharding``, its extension point) for the CPU
+    flash-attention kernel behind ``F.scaled_dot_product_attention``, which torch ships without
+    one: replicated, or split by batch or by head, in and out, forward and backward. Registered
+    once per process; it only adds what DTensor refused before."""
+    if _RULES:
+        return
+    _RULES.append(True)
+    aten = torch.ops.aten
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is None or bwd is None:
+        return
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(fwd.default)  # type: ignore[untyped-decorator]
+    def _forward(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        extra: list[Any] = [None] * len(args)  # dropout_p, is_causal when given: not tensors
+        rules: list[Any] = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), *extra])]
+        rules += [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), *extra]) for d in (0, 1)]
+        return rules
+
+    @register_sharding(bwd.default)  # type: ignore[untyped-decorator]
+    def _backward(g: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        extra: list[Any] = [None] * len(args)
+        rules: list[Any] = [([Replicate()] * 3, [Replicate()] * 6 + extra)]
+        rules += [([Shard(d)] * 3, [*[Shard(d)] * 6, *extra]) for d in (0, 1)]
+        return rules
+
 
 class TensorParallelExtended(OverReplicas):
     """A model split by a LayoutMap over a DeviceMesh's model axis (and sharded over its data axis)."""
@@ -127,7 +160,15 @@ class TensorParallelExtended(OverReplicas):
 
         plan = tensor_parallel_plan(root, self.layout_map, self.model_axis)
         self.plans.append(plan)
-        styles: dict[str, ParallelStyle] = {path: ColwiseParallel() if kind == "colwise" else RowwiseParallel() for path, kind in plan.items()}
+        # a column-parallel layer's output stays a DTensor (split along features): whatever the
+        # model does with it next (a split into q, k, v, a view into heads) sees the whole logical
+        # tensor, gathered where an op needs it; a row-parallel layer takes it as it is
+        styles: dict[str, ParallelStyle] = {
+            path: ColwiseParallel(use_local_output=False) if kind == "colwise" else RowwiseParallel()
+            for path, kind in plan.items()
+        }
+        if styles:
+            register_attention_rules()
         # built on meta: real (empty) storage once sharded, initialised by the replay after
         with allocated_keeping_buffers(root, self._device) if not materialized else contextlib.nullcontext():
             if styles:

@@ -1,9 +1,10 @@
-"""strategies: the final strategy classes (default, one device, mirrored, multi-worker, pipeline, sharded, tensor parallel, TPU)."""
+"""strategies: the final strategy classes (default, one device, mirrored, multi-worker, pipeline, sharded, tensor parallel, TPU, parameter server)."""
 
 from stratagem.distribute.strategies.default import DefaultStrategy
 from stratagem.distribute.strategies.mirrored import MirroredStrategy
 from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
 from stratagem.distribute.strategies.one_device import OneDeviceStrategy
+from stratagem.distribute.strategies.parameter_server import ParameterServerStrategy
 from stratagem.distribute.strategies.pipeline import PipelineStrategy
 from stratagem.distribute.strategies.sharded import ShardedStrategy
 from stratagem.distribute.strategies.tensor_parallel import ModelParallelStrategy
@@ -15,6 +16,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PipelineStrategy",
     "ShardedStrategy",
     "TPUStrategy",

@@ -377,6 +377,7 @@ class CheckpointManager:
         if step is None:
             raise ValueError("save(step): pass the step (or give the Checkpoint a `step` object)")
         step_int = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+        self._prepare_optimizers()
         if self.strategy.extended.shards_state:  # issue 14 hook: sharded state (train/checkpoint/sharded.py)
             from stratagem.train.checkpoint import sharded
 
@@ -413,7 +414,15 @@ class CheckpointManager:
                 f"the chief could not write the checkpoint at step {step_int} in {self.directory}: "
                 f"{result[1]}: {result[2]} (earlier checkpoints are intact; nothing of this save was left)"
             )
+        self.strategy.extended.checkpoint_saved(result[0])
         return result[0]
+
+    def _prepare_optimizers(self) -> None:
+        """The strategy readies each optimizer before its state is read or written (a sharding
+        strategy retargets it; a parameter-server strategy reads its state from the ps tasks)."""
+        for obj in self.checkpoint.objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                self.strategy.extended.prepare_optimizer(obj)
 
     def _prune(self) -> None:
         clean_leftovers(self.directory)  # only what dead writers of this host left
@@ -446,6 +455,7 @@ class CheckpointManager:
     def _prepare(self, path: Path) -> Callable[[], None]:
         """Read this replica's states from ``path`` and validate them; returns the assignment."""
         meta = read_metadata(path)
+        self._prepare_optimizers()
         if "sharded" in meta or self.strategy.extended.shards_state:  # issue 14 hook: sharded checkpoint or model (train/checkpoint/sharded.py)
             from stratagem.train.checkpoint import sharded
 

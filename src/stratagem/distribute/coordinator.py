@@ -1,0 +1,384 @@
+"""ClusterCoordinator (tf.distribute.coordinator): schedule functions onto workers, get RemoteValues.
+
+One thread per worker takes the next scheduled function from one queue, ships it (pickled by
+value, with handles for variables, optimizers, the strategy and per-worker iterators) and runs
+it there. A worker that cannot be reached has its function put back at the head of the queue
+for the others, and takes no more; every function's result is delivered exactly once. An error
+raised by a function is kept in its RemoteValue and raised by the next ``schedule`` or ``join``
+(as tf does); a parameter server that is lost ends training with that error.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import itertools
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from stratagem.core import tree
+from stratagem.distribute.engines.parameter_server import ParameterServerExtended
+from stratagem.distribute.engines.ps_client import ParameterServerError
+from stratagem.distribute.engines.ps_pickle import dumps
+
+__all__ = [
+    "ClusterCoordinator",
+    "OutOfRangeError",
+    "PerWorkerValues",
+    "RemoteValue",
+    "WorkerLostError",
+]
+
+
+class OutOfRangeError(Exception):
+    """A per-worker iterator ran out inside a scheduled function (tf.errors.OutOfRangeError)."""
+
+
+class WorkerLostError(RuntimeError):
+    """No worker is left to run the scheduled functions."""
+
+
+class RemoteValue:
+    """The result of a scheduled function, set once when a worker has run it."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def _set(self, value: Any) -> bool:
+        if self._done.is_set():
+            return False
+        self._value = value
+        self._done.set()
+        return True
+
+    def _fail(self, error: BaseException) -> bool:
+        if self._done.is_set():
+            return False
+        self._error = error
+        self._done.set()
+        return True
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def fetch(self) -> Any:
+        """Wait for the function; its return value, or the error it raised."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def get(self) -> Any:
+        """The same as :meth:`fetch` (tf's ``get`` keeps tensors as tensors; so does fetch here)."""
+        return self.fetch()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._error is not None else "done")
+        return f"RemoteValue({state})"
+
+
+class PerWorkerValues:
+    """One value per worker (tf.distribute.experimental.coordinator.PerWorkerValues)."""
+
+    def __init__(self, values: tuple[Any, ...]) -> None:
+        self._values = values
+
+    def __repr__(self) -> str:
+        return f"PerWorkerValues({len(self._values)} workers)"
+
+
+class PerWorkerDataset:
+    """A dataset each worker builds for itself from ``dataset_fn``; ``iter()`` gives a
+    PerWorkerIterator to pass to scheduled functions, where it is that worker's iterator."""
+
+    def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Callable[..., Any], key: str) -> None:
+        self._coordinator = weakref.ref(coordinator)
+        self.dataset_fn = dataset_fn
+        self.key = key
+        self._fn_bytes: bytes | None = None
+        self._iterators = itertools.count()
+
+    def fn_bytes(self, handle_of: Callable[[Any], Any]) -> bytes:
+        if self._fn_bytes is None:
+            self._fn_bytes = dumps(self.dataset_fn, handle_of)
+        return self._fn_bytes
+
+    def __iter__(self) -> PerWorkerIterator:
+        return PerWorkerIterator(self, f"{self.key}/{next(self._iterators)}")
+
+    def __repr__(self) -> str:
+        return f"PerWorkerDataset({self.key})"
+
+
+class PerWorkerIterator:
+    """One iterator per worker over its own copy of a PerWorkerDataset."""
+
+    def __init__(self, dataset: PerWorkerDataset, key: str) -> None:
+        self.dataset = dataset
+        self.key = key
+
+    def __next__(self) -> Any:
+        raise TypeError(
+            "a per-worker iterator is read inside a scheduled function: pass it to "
+            "coordinator.schedule(step_fn, args=(iterator,)) and call next() there"
+        )
+
+    def __repr__(self) -> str:
+        return f"PerWorkerIterator({self.key})"
+
+
+class _Closure:
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.value = RemoteValue()
+
+
+def _rebuild_error(name: str, message: str, where: str, remote_tb: str) -> BaseException:
+    if name == "StopIteration":
+        return OutOfRangeError(f"{where}: {message}")
+    if name == "ParameterServerError":
+        err: BaseException = ParameterServerError(message)
+    else:
+        cls = getattr(builtins, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            cls = RuntimeError
+            message = f"{name}: {message}"
+        try:
+            err = cls(f"{message} (raised by the scheduled function on {where})")
+        except Exception:
+            err = RuntimeError(f"{name}: {message} (raised by the scheduled function on {where})")
+    if remote_tb and hasattr(err, "add_note") and not isinstance(err, ParameterServerError):
+        err.add_note(f"traceback on {where}:\n{remote_tb.rstrip()}")
+    return err
+
+
+class ClusterCoordinator:
+    """Schedules functions onto the workers of a ParameterServerStrategy (on the chief).
+
+    One per strategy, as in tf: ``ClusterCoordinator(strategy)`` again (``fit`` does) returns the
+    same coordinator while it is open."""
+
+    def __new__(cls, strategy: Any, **kwargs: Any) -> ClusterCoordinator:
+        ext = getattr(strategy, "extended", None)
+        existing = getattr(ext, "coordinator", None)
+        if isinstance(existing, cls) and not existing._closed:
+            return existing
+        return super().__new__(cls)
+
+    def __init__(self, strategy: Any, *, function_timeout: float = 600.0) -> None:
+        if getattr(self, "_started", False):
+            return  # the strategy's open coordinator, returned by __new__
+        ext = getattr(strategy, "extended", None)
+        if not isinstance(ext, ParameterServerExtended):
+            raise TypeError(f"ClusterCoordinator needs a ParameterServerStrategy, got {type(strategy).__name__}")
+        if not ext.spec.is_chief:
+            raise RuntimeError("ClusterCoordinator runs on the chief task only")
+        self.strategy = strategy
+        self._ext = ext
+        self._timeout = function_timeout
+        self._queue: collections.deque[_Closure] = collections.deque()
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._error: BaseException | None = None
+        self._fatal: BaseException | None = None
+        self._closed = False
+        self._live = set(ext.worker_names)
+        self._sent: dict[str, set[str]] = {w: set() for w in ext.worker_names}
+        self._configured: dict[str, int] = {}
+        self.lost_workers: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._work, args=(w,), name=f"coordinator-{w}", daemon=True)
+            for w in ext.worker_names
+        ]
+        ext.coordinator = self
+        self._started = True
+        for t in self._threads:
+            t.start()
+
+    # --- the public API ----------------------------------------------------------------------
+    def schedule(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> RemoteValue:
+        """Queue ``fn(*args, **kwargs)`` to run on the next free worker; returns its RemoteValue."""
+        self._raise_pending()
+        closure = _Closure(fn, tuple(args), dict(kwargs or {}))
+        with self._cond:
+            self._queue.append(closure)
+            self._cond.notify_all()
+        return closure.value
+
+    def join(self) -> None:
+        """Wait until every scheduled function has run; raise the first error one raised."""
+        with self._cond:
+            while (self._queue or self._inflight) and self._fatal is None and self._live:
+                self._cond.wait(1.0)
+        self._raise_pending()
+
+    def done(self) -> bool:
+        """Whether every scheduled function has run (raises the first error, as join)."""
+        with self._cond:
+            busy = bool(self._queue or self._inflight)
+        self._raise_pending()
+        return not busy
+
+    def fetch(self, value: Any) -> Any:
+        """``value`` with every RemoteValue in it replaced by its result (waiting for each)."""
+        return tree.map_structure(lambda v: v.fetch() if isinstance(v, RemoteValue) else v, value, is_leaf=lambda v: isinstance(v, RemoteValue))
+
+    def create_per_worker_dataset(self, dataset_fn: Callable[..., Any]) -> PerWorkerDataset:
+        """A dataset every worker builds by calling ``dataset_fn()`` (or ``dataset_fn(input_context)``)."""
+        if isinstance(dataset_fn, PerWorkerValues):
+            raise TypeError("create_per_worker_dataset takes a function that builds the dataset on each worker")
+        if not callable(dataset_fn):
+            raise TypeError(
+                f"create_per_worker_dataset takes a function returning a dataset, got {type(dataset_fn).__name__}: "
+                "wrap it, e.g. `lambda: dataset`"
+            )
+        # numbered per strategy: a worker keeps every dataset it built under its key
+        return PerWorkerDataset(self, dataset_fn, f"d{next(self._ext.dataset_keys)}")
+
+    def close(self) -> None:
+        """Take no more functions; the worker threads end after the one they run."""
+        with self._cond:
+            self._closed = True
+            for c in self._queue:
+                c.value._fail(RuntimeError("the coordinator was closed before this function ran"))
+            self._queue.clear()
+            self._cond.notify_all()
+
+    def shutdown(self) -> None:
+        """Close, and let the other tasks leave (done at the chief's exit anyway)."""
+        self.close()
+        self._ext.shutdown()
+
+    # --- what handles mean here ----------------------------------------------------------------
+    def handle(self, o: Any, worker: str) -> tuple[Any, ...] | None:
+        if isinstance(o, PerWorkerIterator):
+            ds = o.dataset
+            first = ds.key not in self._sent[worker]
+            fn = ds.fn_bytes(self._ext.handle_of(self, worker)) if first else None
+            self._sent[worker].add(ds.key)
+            return ("iterator", o.key, ds.key, fn)
+        if isinstance(o, PerWorkerDataset):
+            first = o.key not in self._sent[worker]
+            fn = o.fn_bytes(self._ext.handle_of(self, worker)) if first else None
+            self._sent[worker].add(o.key)
+            return ("dataset", o.key, fn)
+        if isinstance(o, ClusterCoordinator):
+            raise TypeError("a scheduled function cannot use the ClusterCoordinator (it lives on the chief)")
+        return None
+
+    # --- the worker threads --------------------------------------------------------------------
+    def _raise_pending(self) -> None:
+        with self._cond:
+            if self._fatal is not None:
+                raise self._fatal
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _next(self, worker: str) -> _Closure | None:
+        with self._cond:
+            while not self._queue and not self._closed and self._fatal is None:
+                self._cond.wait(1.0)
+            if self._closed or self._fatal is not None:
+                return None
+            self._inflight += 1
+            return self._queue.popleft()
+
+    def _finish(self, closure: _Closure | None, error: BaseException | None = None, requeue: bool = False) -> None:
+        with self._cond:
+            self._inflight -= 1
+            if requeue and closure is not None:
+                self._queue.appendleft(closure)
+            if error is not None and self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    def _work(self, worker: str) -> None:
+        ext = self._ext
+        while True:
+            closure = self._next(worker)
+            if closure is None:
+                return
+            try:
+                if self._configured.get(worker) != len(ext.plans):
+                    ext.configure_worker(worker)
+                    self._configured[worker] = len(ext.plans)
+                payload = dumps((closure.fn, closure.args, closure.kwargs), ext.handle_of(self, worker))
+            except Exception as e:
+                if self._lost(worker, e):
+                    self._finish(closure, requeue=True)
+                    return
+                shipped = TypeError(f"could not ship the scheduled function {getattr(closure.fn, '__name__', closure.fn)!r} to {worker}: {e}")
+                closure.value._fail(shipped)
+                self._finish(closure, shipped)
+                continue
+            try:
+                status, value = ext.run_on(worker, payload, self._timeout)
+            except Exception as e:
+                self._lost(worker, e, force=True)
+                self._finish(closure, requeue=True)
+                return
+            if status == "gone":  # the worker is leaving (the chief is shutting down)
+                self._finish(closure, requeue=True)
+                return
+            ext.functions_done += 1  # the chief's copies of the variables may be stale now
+            if status == "ok":
+                closure.value._set(value)
+                self._finish(closure)
+                continue
+            name, message, remote_tb = value
+            err = _rebuild_error(name, message, worker, remote_tb)
+            if isinstance(err, ParameterServerError):
+                last = ext.last_checkpoint
+                err = ParameterServerError(
+                    f"{err} ({f'the last checkpoint this job saved: {last}' if last else 'this job saved no checkpoint'})"
+                )
+                with self._cond:
+                    self._fatal = self._fatal or err
+                    for c in self._queue:  # nothing more can run: each waiting value gets the error
+                        c.value._fail(self._fatal)
+                    self._queue.clear()
+                    self._cond.notify_all()
+            closure.value._fail(err)
+            self._finish(closure, err)
+
+    def _lost(self, worker: str, e: BaseException, force: bool = False) -> bool:
+        """``worker`` cannot be reached (``force``: its call failed in transport): it takes no more
+        functions; its function goes back to the queue for the others."""
+        if not force:
+            try:
+                import torch.distributed.rpc as rpc
+
+                rpc.rpc_sync(worker, _noop, timeout=5)
+                return False
+            except Exception:
+                pass
+        first = (str(e).splitlines()[0] if str(e) else type(e).__name__).split(" (this error originated")[0]
+        print(
+            f"stratagem: {worker} failed ({first}); its functions run on the other workers",
+            file=sys.stderr,
+            flush=True,
+        )
+        with self._cond:
+            self._live.discard(worker)
+            self.lost_workers.append(worker)
+            self._ext.lost_tasks.append(worker)
+            if not self._live:
+                self._fatal = WorkerLostError(
+                    f"every worker is lost ({', '.join(self.lost_workers)}); the scheduled functions "
+                    "cannot run: restart the job and restore the last checkpoint"
+                )
+                for c in self._queue:
+                    c.value._fail(self._fatal)
+                self._queue.clear()
+            self._cond.notify_all()
+        return True
+
+
+def _noop() -> None:
+    return None

@@ -1,0 +1,770 @@
+"""ParameterServerExtended: variables on ps tasks, functions run on workers (torch.distributed.rpc).
+
+Every task runs the same script. The chief (the coordinator) creates the model and optimizer in
+``strategy.scope()``; when the scope closes their parameters and buffers are placed on the ps
+tasks (``ps_plan``) and the chief's tensors stand for them. Worker and ps tasks serve from the
+strategy's constructor until the chief is done, then leave (``serve``). A function scheduled by
+the ClusterCoordinator travels pickled by value with handles for what a worker has its own of
+(``ps_pickle``); on the worker its dense variables are read, it runs as the worker's one replica,
+and its optimizer's ``step()`` sends the gradients to the ps tasks, which apply them
+(``ps_store``), embedding tables row by row (``ps_client``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import os
+import sys
+import threading
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.cluster.ps_spec import PSClusterSpec
+from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.distribute import ownership
+from stratagem.distribute.engines.data_parallel import DataParallelExtended
+from stratagem.distribute.engines.ps_client import (
+    ParameterServerError,
+    VariableClient,
+    embedding_rows_hook,
+    tagged,
+)
+from stratagem.distribute.engines.ps_pickle import loads
+from stratagem.distribute.engines.ps_plan import Partitioner, VariablePlan, plan_variables
+from stratagem.distribute.engines.ps_store import OptimizerSpec, ParameterStore
+from stratagem.distribute.reduce_op import ReduceOp
+from stratagem.distribute.strategy import StrategyExtended
+
+#: the runtime each worker process serves (one ParameterServerStrategy per process), found by
+#: the functions the coordinator calls over rpc
+_RUNTIMES: dict[str, WorkerRuntime] = {}
+
+
+def _rpc() -> Any:
+    import torch.distributed.rpc as rpc
+
+    return rpc
+
+
+def rpc_name(task_type: str, index: int) -> str:
+    return "chief" if task_type == "chief" else f"{task_type}:{index}"
+
+
+class WorkerOptimizer:
+    """A worker's stand-in for the chief's optimizer: the same parameter groups over the worker's
+    tensors; ``step()`` sends their gradients to the ps tasks, which step the real optimizer."""
+
+    def __init__(self, client: VariableClient, key: str, groups: list[tuple[OptimizerSpec, list[torch.Tensor]]]) -> None:
+        self._client = client
+        self._key = key
+        self._groups = groups
+        self.param_groups = [dict(spec[2], params=params) for spec, params in groups]
+        self.state: dict[Any, Any] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, params in self._groups:
+            for p in params:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = closure() if closure is not None else None
+        for (spec, params), group in zip(self._groups, self.param_groups):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            self._client.push_gradients(self._key, (spec[0], spec[1], hyper), params)
+        return loss
+
+
+def optimizer_spec(opt: torch.optim.Optimizer) -> list[tuple[OptimizerSpec, list[int]]]:
+    """Each parameter group of ``opt``: how to rebuild it on a ps task, and its variables."""
+    cls = type(opt)
+    out = []
+    for group in opt.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor)}
+        vids = []
+        for p in group["params"]:
+            info = tagged(p)
+            if info is None:
+                raise ValueError(
+                    f"{cls.__name__} steps a parameter of shape {tuple(p.shape)} that was not created in "
+                    "`with strategy.scope():` of this ParameterServerStrategy; create the model and the "
+                    "optimizer inside the scope so their variables live on the ps tasks"
+                )
+            vids.append(info[1])
+        out.append(((cls.__module__, cls.__qualname__, hyper), vids))
+    return out
+
+
+class WorkerRuntime:
+    """What a worker task keeps between functions: the variable client, optimizer stand-ins,
+    per-worker datasets and their iterators."""
+
+    def __init__(self, task: str, strategy_ref: Callable[[], Any]) -> None:
+        self.task = task
+        self.strategy_ref = strategy_ref
+        self.client: VariableClient | None = None
+        self.optimizers: dict[str, WorkerOptimizer] = {}
+        self.datasets: dict[str, Any] = {}
+        self.iterators: dict[str, Iterator[Any]] = {}
+        self.stopped = threading.Event()
+        self.graceful = False  # leave together with the others (every task alive) or alone
+        self.busy = threading.Lock()
+
+    def configure(self, stores: list[Any], ps_names: list[str], plans: list[VariablePlan], timeout: float) -> None:
+        if self.client is None:
+            self.client = VariableClient(self.task, stores, ps_names, timeout)
+        for plan in plans:
+            self.client.plans[plan.vid] = plan
+
+    def resolve(self, handle: tuple[Any, ...], touched: set[int]) -> Any:
+        kind = handle[0]
+        client = self.client
+        if kind == "var":
+            _, vid, is_param, requires_grad = handle
+            assert client is not None, "functions reach a worker only after the variables are placed"
+            touched.add(vid)
+            return client.tensor(client.plans[vid], requires_grad, is_param)
+        if kind == "opt":
+            _, key, groups = handle
+            assert client is not None
+            opt = self.optimizers.get(key)
+            if opt is None or [s for s, _ in opt._groups] != [s for s, _ in groups]:
+                tensors = [(spec, [client.tensor(client.plans[v], True, True) for v in vids]) for spec, vids in groups]
+                opt = WorkerOptimizer(client, key, tensors)
+                self.optimizers[key] = opt
+            else:
+                for group, (spec, _) in zip(opt.param_groups, groups):
+                    group.update(spec[2])  # hyperparameters as the chief has them now
+            return opt
+        if kind == "strategy":
+            return self.strategy_ref()
+        if kind == "iterator":
+            _, key, dataset_key, fn_bytes = handle
+            it = self.iterators.get(key)
+            if it is None:
+                dataset = self.datasets.get(dataset_key)
+                if dataset is None:
+                    if fn_bytes is None:
+                        raise RuntimeError(f"{self.task} has no per-worker dataset {dataset_key}")
+                    dataset = _call_dataset_fn(loads(fn_bytes, lambda h: self.resolve(h, touched)), self)
+                    self.datasets[dataset_key] = dataset
+                it = iter(dataset)
+                self.iterators[key] = it
+            return it
+        if kind == "dataset":
+            _, dataset_key, fn_bytes = handle
+            dataset = self.datasets.get(dataset_key)
+            if dataset is None:
+                dataset = _call_dataset_fn(loads(fn_bytes, lambda h: self.resolve(h, touched)), self)
+                self.datasets[dataset_key] = dataset
+            return dataset
+        raise ValueError(f"unknown handle {handle!r}")
+
+    def run(self, payload: bytes) -> tuple[str, Any]:
+        """Run one scheduled function: ("ok", value) or ("error", (type name, message, traceback))."""
+        with self.busy:
+            touched: set[int] = set()
+            try:
+                fn, args, kwargs = loads(payload, lambda h: self.resolve(h, touched))
+                if self.client is not None:
+                    self.client.forget_lookups()
+                    self.client.pull(touched)
+                    before = self._buffer_versions(touched)
+                strategy = self.strategy_ref()
+                with strategy.scope():
+                    value = fn(*args, **kwargs)
+                if self.client is not None:
+                    changed = [v for v, ver in before.items() if self.client.local[v]._version != ver]
+                    if changed:
+                        self.client.push_values(changed)
+                return ("ok", _detach(value))
+            except StopIteration as e:
+                return ("error", ("StopIteration", str(e) or "the per-worker iterator is exhausted", ""))
+            except BaseException as e:  # delivered to the coordinator, which raises it there
+                return ("error", (type(e).__name__, str(e), traceback.format_exc()))
+
+    def _buffer_versions(self, vids: Iterable[int]) -> dict[int, int]:
+        assert self.client is not None
+        return {
+            v: self.client.local[v]._version
+            for v in vids
+            if v in self.client.local and not isinstance(self.client.local[v], nn.Parameter)
+        }
+
+
+def _call_dataset_fn(fn: Callable[..., Any], runtime: WorkerRuntime) -> Any:
+    import inspect
+
+    from stratagem.distribute.engines.input import InputContext
+
+    strategy = runtime.strategy_ref()
+    index = int(runtime.task.split(":")[1])
+    try:
+        takes = len(inspect.signature(fn).parameters) > 0
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        return fn()
+    ext = strategy.extended
+    return fn(InputContext(ext.num_workers, index, 1))
+
+
+def _detach(value: Any) -> Any:
+    from stratagem.core import tree
+
+    return tree.map_structure(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)
+
+
+# --- functions the coordinator calls on a worker ----------------------------------------------
+def _configure(task: str, stores: list[Any], ps_names: list[str], plans: list[VariablePlan], timeout: float) -> None:
+    _RUNTIMES[task].configure(stores, ps_names, plans, timeout)
+
+
+def _run_closure(task: str, payload: bytes) -> tuple[str, Any]:
+    runtime = _RUNTIMES.get(task)
+    if runtime is None or runtime.stopped.is_set():
+        return ("gone", f"{task} is leaving the cluster")
+    return runtime.run(payload)
+
+
+def _stop(task: str, graceful: bool) -> None:
+    runtime = _RUNTIMES.get(task)
+    if runtime is not None:
+        runtime.graceful = graceful
+        runtime.client = None  # its references to the ps tasks' stores go before rpc shuts down
+        runtime.optimizers.clear()
+        runtime.stopped.set()
+
+
+def _ping() -> bool:
+    return True
+
+
+class ParameterServerExtended(StrategyExtended):
+    """The engine of ParameterServerStrategy (one replica per worker, variables on ps tasks)."""
+
+    def __init__(self, spec: PSClusterSpec, partitioner: Partitioner | None, timeout: float) -> None:
+        self.spec = spec
+        self.partitioner = partitioner
+        self.timeout = timeout
+        self._local = DataParallelExtended(LocalCommunicator("cpu"), torch.device("cpu"), mirror=False, name="ParameterServerStrategy")
+        self.num_workers = spec.num_workers
+        self.num_ps = spec.num_ps
+        self.ps_names = [rpc_name("ps", i) for i in range(spec.num_ps)]
+        self.worker_names = [rpc_name("worker", i) for i in range(spec.num_workers)]
+        self.plans: list[VariablePlan] = []
+        self.stores: list[Any] = []
+        self.client: VariableClient | None = None
+        self._pending: list[tuple[nn.Module, str, torch.Tensor, bool]] = []
+        self._closed = False
+        self.lost_tasks: list[str] = []  # workers the coordinator found unreachable
+        self._optimizer_keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self.coordinator: Any = None  # the strategy's ClusterCoordinator (one per strategy, as tf)
+        self.dataset_keys = itertools.count()  # per-worker datasets, numbered per strategy
+        self.functions_done = 0  # functions workers ran (the chief's copies are stale after one)
+        self._pulled_at = 0
+        self.last_checkpoint: str | None = None  # what a lost ps task's error names to resume from
+        self._join()
+
+    def bind(self, strategy: Any) -> None:
+        super().bind(strategy)
+        self._local.bind(strategy)  # a worker's one replica runs as the strategy's
+
+    # --- the rpc world --------------------------------------------------------------------
+    def _join(self) -> None:
+        rpc = _rpc()
+        s = self.spec
+        opts = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://{s.master_addr}:{s.master_port}", rpc_timeout=self.timeout, num_worker_threads=16
+        )
+        if s.task_type == "worker" and s.restart_count > 0:
+            print(
+                f"stratagem: {s.rpc_name} was restarted, but torch.distributed.rpc cannot admit a task "
+                "into a running cluster; it stays out (the chief runs its functions on the other workers)",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(0)
+        if s.task_type == "worker":
+            _RUNTIMES[s.rpc_name] = WorkerRuntime(s.rpc_name, lambda: self.owner())
+        presence = self._meet()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's own deprecation note about its gloo group
+                rpc.init_rpc(s.rpc_name, rank=s.rank, world_size=s.world_size, rpc_backend_options=opts)
+        except Exception as e:
+            raise RuntimeError(
+                f"ParameterServerStrategy: {s.rpc_name} could not meet the cluster (chief {s.chief}, "
+                f"{s.num_workers} workers, {s.num_ps} ps) within {self.timeout:g}s ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}): start every task listed in TF_CONFIG, "
+                "or use `stratagem run --workers N --ps P script.py`"
+            ) from e
+        del presence  # rpc's rendezvous shares its server (multi-tenant) from here on
+        if s.is_chief:
+            for i, name in enumerate(self.ps_names):
+                try:
+                    self.stores.append(rpc.remote(name, ParameterStore, args=(name,), timeout=self.timeout))
+                    self.stores[-1].rpc_sync(timeout=self.timeout).ping()
+                except Exception as e:
+                    raise ParameterServerError(
+                        f"parameter server {name} ({s.ps[i]}) is unreachable ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}): "
+                        "check that its task runs and its address in TF_CONFIG"
+                    ) from e
+            self.client = VariableClient("chief", self.stores, self.ps_names, self.timeout)
+            _install_step_guard()
+            import atexit
+
+            atexit.register(self.shutdown)
+
+    def _meet(self) -> Any:
+        """Every task says it is here in the chief's store (torch's TCPStore at the chief's
+        address, which rpc's rendezvous then shares): the chief names the tasks that did not
+        come, a task names the chief it cannot reach, each within the timeout."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        s = self.spec
+        try:
+            store = TCPStore(
+                s.master_addr, s.master_port, is_master=s.is_chief, timeout=timedelta(seconds=self.timeout),
+                multi_tenant=True, wait_for_workers=False,
+            )  # fmt: skip
+        except Exception as e:
+            raise RuntimeError(
+                f"ParameterServerStrategy: {s.rpc_name} could not reach the chief at {s.chief} within "
+                f"{self.timeout:g}s ({type(e).__name__}): start the chief task, or check its address in TF_CONFIG"
+            ) from e
+        store.set(f"stratagem/present/{s.rpc_name}", "1")
+        if s.is_chief:
+            import time
+
+            deadline = time.monotonic() + self.timeout
+            addresses = dict(zip(s.rpc_names, [s.chief, *s.workers, *s.ps]))
+            while True:
+                missing = [n for n in s.rpc_names if not store.check([f"stratagem/present/{n}"])]
+                if not missing:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"ParameterServerStrategy: {', '.join(f'{n} ({addresses[n]})' for n in missing)} did not "
+                        f"join the cluster within {self.timeout:g}s: start every task listed in TF_CONFIG "
+                        "(or use `stratagem run --workers N --ps P script.py`)"
+                    )
+                time.sleep(0.05)
+        return store
+
+    def serve(self) -> None:
+        """A worker or ps task: answer the chief until it is done (or gone), then leave."""
+        rpc = _rpc()
+        name = self.spec.rpc_name
+        runtime = _RUNTIMES.get(name)
+        if runtime is None:
+            runtime = _RUNTIMES[name] = WorkerRuntime(name, lambda: self.owner())
+        code = 0
+        while not runtime.stopped.wait(2.0):
+            try:
+                rpc.rpc_sync("chief", _ping, timeout=max(self.timeout, 5.0))
+            except Exception:
+                if runtime.stopped.is_set():
+                    break
+                print(f"stratagem: {name}: the chief is gone; leaving", file=sys.stderr, flush=True)
+                code = 1
+                break
+        _RUNTIMES.pop(name, None)
+        gc.collect()
+        with contextlib.suppress(Exception):
+            rpc.shutdown(graceful=runtime.graceful and code == 0, timeout=self.timeout)
+        if code:
+            os._exit(code)
+        sys.exit(0)
+
+    def shutdown(self) -> None:
+        """The chief is done: tell every task to leave, then leave with them (bounded; alone,
+        without waiting, when a task was lost)."""
+        if self._closed:
+            return
+        if self.coordinator is not None:
+            self.coordinator.close()
+        self._closed = True
+        rpc = _rpc()
+        lost = set(self.lost_tasks)
+        graceful = not lost
+        self.stores.clear()
+        if self.client is not None:
+            self.client.stores = []
+        gc.collect()
+        futs = []
+        for name in [*self.worker_names, *self.ps_names]:
+            if name not in lost:
+                with contextlib.suppress(Exception):
+                    futs.append(rpc.rpc_async(name, _stop, args=(name, graceful), timeout=10))
+        for f in futs:
+            try:
+                f.wait()
+            except Exception:
+                graceful = False
+        with contextlib.suppress(Exception):
+            rpc.shutdown(graceful=graceful, timeout=self.timeout)
+
+    # --- variables --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _capture(self) -> Iterator[None]:
+        from torch.nn.modules import module as module_mod
+
+        def on_param(module: nn.Module, name: str, param: Any) -> None:
+            if param is not None:
+                self._pending.append((module, name, param, True))
+
+        def on_buffer(module: nn.Module, name: str, buffer: Any) -> None:
+            if buffer is not None:
+                self._pending.append((module, name, buffer, False))
+
+        h1 = module_mod.register_module_parameter_registration_hook(on_param)
+        h2 = module_mod.register_module_buffer_registration_hook(on_buffer)
+        try:
+            yield
+        finally:
+            h1.remove()
+            h2.remove()
+
+    def _place(self) -> None:
+        """Put what the scope created on the ps tasks; the chief's tensors stand for them."""
+        assert self.client is not None
+        seen: set[int] = set()
+        found: list[tuple[nn.Module, str, torch.Tensor, bool]] = []
+        for module, name, t, is_param in self._pending:
+            current = module._parameters.get(name) if is_param else module._buffers.get(name)
+            if current is not t or id(t) in seen or tagged(t) is not None:
+                continue
+            seen.add(id(t))
+            found.append((module, name, t, is_param))
+        self._pending.clear()
+        if not found:
+            return
+        for module, name, _, _ in found:
+            if isinstance(module, nn.Embedding) and name == "weight" and module.max_norm is not None:
+                raise ValueError(
+                    f"nn.Embedding(max_norm={module.max_norm}) renormalizes rows in place; under "
+                    "ParameterServerStrategy its table lives on the ps tasks: use max_norm=None"
+                )
+        first = len(self.plans)
+        specs = [
+            (f"{type(m).__name__}.{n}", tuple(t.shape), t.dtype, isinstance(m, nn.Embedding) and n == "weight")
+            for m, n, t, _ in found
+        ]
+        placed = sum(len(p.shards) for p in self.plans)
+        new = plan_variables(specs, self.num_ps, self.partitioner, first, placed)
+        self.plans.extend(new)
+        owned: dict[int, tuple[nn.Module, list[int]]] = {}
+        strategy = self.owner()
+        for plan, (module, _, t, _) in zip(new, found):
+            self.client.adopt(plan, t)
+            ownership.claim(t, strategy)
+            if plan.rows:
+                module.register_forward_hook(embedding_rows_hook)
+            owned.setdefault(id(module), (module, []))[1].append(plan.vid)
+        for module, vids in owned.values():
+            # a forward pass on the chief computes with the variables' current values
+            module.register_forward_pre_hook(_ChiefRead(self))
+            # state_dict() reads the variables from the ps tasks; load_state_dict() writes them there
+            module.register_state_dict_pre_hook(_ChiefSync(self, vids, pull=True))
+            module.register_load_state_dict_post_hook(_ChiefSync(self, vids, pull=False))
+        self.client.push_values(p.vid for p in new)
+        self._configured: set[str] = set()
+
+    # --- what the coordinator uses -----------------------------------------------------------
+    def handle_of(self, registry: Any, worker: str) -> Callable[[Any], tuple[Any, ...] | None]:
+        """How objects are written when a function is shipped to ``worker``."""
+        strategy = self.owner()
+
+        def handle(o: Any) -> tuple[Any, ...] | None:
+            if isinstance(o, torch.Tensor):
+                info = tagged(o)
+                if info is not None and info[0] is self.client:
+                    return ("var", info[1], isinstance(o, nn.Parameter), o.requires_grad)
+                return None
+            if o is strategy:
+                return ("strategy",)
+            if isinstance(o, torch.optim.Optimizer):
+                return ("opt", self.prepare_optimizer_key(o), optimizer_spec(o))
+            return registry.handle(o, worker)
+
+        return handle
+
+    def checkpoint_saved(self, path: str) -> None:
+        self.last_checkpoint = path
+
+    def prepare_optimizer_key(self, opt: torch.optim.Optimizer) -> str:
+        """The key of ``opt``'s state on the ps tasks; its state_dict() reads that state there and
+        its load_state_dict() writes it there (checkpoints, portable to the other strategies)."""
+        key = self._optimizer_keys.get(opt)
+        if key is None:
+            key = f"o{len(self._optimizer_keys)}"
+            self._optimizer_keys[opt] = key
+            opt.register_state_dict_post_hook(_OptimizerSync(self, key, read=True))
+            opt.register_load_state_dict_post_hook(_OptimizerSync(self, key, read=False))
+        return key
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if self.spec.is_chief and any(tagged(p) is not None for g in optimizer.param_groups for p in g["params"]):
+            self.prepare_optimizer_key(optimizer)
+        return optimizer
+
+    def optimizer_state(self, opt: torch.optim.Optimizer, key: str, sd: dict[str, Any]) -> dict[str, Any]:
+        """``sd`` (the chief's ``opt.state_dict()``) with the state the ps tasks hold."""
+        assert self.client is not None
+        index = 0
+        state: dict[int, Any] = {}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                info = tagged(p)
+                if info is not None:
+                    plan = self.plans[info[1]]
+                    parts = [
+                        self.stores[sh.ps].rpc_sync(timeout=self.timeout).optimizer_state(key, [sh.key])[0]
+                        for sh in plan.shards
+                    ]
+                    merged = _merge_shard_states(parts, plan)
+                    if merged:
+                        state[index] = merged
+                index += 1
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, key: str) -> None:
+        """Write ``opt``'s state (just loaded on the chief) to the ps tasks."""
+        groups = optimizer_spec(opt)
+        for (spec, vids), group in zip(groups, opt.param_groups):
+            for vid, p in zip(vids, group["params"]):
+                st = opt.state.get(p)
+                if not st:
+                    continue
+                plan = self.plans[vid]
+                for sh in plan.shards:
+                    part = {
+                        k: (v[sh.start : sh.stop] if isinstance(v, torch.Tensor) and v.dim() > 0
+                            and len(plan.shards) > 1 and v.shape[0] == plan.shape[0] else v)
+                        for k, v in st.items()
+                    }  # fmt: skip
+                    self.stores[sh.ps].rpc_sync(timeout=self.timeout).load_optimizer_state(key, spec, {sh.key: part})
+        opt.state.clear()  # the ps tasks hold it; the chief's optimizer never steps
+
+    def configure_worker(self, worker: str) -> None:
+        rpc = _rpc()
+        rpc.rpc_sync(worker, _configure, args=(worker, self.stores, self.ps_names, self.plans, self.timeout), timeout=self.timeout)
+
+    def run_on(self, worker: str, payload: bytes, timeout: float) -> tuple[str, Any]:
+        rpc = _rpc()
+        return rpc.rpc_sync(worker, _run_closure, args=(worker, payload), timeout=timeout)  # type: ignore[no-any-return]
+
+    def traffic(self) -> list[tuple[int, int]]:
+        """Bytes each ps task received and sent."""
+        return [store.rpc_sync(timeout=self.timeout).traffic() for store in self.stores]
+
+    def refresh(self) -> None:
+        """The chief's copies read anew if a worker ran a function since they were last read."""
+        done = self.functions_done
+        if done != self._pulled_at:
+            self.pull_all()
+            self._pulled_at = done
+
+    def pull_all(self, vids: Sequence[int] | None = None) -> None:
+        """The chief's tensors set to the variables' current values (embedding tables whole)."""
+        if self.client is None or not self.plans:
+            return
+        plans = self.plans if vids is None else [self.plans[v] for v in vids]
+        self.client.pull(p.vid for p in plans)
+        rpc_futs = []
+        for plan in plans:
+            if plan.rows:
+                for s in plan.shards:
+                    rpc_futs.append((plan, s, self.stores[s.ps].rpc_async(timeout=self.timeout).get([s.key])))
+        with torch.no_grad():
+            for plan, s, fut in rpc_futs:
+                self.client.local[plan.vid][s.start : s.stop].copy_(fut.wait()[0])
+
+    def push_all(self, vids: Sequence[int] | None = None) -> None:
+        """The chief's tensors written to the ps tasks (a restored checkpoint)."""
+        if self.client is not None and self.plans:
+            self.client.push_values(p.vid for p in self.plans if vids is None or p.vid in vids)
+
+    # --- StrategyExtended --------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 1
+
+    @property
+    def replica_id(self) -> int:
+        return 0
+
+    @property
+    def device(self) -> torch.device | None:
+        return torch.device("cpu")
+
+    @property
+    def should_checkpoint(self) -> bool:
+        return self.spec.is_chief
+
+    @property
+    def world(self) -> Communicator:
+        return self._local.world
+
+    @property
+    def requires_scope(self) -> bool:
+        return True
+
+    @property
+    def coordinates_workers(self) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        if not self.spec.is_chief:
+            yield
+            return
+        with self._capture():
+            yield
+        self._place()
+
+    def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        if self.spec.is_chief:
+            self.pull_all()  # inline evaluation on the coordinator reads the current values
+        return self._local.call_for_replica(fn, args, kwargs)
+
+    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        return self._local.all_reduce(op, value)
+
+    def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+        return self._local.reduce(op, value, axis)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        return self._local.gather(value, axis)
+
+    def distribute_dataset(self, dataset: Iterable[Any], options: Any) -> Iterable[Any]:
+        return self._local.distribute_dataset(dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any) -> Iterable[Any]:
+        return self._local.distribute_datasets_from_function(dataset_fn, options)
+
+    def barrier(self) -> None:
+        return None
+
+
+class _ChiefSync:
+    """A module hook on the chief: ``state_dict()`` first reads the module's variables from the ps
+    tasks (``pull``), ``load_state_dict()`` then writes them there. A module shipped to a worker
+    takes it along as a hook that does nothing."""
+
+    def __init__(self, ext: ParameterServerExtended, vids: list[int], pull: bool) -> None:
+        self.ext = weakref.ref(ext)
+        self.vids = vids
+        self.pull = pull
+
+    def __call__(self, *args: Any) -> None:
+        ext = self.ext()
+        if ext is None or ext._closed:
+            return
+        (ext.pull_all if self.pull else ext.push_all)(self.vids)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Inert, ())
+
+
+class _ChiefRead:
+    """A forward pre-hook on the chief: after workers ran functions, the first forward pass reads
+    every variable's current value from the ps tasks (tf reads them on the coordinator too).
+    Shipped to a worker, it does nothing."""
+
+    def __init__(self, ext: ParameterServerExtended) -> None:
+        self.ext = weakref.ref(ext)
+
+    def __call__(self, *args: Any) -> None:
+        ext = self.ext()
+        if ext is not None and not ext._closed:
+            ext.refresh()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Inert, ())
+
+
+class _OptimizerSync:
+    """An optimizer hook on the chief: its state lives on the ps tasks."""
+
+    def __init__(self, ext: ParameterServerExtended, key: str, read: bool) -> None:
+        self.ext = weakref.ref(ext)
+        self.key = key
+        self.read = read
+
+    def __call__(self, opt: torch.optim.Optimizer, sd: Any = None) -> Any:
+        ext = self.ext()
+        if ext is None or ext._closed:
+            return sd
+        if self.read:
+            return ext.optimizer_state(opt, self.key, sd)
+        ext.load_optimizer_state(opt, self.key)
+        return None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Inert, ())
+
+
+def _merge_shard_states(parts: list[dict[str, Any]], plan: VariablePlan) -> dict[str, Any]:
+    """One variable's optimizer state from its shards' (tensors of the shard's rows joined; the
+    rest, as ``step``, from the first shard that has state). A shard never updated has none: its
+    rows' state is zeros, as a fresh optimizer's."""
+    have = [p for p in parts if p]
+    if not have:
+        return {}
+    if len(parts) == 1:
+        return parts[0]
+    template = have[0]
+    out: dict[str, Any] = {}
+    for k, v in template.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            rows = []
+            for sh, part in zip(plan.shards, parts):
+                rows.append(part[k] if part else torch.zeros((sh.stop - sh.start, *v.shape[1:]), dtype=v.dtype))
+            out[k] = torch.cat(rows)
+        else:
+            out[k] = v
+    return out
+
+
+class _Inert:
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+# --- the chief's own optimizers stepping ps variables: only through the coordinator -------------
+_GUARD: list[Any] = []
+
+
+def _step_guard(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if tagged(p) is not None:
+                raise RuntimeError(
+                    f"{type(opt).__name__}.step() on the coordinator: under ParameterServerStrategy the "
+                    "variables live on the ps tasks and are updated by the functions workers run; "
+                    "schedule the training step with coordinator.schedule(step_fn, args=...)"
+                )
+
+
+def _install_step_guard() -> None:
+    if not _GUARD:
+        from torch.optim import optimizer as optim_mod
+
+        _GUARD.append(optim_mod.register_optimizer_step_pre_hook(_step_guard))
+

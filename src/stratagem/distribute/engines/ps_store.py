@@ -1,0 +1,139 @@
+"""What one ps task holds: variable shards, their optimizers (made on the first update, from the
+class and hyperparameters the worker's optimizer has), and the reads and updates workers call
+over torch.distributed.rpc. One lock per shard: updates from different workers interleave
+(asynchronous training) but never tear a shard."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: how an optimizer is rebuilt on a ps task: (module, qualname, hyperparameters of its group)
+OptimizerSpec = tuple[str, str, dict[str, Any]]
+
+
+def _optimizer_class(module: str, qualname: str) -> type[torch.optim.Optimizer]:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+class ParameterStore:
+    """The shards on this ps task, by key (``"vid/shard"``)."""
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+        self._values: dict[str, torch.Tensor] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._optimizers: dict[tuple[str, str], torch.optim.Optimizer] = {}
+        self._guard = threading.Lock()
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    # --- placement and whole values (the chief: creation, checkpoints) ----------------------
+    def put(self, values: dict[str, torch.Tensor]) -> None:
+        """Create or overwrite shards (the chief, when the scope closes or a checkpoint loads)."""
+        with self._guard:
+            for key, value in values.items():
+                lock = self._locks.setdefault(key, threading.Lock())
+                with lock:
+                    held = self._values.get(key)
+                    if held is not None and held.shape == value.shape:
+                        with torch.no_grad():
+                            held.copy_(value)  # an optimizer may hold this tensor
+                    else:
+                        self._values[key] = value.detach().clone()
+
+    def get(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        out = []
+        for key in keys:
+            with self._locks[key]:
+                out.append(self._values[key].detach().clone())
+        self.bytes_out += sum(t.numel() * t.element_size() for t in out)
+        return out
+
+    def rows(self, requests: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The rows ``index`` (shard-local) of each shard ``key``: an embedding lookup reads only
+        the rows its batch touches."""
+        out = []
+        for key, index in requests:
+            with self._locks[key]:
+                out.append(self._values[key].detach().index_select(0, index))
+        self.bytes_in += sum(i.numel() * i.element_size() for _, i in requests)
+        self.bytes_out += sum(t.numel() * t.element_size() for t in out)
+        return out
+
+    # --- updates ------------------------------------------------------------------------------
+    def apply(
+        self,
+        opt_key: str,
+        spec: OptimizerSpec,
+        dense: Sequence[tuple[str, torch.Tensor]],
+        sparse: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """One optimizer step of the worker's optimizer ``opt_key`` on the shards it updates:
+        ``dense`` (key, gradient) and ``sparse`` (key, shard-local rows, their gradient rows),
+        the latter as a sparse gradient (torch's optimizers that take one: SGD, Adagrad,
+        SparseAdam), so untouched rows and their optimizer state stay as they are."""
+        for key, grad in dense:
+            self.bytes_in += grad.numel() * grad.element_size()
+            self._step(opt_key, spec, key, grad)
+        for key, index, rows in sparse:
+            self.bytes_in += rows.numel() * rows.element_size() + index.numel() * index.element_size()
+            shape = self._values[key].shape
+            grad = torch.sparse_coo_tensor(index.unsqueeze(0), rows, shape, check_invariants=False).coalesce()
+            self._step(opt_key, spec, key, grad)
+
+    def _step(self, opt_key: str, spec: OptimizerSpec, key: str, grad: torch.Tensor) -> None:
+        with self._locks[key]:
+            opt = self._optimizer(opt_key, spec, key)
+            opt.param_groups[0].update(spec[2])  # a schedule on the coordinator may change them
+            param = opt.param_groups[0]["params"][0]
+            param.grad = grad.to(param.dtype)
+            with torch.sparse.check_sparse_tensor_invariants(enable=False):  # said, not implied: no warning
+                opt.step()
+            param.grad = None
+
+    def _optimizer(self, opt_key: str, spec: OptimizerSpec, key: str) -> torch.optim.Optimizer:
+        """The optimizer of shard ``key`` for the worker optimizer ``opt_key`` (made on first use;
+        the caller holds the shard's lock)."""
+        opt = self._optimizers.get((opt_key, key))
+        if opt is None:
+            module, qualname, hyper = spec
+            param = torch.nn.Parameter(self._values[key], requires_grad=True)
+            self._values[key] = param
+            opt = _optimizer_class(module, qualname)([param], **hyper)
+            self._optimizers[(opt_key, key)] = opt
+        return opt
+
+    # --- optimizer state (checkpoints) ------------------------------------------------------
+    def optimizer_state(self, opt_key: str, keys: Sequence[str]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for key in keys:
+            opt = self._optimizers.get((opt_key, key))
+            if opt is None:
+                out.append({})
+                continue
+            with self._locks[key]:
+                state = opt.state[opt.param_groups[0]["params"][0]]
+                out.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
+        return out
+
+    def load_optimizer_state(self, opt_key: str, spec: OptimizerSpec, states: dict[str, dict[str, Any]]) -> None:
+        for key, state in states.items():
+            with self._locks[key]:
+                opt = self._optimizer(opt_key, spec, key)
+                param = opt.param_groups[0]["params"][0]
+                opt.state[param] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes received and sent by this task's reads and updates so far."""
+        return self.bytes_in, self.bytes_out
+
+    def ping(self) -> str:
+        return self.task

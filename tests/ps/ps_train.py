@@ -1,0 +1,233 @@
+"""A parameter-server job (run as `stratagem run --workers N --ps P ps_train.py MODE ...`): a
+model with an embedding table and an MLP trained by functions the coordinator schedules.
+
+parity OPT     one worker: equal to one process at 1e-5 (OPT: sgd or adagrad)
+kill           two workers, worker 1 dies in its third function: every result delivered once
+converge       two workers, asynchronous: the loss falls as one process's does
+ps_lost        ps 0 dies: the coordinator raises a clear error naming the last checkpoint
+checkpoint DIR one worker: a checkpoint of the ps-held model and optimizer restores in a plain
+               process and training goes on there exactly as on the cluster
+errors         misuse gets clear errors
+fit            one worker: sg.fit (steps_per_epoch, metrics, validation) equals fit in one process
+"""
+
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+import stratagem as sg
+
+BATCH, VOCAB, DIM = 16, 50, 8
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.mlp = nn.Sequential(nn.Linear(3 * DIM, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.emb(ids).flatten(1)).squeeze(1)
+
+
+def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (steps * BATCH, 3), generator=g)
+    truth = torch.randn(VOCAB, generator=g)
+    y = truth[ids].sum(1)  # a task the model can learn
+    return [(ids[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]) for i in range(steps)]
+
+
+def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05)
+    # an embedding updated row by row wants an optimizer that takes sparse gradients
+    return torch.optim.Adagrad(model.parameters(), lr=0.1)
+
+
+def reference_losses(model: nn.Module, kind: str, data: list) -> list[float]:
+    opt = make_optimizer(model, kind)
+    out = []
+    for ids, y in data:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(ids), y)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    kind = sys.argv[2] if len(sys.argv) > 2 else "sgd"
+    steps = {"parity": 12, "kill": 24, "converge": 240, "ps_lost": 40, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
+    partitioner = sg.partitioners.FixedShardsPartitioner(2)
+    strategy = sg.ParameterServerStrategy(variable_partitioner=partitioner)
+    # from here on only the chief runs this script
+    torch.manual_seed(0)
+    reference = Model()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = Model()
+        optimizer = make_optimizer(model, kind)
+    coordinator = sg.coordinator.ClusterCoordinator(strategy)
+
+    def dataset_fn():
+        return batches(steps)
+
+    per_worker = coordinator.create_per_worker_dataset(dataset_fn)
+    iterator = iter(per_worker)
+
+    def step_fn(it, index):
+        def replica_fn(ids, y):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(ids), y)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        if mode == "kill" and task["index"] == 1:
+            calls = int(os.environ.get("STEP_CALLS", "0")) + 1  # this worker's count
+            os.environ["STEP_CALLS"] = str(calls)
+            if calls == 3:
+                os._exit(7)  # worker 1 dies in the middle of its third function
+        ids, y = next(it)
+        loss = strategy.run(replica_fn, args=(ids, y))
+        return index, strategy.reduce("SUM", loss, axis=None)
+
+    if mode == "fit":
+        fit(strategy, model, optimizer, reference, kind, steps)
+        return
+    if mode == "errors":
+        errors(strategy, coordinator, model, optimizer, step_fn, iterator)
+        return
+    if mode == "checkpoint":
+        checkpoint(sys.argv[3], strategy, coordinator, model, optimizer, step_fn, iterator, steps)
+        return
+    if mode == "ps_lost":
+        import torch.distributed.rpc as rpc
+
+        manager = sg.CheckpointManager(sg.Checkpoint(model=model, optimizer=optimizer), sys.argv[3])
+        for i in range(steps):
+            coordinator.schedule(step_fn, args=(iterator, i))
+            if i == 5:
+                coordinator.join()
+                manager.save(6)
+                rpc.rpc_async("ps:0", os._exit, args=(9,))  # ps 0 dies
+        coordinator.join()
+        raise AssertionError("training went on without ps 0")
+
+    values = [coordinator.schedule(step_fn, args=(iterator, i)) for i in range(steps)]
+    coordinator.join()
+    results = [v.fetch() for v in values]
+    got = [float(loss) for _, loss in results]
+    assert [i for i, _ in results] == list(range(steps)), results  # each delivered once, in place
+
+    if mode == "parity":
+        want = reference_losses(reference, kind, batches(steps))
+        state = model.state_dict()  # the chief reads the variables from the ps tasks
+        diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+        loss_diff = max(abs(a - b) for a, b in zip(got, want))
+        print(f"RESULT param_diff={diff:.3g} loss_diff={loss_diff:.3g}")
+        assert diff < 1e-5 and loss_diff < 1e-5, (diff, loss_diff)
+    elif mode == "kill":
+        print(f"RESULT lost={coordinator.lost_workers} delivered={len(results)}")
+        assert coordinator.lost_workers == ["worker:1"], coordinator.lost_workers
+    elif mode == "converge":
+        # each worker reads its own copy of the data (tf's per-worker datasets): two passes over
+        # it in all, against one process reading it twice
+        want = reference_losses(reference, kind, batches(steps // 2) * 2)
+        first, last = sum(got[:10]) / 10, sum(got[-20:]) / 20
+        ref_last = sum(want[-20:]) / 20
+        print(f"RESULT first={first:.3f} last={last:.3f} reference_last={ref_last:.3f}")
+        assert last < 0.5 * first, (first, last)
+        # asynchronous updates from two workers: stale gradients, so within 2x of one process
+        assert last < 2 * ref_last + 0.1, (last, ref_last)
+
+
+def checkpoint(folder, strategy, coordinator, model, optimizer, step_fn, iterator, steps):
+    half = steps // 2
+    for i in range(half):
+        coordinator.schedule(step_fn, args=(iterator, i))
+    coordinator.join()
+    path = sg.CheckpointManager(sg.Checkpoint(model=model, optimizer=optimizer), folder).save(half)
+    later = [coordinator.schedule(step_fn, args=(iterator, i)) for i in range(half, steps)]
+    got = [float(v.fetch()[1]) for v in later]
+    # a plain process (no strategy) restores the checkpoint and trains the same batches
+    plain = Model()
+    plain_opt = make_optimizer(plain, "adagrad")
+    sg.CheckpointManager(sg.Checkpoint(model=plain, optimizer=plain_opt), folder).restore(path)
+    want = []
+    for ids, y in batches(steps)[half:]:
+        plain_opt.zero_grad()
+        loss = nn.functional.mse_loss(plain(ids), y)
+        loss.backward()
+        plain_opt.step()
+        want.append(loss.item())
+    state = model.state_dict()
+    diff = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    loss_diff = max(abs(a - b) for a, b in zip(got, want))
+    print(f"RESULT param_diff={diff:.3g} loss_diff={loss_diff:.3g}")
+    assert diff < 1e-5 and loss_diff < 1e-5, (diff, loss_diff)
+    # and back: the plain process's state restored onto the cluster is what the ps tasks hold
+    path2 = sg.CheckpointManager(sg.Checkpoint(model=plain, optimizer=plain_opt), folder + "/plain").save(steps)
+    sg.CheckpointManager(sg.Checkpoint(model=model, optimizer=optimizer), folder + "/plain").restore(path2)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
+    sums = [s["sum"] for s in optimizer.state_dict()["state"].values()]
+    assert all(torch.equal(a, b["sum"]) for a, b in zip(sums, plain_opt.state_dict()["state"].values()))
+
+
+def fit(strategy, model, optimizer, reference, kind, steps):
+    data = batches(steps)
+    val = batches(3, seed=2)
+    try:
+        sg.fit(model, optimizer, "mse", data, epochs=2, verbose=0)
+    except ValueError as e:
+        print("ERROR", str(e).split(",")[0])
+    kwargs = dict(epochs=2, steps_per_epoch=steps // 2, metrics=["mae"], validation_data=val, verbose=0)
+    got = sg.fit(model, optimizer, "mse", data, **kwargs).history
+    want = sg.fit(reference, make_optimizer(reference, kind), "mse", data, **kwargs).history
+    assert got.keys() == want.keys(), (got, want)
+    diff = max(abs(a - b) for k in got for a, b in zip(got[k], want[k]))
+    state = model.state_dict()
+    pdiff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    print(f"RESULT history_diff={diff:.3g} param_diff={pdiff:.3g} keys={sorted(got)}")
+    assert diff < 1e-5 and pdiff < 1e-5, (got, want)
+
+
+def errors(strategy, coordinator, model, optimizer, step_fn, iterator):
+    try:
+        optimizer.step()
+    except RuntimeError as e:
+        print("ERROR", str(e).split(";")[0])
+    import threading
+
+    lock = threading.Lock()
+    v = coordinator.schedule(lambda x: x, args=(lock,))
+    try:
+        v.fetch()
+    except TypeError as e:
+        print("ERROR", str(e).split(":")[0])
+    try:
+        coordinator.join()
+    except TypeError:
+        pass
+    bad = coordinator.schedule(lambda: 1 / 0)
+    try:
+        coordinator.join()
+    except ZeroDivisionError as e:
+        print("ERROR", type(e).__name__, str(e))
+    assert bad.done()
+    try:
+        sg.coordinator.ClusterCoordinator(sg.OneDeviceStrategy())
+    except TypeError as e:
+        print("ERROR", e)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""ParameterServerStrategy on a local cluster (`stratagem run --workers N --ps P`): one worker
+equals one process at 1e-5, two workers converge, a killed worker's functions run elsewhere and
+every result is delivered once, a lost ps is a clear error, checkpoints are portable; the
+placement plan is tested with ==. The job itself is tests/ps/ps_train.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from stratagem.distribute.engines.ps_plan import Shard, VariablePlan, plan_variables
+from stratagem.partitioners import FixedShardsPartitioner, MinSizePartitioner
+from stratagem.testing import run_script
+from stratagem.testing.output import assert_clean_run, stratagem_lines, tracebacks
+
+pytest.importorskip("cloudpickle")
+SCRIPT = str(Path(__file__).parent / "ps_train.py")
+
+
+def job(workers: int, ps: int, *args: str, timeout: float = 120):
+    argv = ["-m", "stratagem", "run", "--workers", str(workers), "--ps", str(ps), "--grace-period", "20", SCRIPT, *args]
+    return run_script(argv, timeout=timeout)
+
+
+def result(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("RESULT"))
+
+
+# --- the cluster ----------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("optimizer", "ps"), [("sgd", 2), ("adagrad", 1)])
+def test_one_worker_equals_one_process(optimizer, ps):
+    """The embedding table is split over the ps tasks (FixedShardsPartitioner(2)) and read row by
+    row; the MLP's variables are whole, round-robin over the tasks."""
+    r = job(1, ps, "parity", optimizer)
+    assert_clean_run(r, what="a one-worker parameter-server job")
+    assert "RESULT param_diff=" in r.stdout
+
+
+@pytest.mark.timeout(180)
+def test_two_workers_converge_like_one_process():
+    r = job(2, 1, "converge", "sgd")
+    assert_clean_run(r, what="a two-worker parameter-server job")
+    first, last, ref = (float(x) for x in re.findall(r"=([\d.]+)", result(r.stdout)))
+    assert last < 0.5 * first and last < 2 * ref + 0.1
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_s_functions_run_on_the_other_and_each_result_arrives_once():
+    r = job(2, 1, "kill")
+    assert r.returncode == 0, r.stderr
+    assert result(r.stdout) == "RESULT lost=['worker:1'] delivered=24"
+    lines = sorted(stratagem_lines(r.stderr), key=lambda line: line.startswith("stratagem run"))
+    assert len(lines) == 2, r.stderr  # the chief's and the launcher's, in either order
+    # the transport's words for a closed connection vary (eof, pipe closed, connection reset)
+    assert re.fullmatch(r"stratagem: worker:1 failed \(.+\); its functions run on the other workers", lines[0])
+    assert lines[1] == (
+        "stratagem run: worker 1 failed (exit code 7); not restarting it (0 of 0 restarts used), "
+        "the job goes on without it"
+    )
+    assert tracebacks(r.stderr) == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_ps_is_a_clear_error_naming_the_checkpoint(tmp_path):
+    r = job(2, 1, "ps_lost", "sgd", str(tmp_path))
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()
+    error = next(line for line in last if line.startswith("stratagem.distribute.engines.ps_client.ParameterServerError"))
+    assert "could not reach parameter server ps:0" in error
+    assert f"the last checkpoint this job saved: {tmp_path}" in error
+    assert "stratagem run: ps 0 failed (exit code 9)" in last
+    assert tracebacks(r.stderr) == 1  # the chief's, nothing from the others
+
+
+@pytest.mark.timeout(180)
+def test_checkpoints_are_portable_both_ways(tmp_path):
+    """Saved by the chief (variables and Adagrad's state read from the 2 ps tasks), restored in a
+    plain process, training goes on identically; and a plain checkpoint restores onto the ps tasks."""
+    r = job(1, 2, "checkpoint", "adagrad", str(tmp_path))
+    assert_clean_run(r, what="the checkpoint job")
+
+
+@pytest.mark.timeout(180)
+def test_misuse_gets_clear_errors():
+    r = job(1, 1, "errors")
+    assert_clean_run(r, what="the errors job")
+    errors = [line for line in r.stdout.splitlines() if line.startswith("ERROR")]
+    assert errors == [
+        "ERROR SGD.step() on the coordinator: under ParameterServerStrategy the variables live on the ps "
+        "tasks and are updated by the functions workers run",
+        "ERROR could not ship the scheduled function '<lambda>' to worker",
+        "ERROR ZeroDivisionError division by zero (raised by the scheduled function on worker:0)",
+        "ERROR ClusterCoordinator needs a ParameterServerStrategy, got OneDeviceStrategy",
+    ]
+
+
+# --- the plan (pure) -------------------------------------------------------------------------------
+def test_whole_variables_go_round_robin_and_partitioned_ones_split_over_the_next_tasks():
+    f32 = torch.float32
+    plans = plan_variables(
+        [("emb", (10, 4), f32, True), ("w", (4, 4), f32, False), ("b", (4,), f32, False)],
+        num_ps=2,
+        partitioner=FixedShardsPartitioner(3),
+    )
+    # the embedding's 10 rows in 3 shards (4, 3, 3: tf's split) on ps 0, 1, 0; then w on ps 1,
+    # b on ps 0 (the rotation goes on); w and b split too, capped at their rows
+    assert plans[0] == VariablePlan(0, "emb", (10, 4), f32, True, (Shard("0/0", 0, 0, 4), Shard("0/1", 1, 4, 7), Shard("0/2", 0, 7, 10)))
+    assert [(s.ps, s.start, s.stop) for s in plans[1].shards] == [(1, 0, 2), (0, 2, 3), (1, 3, 4)]
+    assert str(plans[2]) == "b[4] -> ps0[0:2] ps1[2:3] ps0[3:4]"
+
+
+def test_without_a_partitioner_each_variable_is_whole_and_a_later_scope_continues_the_rotation():
+    f32 = torch.float32
+    first = plan_variables([("a", (3,), f32, False), ("b", (3,), f32, False), ("c", (3,), f32, False)], 2, None)
+    assert [p.shards[0].ps for p in first] == [0, 1, 0]
+    later = plan_variables([("d", (3,), f32, False)], 2, None, first_vid=3, first_task=3)
+    assert later[0].vid == 3 and later[0].shards == (Shard("3/0", 1, 0, 3),)
+
+
+def test_min_size_partitioner_keeps_small_variables_whole():
+    plans = plan_variables(
+        [("big", (1 << 16, 32), torch.float32, True), ("small", (8, 8), torch.float32, False)],
+        num_ps=2,
+        partitioner=MinSizePartitioner(min_shard_bytes=1 << 20, max_shards=2),
+    )
+    assert [len(p.shards) for p in plans] == [2, 1]
+
+
+def test_a_partitioner_answer_of_the_wrong_shape_is_refused():
+    with pytest.raises(ValueError, match="expected one count per axis"):
+        plan_variables([("w", (4, 4), torch.float32, False)], 1, lambda shape, dtype: [1, 2])
+    with pytest.raises(ValueError, match="at least one ps task"):
+        plan_variables([("w", (4,), torch.float32, False)], 0, None)
+
+
+@pytest.mark.timeout(180)
+def test_fit_needs_steps_per_epoch_and_then_equals_fit_in_one_process():
+    """Keras's rule under ParameterServerStrategy; the loss, a metric and the validation logs of
+    every epoch and the trained variables equal fit in one process on the same batches."""
+    r = job(1, 1, "fit", "sgd")
+    assert_clean_run(r, what="fit under ParameterServerStrategy")
+    assert "ERROR fit under ParameterServerStrategy needs steps_per_epoch (got None)" in r.stdout
+    assert result(r.stdout) == (
+        "RESULT history_diff=0 param_diff=0 keys=['loss', 'mean_absolute_error', 'val_loss', 'val_mean_absolute_error']"
+    )
+
+
+@pytest.mark.timeout(60)
+def test_tasks_that_never_come_are_named(tmp_path):
+    """The chief alone: the error names each missing task and its address, within the timeout."""
+    import json
+
+    from stratagem.cluster.launch import find_free_port
+
+    port = find_free_port()
+    cluster = {"chief": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
+    env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}})}
+    r = run_script(["-c", "import stratagem as sg; sg.ParameterServerStrategy(timeout=2)"], env=env, timeout=40)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: ParameterServerStrategy: worker:0 (127.0.0.1:1), ps:0 (127.0.0.1:2) did not join the "
+        "cluster within 2s: start every task listed in TF_CONFIG (or use `stratagem run --workers N --ps P script.py`)"
+    )
