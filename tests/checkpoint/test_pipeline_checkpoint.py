@@ -12,7 +12,7 @@ from stratagem.testing import run_workers
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble", "interleaved_1f1b"])  # interleaved: 2 chunks a stage
 def test_pipeline_stages_checkpoint_and_resume_exactly(tmp_path, schedule):
     r0, r1 = (r.value for r in run_workers(pipeline_checkpoint_worker, 2, args=(str(tmp_path), schedule)))
     assert r0["names"] == ["0.bias", "0.weight"] and r1["names"] == ["3.bias", "3.weight"]

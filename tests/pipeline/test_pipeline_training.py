@@ -429,38 +429,14 @@ def test_interleaved_failure_goes_round_the_ring():
         assert "stage 1 failed: ValueError: boom in backward" in msg and secs < 5, (msg, secs)
 
 
-# --- launch 7: interleaved 1F1B: a stage holding several chunks saves and restores them -----------
+# --- launch 7: interleaved 1F1B: a stage holding several chunks (its checkpoint: tests/checkpoint) ---
 def interleaved_worker(directory: str) -> dict:
-    from stratagem import Checkpoint, CheckpointManager, RNGState
-
     out: dict = {}
     s = PipelineStrategy(2, 4, schedule="interleaved_1f1b", devices="cpu")
     with s.scope():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 3))
         pipe = s.pipeline(model, nn.CrossEntropyLoss(), verbose=False)
-        opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(4)]
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        s.run(pipe.train_step, args=(x, y))
-        opt.step()
-        opt.zero_grad()
-
-    manager = CheckpointManager(Checkpoint(model=model, optimizer=opt, rng=RNGState()), directory, strategy=s)
-    for x, y in data[:2]:
-        step(x, y)
-    path = manager.save(2)
-    for x, y in data[2:]:
-        step(x, y)
-    straight = {k: v.clone() for k, v in pipe.state_dict().items()}
-    for p in pipe.parameters():  # wreck the state: restore must bring it back
-        p.data.fill_(7.0)
-    manager.restore(path)
-    for x, y in data[2:]:
-        step(x, y)
-    resumed = pipe.state_dict()
     # interleaved zero-bubble and 3 chunks per stage: BatchNorm, uneven micro-batches (11 = 3+3+3+2)
     loss_fn = nn.CrossEntropyLoss()
     out["errors"] = errors = []
@@ -482,8 +458,7 @@ def interleaved_worker(directory: str) -> dict:
         for name, b in p2.named_buffers():
             if not torch.allclose(b.float(), refs[name].float(), rtol=RTOL, atol=ATOL):
                 errors.append(f"{schedule} v={v}: buffer {name} differs")
-    out["names"] = sorted(straight)
-    out["same"] = all(torch.equal(straight[k], resumed[k]) for k in straight)
+    out["names"] = sorted(pipe.state_dict())
     out["repr"] = repr(pipe)
     out["partition"] = str(s.partition)
     # balance="time" over the 4 chunks
@@ -501,11 +476,10 @@ def interleaved_worker(directory: str) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_interleaved_stage_checkpoints_its_chunks(tmp_path):
+def test_interleaved_stage_holds_its_chunks(tmp_path):
     r0, r1 = (r.value for r in run_workers(interleaved_worker, 2, args=(str(tmp_path),), timeout=100))
     # chunks 0 and 2 (Linear, Dropout) on stage 0, chunks 1 and 3 (Tanh, Linear) on stage 1
     assert (r0["names"], r1["names"]) == (["0.bias", "0.weight"], ["3.bias", "3.weight"])
-    assert r0["same"] and r1["same"]
     assert r0["errors"] == [] and r1["errors"] == []
     assert "Pipe(stage 1 of 2, layers 1..1, 3..3, interleaved_1f1b, 4 micro-batches" in r1["repr"]
     assert "chunk 3 (stage 1): layers 3..3" in r0["partition"]
