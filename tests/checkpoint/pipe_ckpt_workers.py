@@ -19,30 +19,39 @@ def pipeline_checkpoint_worker(directory: str, schedule: str = "gpipe") -> dict:
         opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(4)]
+    manager = CheckpointManager(Checkpoint(model=model, optimizer=opt, rng=RNGState()), directory, strategy=strategy)
+    path, straight, _, resumed = save_and_resume(strategy, pipe, opt, manager, batches)
+    return {
+        "names": sorted(straight),
+        "same": all(torch.equal(straight[k], resumed[k]) for k in straight),
+        "latest": manager.latest == path,
+    }
+
+
+def save_and_resume(strategy, pipe, opt, manager, batches, end=None):  # type: ignore[no-untyped-def]
+    """Train on the first half, save, train on; wreck the state, restore, train the second half
+    again: the checkpoint's path, the state trained straight, the restored ``end`` (a parameter
+    name, or None) and the state after the resume."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         strategy.run(pipe.train_step, args=(x, y))
         opt.step()
         opt.zero_grad()
 
-    manager = CheckpointManager(Checkpoint(model=model, optimizer=opt, rng=RNGState()), directory, strategy=strategy)
-    for x, y in batches[:2]:
+    half = len(batches) // 2
+    for x, y in batches[:half]:
         step(x, y)
-    path = manager.save(2)
-    for x, y in batches[2:]:
+    path = manager.save(half)
+    for x, y in batches[half:]:
         step(x, y)
     straight = {k: v.clone() for k, v in pipe.state_dict().items()}
     for p in pipe.parameters():  # wreck the state: restore must bring it back
         p.data.fill_(7.0)
     manager.restore(path)
-    for x, y in batches[2:]:
+    restored = pipe.state_dict()[end].clone() if end is not None else None
+    for x, y in batches[half:]:
         step(x, y)
-    resumed = pipe.state_dict()
-    return {
-        "names": sorted(straight),
-        "same": all(torch.equal(straight[k], resumed[k]) for k in straight),
-        "latest": manager.latest == path,
-    }
+    return path, straight, restored, pipe.state_dict()
 
 
 def pipeline_portable_worker(unsplit_dir: str, out_dir: str, first: int, then: int) -> dict:
@@ -104,27 +113,9 @@ def tied_checkpoint_worker(directory: str) -> dict:
         opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 11, (6, 5), generator=g), torch.randint(0, 11, (6, 5), generator=g)) for _ in range(4)]
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        strategy.run(pipe.train_step, args=(x, y))
-        opt.step()
-        opt.zero_grad()
-
     manager = CheckpointManager(Checkpoint(model=model, optimizer=opt), directory, strategy=strategy)
-    for x, y in batches[:2]:
-        step(x, y)
-    path = manager.save(2)
-    for x, y in batches[2:]:
-        step(x, y)
-    straight = {k: v.clone() for k, v in pipe.state_dict().items()}
-    for p in pipe.parameters():  # wreck the state: restore must bring it back
-        p.data.fill_(7.0)
-    manager.restore(path)
     end = "0.weight" if strategy.extended.stage == 0 else "3.out.weight"
-    restored_end = pipe.state_dict()[end].clone()
-    for x, y in batches[2:]:
-        step(x, y)
-    resumed = pipe.state_dict()
+    path, straight, restored_end, resumed = save_and_resume(strategy, pipe, opt, manager, batches, end)
     out = {
         "names": sorted(straight),
         "same": all(torch.equal(straight[k], resumed[k]) for k in straight),
