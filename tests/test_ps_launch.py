@@ -53,8 +53,8 @@ def test_failed_worker_is_restarted_with_the_next_restart_count(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_failed_worker_is_not_restarted_by_default(tmp_path):
-    """A restarted worker cannot rejoin a running torch.distributed.rpc cluster, so by default
-    the job goes on without it (the chief runs its functions elsewhere)."""
+    """As torchrun: no restarts unless asked for (--max-restarts N; a restarted worker rejoins,
+    tests/ps); the job goes on without it (the chief runs its functions elsewhere)."""
     r = launch(tmp_path, "--workers", "2", "--ps", "1", mode="exhaust", extra=["0"])
     assert r.returncode == 0, r.stderr
     assert stratagem_lines(r.stderr) == [

@@ -3,6 +3,8 @@ model with an embedding table and an MLP trained by functions the coordinator sc
 
 parity OPT     one worker: equal to one process at 1e-5 (OPT: sgd or adagrad)
 kill           two workers, worker 1 dies in its third function: every result delivered once
+rejoin         as kill, and the launcher restarts worker 1: it rejoins and runs functions again
+rejoin_idle    the same, but worker 1 dies and comes back while it has no function to run
 converge       two workers, asynchronous: the loss falls as one process's does
 ps_lost        ps 0 dies: the coordinator raises a clear error naming the last checkpoint
 checkpoint DIR one worker: a checkpoint of the ps-held model and optimizer restores in a plain
@@ -63,7 +65,7 @@ def reference_losses(model: nn.Module, kind: str, data: list) -> list[float]:
 def main() -> None:
     mode = sys.argv[1]
     kind = sys.argv[2] if len(sys.argv) > 2 else "sgd"
-    steps = {"parity": 12, "kill": 24, "converge": 240, "ps_lost": 40, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
+    steps = {"parity": 12, "kill": 24, "rejoin": 400, "rejoin_idle": 400, "converge": 240, "ps_lost": 40, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
     partitioner = sg.partitioners.FixedShardsPartitioner(2)
     strategy = sg.ParameterServerStrategy(variable_partitioner=partitioner)
     # from here on only the chief runs this script
@@ -90,13 +92,16 @@ def main() -> None:
             return loss
 
         task = json.loads(os.environ["TF_CONFIG"])["task"]
-        if mode == "kill" and task["index"] == 1:
+        restart = int(os.environ.get("STRATAGEM_RESTART_COUNT", "0"))
+        if mode in ("kill", "rejoin") and task["index"] == 1 and restart == 0:
             calls = int(os.environ.get("STEP_CALLS", "0")) + 1  # this worker's count
             os.environ["STEP_CALLS"] = str(calls)
             if calls == 3:
                 os._exit(7)  # worker 1 dies in the middle of its third function
         ids, y = next(it)
         loss = strategy.run(replica_fn, args=(ids, y))
+        if mode.startswith("rejoin"):
+            return index, strategy.reduce("SUM", loss, axis=None), f"{task['index']}.{restart}"
         return index, strategy.reduce("SUM", loss, axis=None)
 
     if mode == "fit":
@@ -121,6 +126,9 @@ def main() -> None:
         coordinator.join()
         raise AssertionError("training went on without ps 0")
 
+    if mode.startswith("rejoin"):
+        rejoin(coordinator, step_fn, iterator, idle=mode == "rejoin_idle")
+        return
     values = [coordinator.schedule(step_fn, args=(iterator, i)) for i in range(steps)]
     coordinator.join()
     results = [v.fetch() for v in values]
@@ -147,6 +155,27 @@ def main() -> None:
         assert last < 0.5 * first, (first, last)
         # asynchronous updates from two workers: stale gradients, so within 2x of one process
         assert last < 2 * ref_last + 0.1, (last, ref_last)
+
+
+def rejoin(coordinator, step_fn, iterator, idle):
+    """Functions are scheduled in rounds until the restarted worker 1 has run some (bounded)."""
+    import time
+
+    import torch.distributed.rpc as rpc
+
+    results, deadline = [], time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if idle and len(results) == 8:  # nothing is scheduled: worker 1 dies, is restarted, asks back
+            rpc.rpc_async("worker:1", os._exit, args=(7,))
+            time.sleep(8)
+        values = [coordinator.schedule(step_fn, args=(iterator, len(results) + i)) for i in range(8)]
+        coordinator.join()
+        results += [v.fetch() for v in values]
+        if sum(who == "1.1" for _, _, who in results) >= 4:
+            break
+    assert [i for i, _, _ in results] == list(range(len(results))), results  # each delivered once
+    ran = sorted({who for _, _, who in results})
+    print(f"RESULT lost={coordinator.lost_workers} ran_on={ran} back={sum(w == '1.1' for _, _, w in results) >= 4}")
 
 
 def checkpoint(folder, strategy, coordinator, model, optimizer, step_fn, iterator, steps):

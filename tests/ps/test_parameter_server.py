@@ -18,6 +18,8 @@ from stratagem.testing.output import assert_clean_run, stratagem_lines, tracebac
 
 pytest.importorskip("cloudpickle")
 SCRIPT = str(Path(__file__).parent / "ps_train.py")
+#: a line torch's C++ side logs (e.g. rref_context.cpp waiting for references a dead task held)
+TORCH_LOG = re.compile(r"^\[[EWF]\d{4} ", re.M)
 
 
 def job(workers: int, ps: int, *args: str, timeout: float = 120):
@@ -61,7 +63,28 @@ def test_a_killed_worker_s_functions_run_on_the_other_and_each_result_arrives_on
         "stratagem run: worker 1 failed (exit code 7); not restarting it (0 of 0 restarts used), "
         "the job goes on without it"
     )
-    assert tracebacks(r.stderr) == 0
+    assert tracebacks(r.stderr) == 0 and not TORCH_LOG.search(r.stderr), r.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["rejoin", "rejoin_idle"])
+def test_a_restarted_worker_rejoins_and_runs_functions_again(mode):
+    """Worker 1 dies in its third function (rejoin_idle: while it has nothing to run); the launcher
+    starts it again (--max-restarts 1); the chief takes it back into the rpc group under a new rank,
+    rebuilds its per-worker dataset there and sends it functions again; every result is still
+    delivered once."""
+    argv = ["-m", "stratagem", "run", "--workers", "2", "--ps", "2", "--max-restarts", "1", "--grace-period", "20", SCRIPT, mode]
+    r = run_script(argv, timeout=150)
+    assert r.returncode == 0, r.stderr
+    assert result(r.stdout) == "RESULT lost=['worker:1'] ran_on=['0.0', '1.0', '1.1'] back=True"
+    lines = stratagem_lines(r.stderr)
+    assert len(lines) == 3, r.stderr
+    assert re.fullmatch(r"stratagem: worker:1 failed \(.+\); its functions run on the other workers", lines[0]) or re.fullmatch(
+        r"stratagem: worker:1 failed \(.+\); its functions run on the other workers", lines[1]
+    ), r.stderr
+    assert "stratagem run: worker 1 failed (exit code 7); restarting it (1 of 1)" in lines
+    assert lines[-1] == "stratagem: worker:1 restarted and rejoined; it runs functions again"
+    assert tracebacks(r.stderr) == 0 and not TORCH_LOG.search(r.stderr), r.stderr
 
 
 @pytest.mark.timeout(180)

@@ -40,8 +40,9 @@ With --workers N --ps P every task gets TF_CONFIG (the cluster, its task) and
 STRATAGEM_RESTART_COUNT. The exit code is the chief's; after the chief exits the others get
 --grace-period seconds to end, then are stopped. A failing ps task ends the job (the chief first
 gets --grace-period seconds to say what it lost); a failing worker does not: the chief runs its
-functions on the other workers. Failed workers are not restarted by default: torch.distributed.rpc
-cannot admit a task into a running cluster, so a restarted worker says so and stays out.
+functions on the other workers. Failed workers are not restarted by default; with
+--max-restarts N each is started again up to N times and rejoins the running cluster (the chief
+takes it back and sends it functions again).
 
 examples:
   stratagem run -n 2 train.py --lr 0.1          2 replicas on this machine
@@ -104,7 +105,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "traffic); default 127.0.0.1 on one node")
     p.add_argument("--max-restarts", type=int, default=None,
                    help="restart every worker up to this many times after a failure (default 0; "
-                        "with --workers/--ps: each failed worker, default 0: it cannot rejoin); reloading state is "
+                        "with --workers/--ps: each failed worker, which rejoins the cluster); reloading state is "
                         "the script's job (CheckpointManager.restore_or_initialize)")
     p.add_argument("--monitor-interval", type=float, default=0.5,
                    help="seconds between the agent's checks of its workers")

@@ -93,7 +93,7 @@ class PSJob:
     num_workers: int
     num_ps: int
     grace: float = 30.0  # seconds the others get to end after the chief exited 0
-    max_restarts: int = 0  # per worker (a restarted worker cannot rejoin an rpc cluster)
+    max_restarts: int = 0  # per worker (a restarted worker rejoins the running cluster)
     environ: Mapping[str, str] | None = None  # the tasks' base environment (default: os.environ)
     poll: float = 0.1
     say: Callable[[str], None] = _say  # one line about the job, as "stratagem run: <line>"

@@ -3,7 +3,8 @@
 One thread per worker takes the next scheduled function from one queue, ships it (pickled by
 value, with handles for variables, optimizers, the strategy and per-worker iterators) and runs
 it there. A worker that cannot be reached has its function put back at the head of the queue
-for the others, and takes no more; every function's result is delivered exactly once. An error
+for the others, and takes no more until it is restarted and rejoins (its thread waits for that);
+every function's result is delivered exactly once. An error
 raised by a function is kept in its RemoteValue and raised by the next ``schedule`` or ``join``
 (as tf does); a parameter server that is lost ends training with that error.
 """
@@ -280,10 +281,14 @@ class ClusterCoordinator:
         if err is not None:
             raise err
 
-    def _next(self, worker: str) -> _Closure | None:
+    def _next(self, worker: str) -> _Closure | str | None:
+        """The next function for ``worker``; None when the coordinator is done; a rejoin request's
+        id when the worker restarted while it waited for work."""
         with self._cond:
             while not self._queue and not self._closed and self._fatal is None:
                 self._cond.wait(1.0)
+                if not self._queue and (request := self._ext.rejoin_request(worker)) is not None:
+                    return request
             if self._closed or self._fatal is not None:
                 return None
             self._inflight += 1
@@ -304,6 +309,11 @@ class ClusterCoordinator:
             closure = self._next(worker)
             if closure is None:
                 return
+            if isinstance(closure, str):  # it died while idle and is back: the old process is gone
+                self._lost(worker, RuntimeError("it restarted"), force=True)
+                if not self._await_return(worker, closure):
+                    return
+                continue
             try:
                 if self._configured.get(worker) != len(ext.plans):
                     ext.configure_worker(worker)
@@ -312,7 +322,9 @@ class ClusterCoordinator:
             except Exception as e:
                 if self._lost(worker, e):
                     self._finish(closure, requeue=True)
-                    return
+                    if not self._await_return(worker):
+                        return
+                    continue
                 shipped = TypeError(f"could not ship the scheduled function {getattr(closure.fn, '__name__', closure.fn)!r} to {worker}: {e}")
                 closure.value._fail(shipped)
                 self._finish(closure, shipped)
@@ -322,7 +334,9 @@ class ClusterCoordinator:
             except Exception as e:
                 self._lost(worker, e, force=True)
                 self._finish(closure, requeue=True)
-                return
+                if not self._await_return(worker):
+                    return
+                continue
             if status == "gone":  # the worker is leaving (the chief is shutting down)
                 self._finish(closure, requeue=True)
                 return
@@ -364,10 +378,10 @@ class ClusterCoordinator:
             file=sys.stderr,
             flush=True,
         )
+        self._ext.evict(worker)  # out of the rpc group, so that a restarted process can join it
         with self._cond:
             self._live.discard(worker)
             self.lost_workers.append(worker)
-            self._ext.lost_tasks.append(worker)
             if not self._live:
                 self._fatal = WorkerLostError(
                     f"every worker is lost ({', '.join(self.lost_workers)}); the scheduled functions "
@@ -378,6 +392,28 @@ class ClusterCoordinator:
                 self._queue.clear()
             self._cond.notify_all()
         return True
+
+    def _await_return(self, worker: str, request: str | None = None) -> bool:
+        """Wait for the lost ``worker`` to be restarted and take it back (its per-worker datasets
+        are built again there, as tf does); False when the coordinator is done first."""
+        ext = self._ext
+        while True:
+            with self._cond:
+                if self._closed or self._fatal is not None:
+                    return False
+            request = request or ext.rejoin_request(worker)
+            if request is not None:
+                if ext.readmit(worker, request):
+                    with self._cond:
+                        self._configured.pop(worker, None)
+                        self._sent[worker] = set()
+                        self._live.add(worker)
+                        self._cond.notify_all()
+                    print(f"stratagem: {worker} restarted and rejoined; it runs functions again", file=sys.stderr, flush=True)
+                    return True
+                request = None
+            with self._cond:
+                self._cond.wait(0.5)
 
 
 def _noop() -> None:

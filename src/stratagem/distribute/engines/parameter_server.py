@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import traceback
-import warnings
+import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -30,6 +30,7 @@ from torch import nn
 from stratagem.cluster.ps_spec import PSClusterSpec
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.distribute import ownership
+from stratagem.distribute.engines import rpc_membership
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.ps_client import (
     ParameterServerError,
@@ -52,6 +53,10 @@ def _rpc() -> Any:
     import torch.distributed.rpc as rpc
 
     return rpc
+
+
+#: the chief's store keys under which the tasks leave together at the end
+LEAVE_PREFIX = "stratagem/leave"
 
 
 def rpc_name(task_type: str, index: int) -> str:
@@ -118,7 +123,6 @@ class WorkerRuntime:
         self.datasets: dict[str, Any] = {}
         self.iterators: dict[str, Iterator[Any]] = {}
         self.stopped = threading.Event()
-        self.graceful = False  # leave together with the others (every task alive) or alone
         self.busy = threading.Lock()
 
     def configure(self, stores: list[Any], ps_names: list[str], plans: list[VariablePlan], timeout: float) -> None:
@@ -238,10 +242,9 @@ def _run_closure(task: str, payload: bytes) -> tuple[str, Any]:
     return runtime.run(payload)
 
 
-def _stop(task: str, graceful: bool) -> None:
+def _stop(task: str) -> None:
     runtime = _RUNTIMES.get(task)
     if runtime is not None:
-        runtime.graceful = graceful
         runtime.client = None  # its references to the ps tasks' stores go before rpc shuts down
         runtime.optimizers.clear()
         runtime.stopped.set()
@@ -275,6 +278,9 @@ class ParameterServerExtended(StrategyExtended):
         self.functions_done = 0  # functions workers ran (the chief's copies are stale after one)
         self._pulled_at = 0
         self.last_checkpoint: str | None = None  # what a lost ps task's error names to resume from
+        self._store: Any = None
+        self._nonce = uuid.uuid4().hex  # this process, among the restarts of its task
+        self._admitted: set[str] = set()  # the rejoin requests the chief answered
         self._join()
 
     def bind(self, strategy: Any) -> None:
@@ -283,26 +289,21 @@ class ParameterServerExtended(StrategyExtended):
 
     # --- the rpc world --------------------------------------------------------------------
     def _join(self) -> None:
-        rpc = _rpc()
+        """Meet the cluster in the chief's store, then join its rpc group: a dynamic group, so a
+        worker that died can come back (``_rejoin``)."""
         s = self.spec
-        opts = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"tcp://{s.master_addr}:{s.master_port}", rpc_timeout=self.timeout, num_worker_threads=16
-        )
-        if s.task_type == "worker" and s.restart_count > 0:
-            print(
-                f"stratagem: {s.rpc_name} was restarted, but torch.distributed.rpc cannot admit a task "
-                "into a running cluster; it stays out (the chief runs its functions on the other workers)",
-                file=sys.stderr,
-                flush=True,
-            )
-            sys.exit(0)
+        rejoining = False
+        store = self._meet()
+        self._store = store  # the chief's TCPStore, shared with rpc's rendezvous (multi-tenant)
+        rank = s.rank
+        if s.task_type == "worker" and store.check([f"stratagem/joined/{s.rpc_name}"]):
+            rank, rejoining = self._ask_to_rejoin(store), True  # this worker ran before and died
         if s.task_type == "worker":
             _RUNTIMES[s.rpc_name] = WorkerRuntime(s.rpc_name, lambda: self.owner())
-        presence = self._meet()
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch's own deprecation note about its gloo group
-                rpc.init_rpc(s.rpc_name, rank=s.rank, world_size=s.world_size, rpc_backend_options=opts)
+            rpc_membership.join(
+                s.rpc_name, rank, f"tcp://{s.master_addr}:{s.master_port}", self.timeout
+            )
         except Exception as e:
             raise RuntimeError(
                 f"ParameterServerStrategy: {s.rpc_name} could not meet the cluster (chief {s.chief}, "
@@ -310,11 +311,16 @@ class ParameterServerExtended(StrategyExtended):
                 f"{str(e).splitlines()[0] if str(e) else ''}): start every task listed in TF_CONFIG, "
                 "or use `stratagem run --workers N --ps P script.py`"
             ) from e
-        del presence  # rpc's rendezvous shares its server (multi-tenant) from here on
+        store.set(f"stratagem/joined/{s.rpc_name}", self._nonce)
+        if not rejoining:
+            self._await_group(store)
+        rpc = _rpc()
         if s.is_chief:
             for i, name in enumerate(self.ps_names):
                 try:
-                    self.stores.append(rpc.remote(name, ParameterStore, args=(name,), timeout=self.timeout))
+                    self.stores.append(
+                        rpc.remote(name, ParameterStore, args=(name,), timeout=self.timeout)
+                    )
                     self.stores[-1].rpc_sync(timeout=self.timeout).ping()
                 except Exception as e:
                     raise ParameterServerError(
@@ -327,6 +333,85 @@ class ParameterServerExtended(StrategyExtended):
             import atexit
 
             atexit.register(self.shutdown)
+
+    def _await_group(self, store: Any) -> None:
+        """Wait (bounded) until every task of the cluster is in the rpc group."""
+        import time
+
+        s = self.spec
+        deadline = time.monotonic() + self.timeout
+        while True:
+            missing = [n for n in s.rpc_names if not store.check([f"stratagem/joined/{n}"])]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"ParameterServerStrategy: {', '.join(missing)} did not join the rpc group within "
+                    f"{self.timeout:g}s: check that every task listed in TF_CONFIG runs"
+                )
+            time.sleep(0.02)
+
+    def _ask_to_rejoin(self, store: Any) -> int:
+        """A restarted worker asks the chief to take it back; the chief answers with a new rank
+        once the dead process is out of the group. Leaves (exit 0) if no answer comes."""
+        from datetime import timedelta
+
+        name = self.spec.rpc_name
+        store.set(f"stratagem/rejoin/{name}", self._nonce)
+        key = f"stratagem/admit/{name}/{self._nonce}"
+        try:
+            store.wait([key], timedelta(seconds=self.timeout))
+            return int(store.get(key).decode())
+        except Exception as e:
+            print(
+                f"stratagem: {name} restarted, but the chief did not take it back within {self.timeout:g}s "
+                f"({type(e).__name__}; training may be over); leaving",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(0)
+
+    # --- the chief: workers that die and come back ---------------------------------------------
+    def rejoin_request(self, worker: str) -> str | None:
+        """The id of a restarted ``worker``'s request to come back, if one waits."""
+        key = f"stratagem/rejoin/{worker}"
+        try:
+            if not self._store.check([key]):
+                return None
+            nonce = self._store.get(key).decode()
+        except Exception:
+            return None
+        return None if nonce in self._admitted else str(nonce)
+
+    def evict(self, worker: str) -> None:
+        """A dead worker leaves the rpc group (what its own shutdown would have done)."""
+        if worker not in self.lost_tasks:
+            self.lost_tasks.append(worker)
+        live = [n for n in [*self.worker_names, *self.ps_names] if n not in self.lost_tasks]
+        with contextlib.suppress(
+            Exception
+        ):  # a ps that cannot be told is lost: its error comes on its own
+            rpc_membership.evict(worker, live, timeout=min(self.timeout, 10.0))
+
+    def readmit(self, worker: str, nonce: str) -> bool:
+        """Take the restarted ``worker`` back under a new rank; whether it joined in time."""
+        import time
+
+        self._admitted.add(nonce)
+        rank = self.spec.world_size + len(self._admitted) - 1  # never used before
+        self._store.set(f"stratagem/admit/{worker}/{nonce}", str(rank))
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if (
+                    self._store.get(f"stratagem/joined/{worker}").decode() == nonce
+                    and rpc_membership.members().get(worker) == rank
+                ):
+                    if worker in self.lost_tasks:
+                        self.lost_tasks.remove(worker)
+                    return True
+            time.sleep(0.05)
+        return False
 
     def _meet(self) -> Any:
         """Every task says it is here in the chief's store (torch's TCPStore at the chief's
@@ -385,15 +470,20 @@ class ParameterServerExtended(StrategyExtended):
                 break
         _RUNTIMES.pop(name, None)
         gc.collect()
-        with contextlib.suppress(Exception):
-            rpc.shutdown(graceful=runtime.graceful and code == 0, timeout=self.timeout)
+        if code:
+            with contextlib.suppress(Exception):
+                rpc.shutdown(graceful=False)
+        else:
+            rpc_membership.leave_together(
+                self._store, LEAVE_PREFIX, timeout=min(self.timeout, 10.0), owner=self.spec.task_type == "ps"
+            )
         if code:
             os._exit(code)
         sys.exit(0)
 
     def shutdown(self) -> None:
-        """The chief is done: tell every task to leave, then leave with them (bounded; alone,
-        without waiting, when a task was lost)."""
+        """The chief is done: tell every task to leave (each answers once it has stopped taking
+        work: the barrier), then leave too; bounded, skipping the tasks that were lost."""
         if self._closed:
             return
         if self.coordinator is not None:
@@ -401,7 +491,6 @@ class ParameterServerExtended(StrategyExtended):
         self._closed = True
         rpc = _rpc()
         lost = set(self.lost_tasks)
-        graceful = not lost
         self.stores.clear()
         if self.client is not None:
             self.client.stores = []
@@ -410,14 +499,15 @@ class ParameterServerExtended(StrategyExtended):
         for name in [*self.worker_names, *self.ps_names]:
             if name not in lost:
                 with contextlib.suppress(Exception):
-                    futs.append(rpc.rpc_async(name, _stop, args=(name, graceful), timeout=10))
+                    futs.append(rpc.rpc_async(name, _stop, args=(name,), timeout=10))
+        leaving = 1  # the tasks that answered leave together with the chief
         for f in futs:
-            try:
+            with contextlib.suppress(Exception):
                 f.wait()
-            except Exception:
-                graceful = False
+                leaving += 1
         with contextlib.suppress(Exception):
-            rpc.shutdown(graceful=graceful, timeout=self.timeout)
+            self._store.set(f"{LEAVE_PREFIX}/count", str(leaving))
+        rpc_membership.leave_together(self._store, LEAVE_PREFIX, timeout=min(self.timeout, 10.0))
 
     # --- variables --------------------------------------------------------------------------
     @contextlib.contextmanager
