@@ -113,6 +113,10 @@ def build_shape(shape: str) -> tuple[nn.Sequential, list[int], Any, Any, nn.Modu
         model = build(1024, 8)  # 17 layers: 8 on stage 0, 9 on stage 1
         x, y = torch.randn(256, 1024, generator=g), torch.randint(0, 10, (256,), generator=g)
         return model, [8, 9], x, y, nn.CrossEntropyLoss()
+    if shape == "mlp256":  # the M sweep's model (--shape mlp) at one M, every schedule
+        model = build(256, 16)  # 33 layers: 16 on stage 0, 17 on stage 1
+        x, y = torch.randn(2048, 256, generator=g), torch.randint(0, 10, (2048,), generator=g)
+        return model, [16, 17], x, y, nn.CrossEntropyLoss()
     width, seq, batch = 256, 128, 64
     blocks: list[nn.Module] = [
         nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
@@ -128,6 +132,8 @@ def chunk_balance(shape: str, args: Any) -> list[int]:
     """The layers of each of the K x 2 chunks of interleaved 1F1B (virtual_stages=2)."""
     if shape == "mlp1024":
         return [4, 4, 4, 5]  # 2 [Linear, ReLU] pairs per chunk, the head on the last
+    if shape == "mlp256":
+        return [8, 8, 8, 9]  # 4 [Linear, ReLU] pairs per chunk, the head on the last
     if shape == "transformer":
         return [1, 1, 1, 3]  # a block per chunk, LayerNorm and head on the last
     n_mods = 2 * args.layers + 1
@@ -201,6 +207,7 @@ def shapes_main(args: Any) -> None:
 def shape_report(rows: list[tuple[int, dict[str, list[float]]]], args: Any) -> None:
     what = {
         "mlp1024": "8 x [Linear(1024), ReLU] + Linear(1024, 10), batch 256",
+        "mlp256": "16 x [Linear(256), ReLU] + Linear(256, 10), batch 2048",
         "transformer": "4 pre-LN transformer blocks (width 256, 4 heads, MLP 1024) + LayerNorm + Linear, "
         "batch 64 x seq 128",
     }[args.shape]
@@ -233,8 +240,9 @@ def shape_report(rows: list[tuple[int, dict[str, list[float]]]], args: Any) -> N
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=["mlp", "mlp1024", "transformer"], default="mlp",
-                    help="mlp: the M sweep below; mlp1024 / transformer: all schedules at --micro (8)")  # fmt: skip
+    ap.add_argument("--shape", choices=["mlp", "mlp256", "mlp1024", "transformer"], default="mlp",
+                    help="mlp: the M sweep below; mlp256 (the same model) / mlp1024 / transformer: "
+                         "every schedule at --micro (8)")  # fmt: skip
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=16, help="[Linear, ReLU] blocks (split evenly)")
     ap.add_argument("--batch", type=int, default=2048)
