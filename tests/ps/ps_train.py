@@ -1,7 +1,8 @@
 """A parameter-server job (run as `stratagem run --workers N --ps P ps_train.py MODE ...`): a
 model with an embedding table and an MLP trained by functions the coordinator schedules.
 
-parity OPT     one worker: equal to one process at 1e-5 (OPT: sgd or adagrad)
+parity OPT     one worker: equal to one process at 1e-5 (OPT: sgd, adagrad, or sgd_steplr: SGD
+               with a StepLR on the chief, stepped after each function)
 kill           two workers, worker 1 dies in its third function: every result delivered once
 rejoin         as kill, and the launcher restarts worker 1: it rejoins and runs functions again
 rejoin_idle    the same, but worker 1 dies and comes back while it has no function to run
@@ -43,8 +44,19 @@ def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]
     return [(ids[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]) for i in range(steps)]
 
 
+class Fussy(torch.optim.SGD):
+    """An optimizer that refuses to step (its step runs on the ps task)."""
+
+    def step(self, closure=None):
+        raise ValueError("the fussy optimizer refuses")
+
+
+def scheduler(opt, kind):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5) if kind == "sgd_steplr" else None
+
+
 def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
-    if kind == "sgd":
+    if kind in ("sgd", "sgd_steplr"):
         return torch.optim.SGD(model.parameters(), lr=0.05)
     # an embedding updated row by row wants an optimizer that takes sparse gradients
     return torch.optim.Adagrad(model.parameters(), lr=0.1)
@@ -52,12 +64,15 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
 
 def reference_losses(model: nn.Module, kind: str, data: list) -> list[float]:
     opt = make_optimizer(model, kind)
+    sched = scheduler(opt, kind)
     out = []
     for ids, y in data:
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(ids), y)
         loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
         out.append(loss.item())
     return out
 
@@ -129,7 +144,15 @@ def main() -> None:
     if mode.startswith("rejoin"):
         rejoin(coordinator, step_fn, iterator, idle=mode == "rejoin_idle")
         return
-    values = [coordinator.schedule(step_fn, args=(iterator, i)) for i in range(steps)]
+    sched = scheduler(optimizer, kind)
+    if sched is not None:  # the learning rate changes on the chief between functions
+        values = []
+        for i in range(steps):
+            values.append(coordinator.schedule(step_fn, args=(iterator, i)))
+            values[-1].fetch()
+            sched.step()
+    else:
+        values = [coordinator.schedule(step_fn, args=(iterator, i)) for i in range(steps)]
     coordinator.join()
     results = [v.fetch() for v in values]
     got = [float(loss) for _, loss in results]
@@ -256,6 +279,26 @@ def errors(strategy, coordinator, model, optimizer, step_fn, iterator):
         sg.coordinator.ClusterCoordinator(sg.OneDeviceStrategy())
     except TypeError as e:
         print("ERROR", e)
+    # an exception raised on a ps task is the function's error, not a lost ps
+    with strategy.scope():
+        other = nn.Linear(2, 1)
+        fussy = Fussy(other.parameters(), lr=0.1)
+
+    def fussy_step():
+        def replica_fn():
+            fussy.zero_grad()
+            other(torch.ones(1, 2)).sum().backward()
+            fussy.step()
+
+        strategy.run(replica_fn)
+
+    coordinator.schedule(fussy_step)
+    try:
+        coordinator.join()
+    except ValueError as e:
+        print("ERROR", type(e).__name__, e)
+    index, _ = coordinator.schedule(step_fn, args=(iterator, 0)).fetch()  # training goes on
+    print("ERROR none after it:", index)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def result(stdout: str) -> str:
 
 # --- the cluster ----------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("optimizer", "ps"), [("sgd", 2), ("adagrad", 1)])
+@pytest.mark.parametrize(("optimizer", "ps"), [("sgd", 2), ("adagrad", 1), ("sgd_steplr", 1)])
 def test_one_worker_equals_one_process(optimizer, ps):
     """The embedding table is split over the ps tasks (FixedShardsPartitioner(2)) and read row by
     row; the MLP's variables are whole, round-robin over the tasks."""
@@ -118,6 +118,9 @@ def test_misuse_gets_clear_errors():
         "ERROR could not ship the scheduled function '<lambda>' to worker",
         "ERROR ZeroDivisionError division by zero (raised by the scheduled function on worker:0)",
         "ERROR ClusterCoordinator needs a ParameterServerStrategy, got OneDeviceStrategy",
+        "ERROR ValueError parameter server ps:0 raised ValueError: the fussy optimizer refuses "
+        "(raised by the scheduled function on worker:0)",
+        "ERROR none after it: 0",
     ]
 
 

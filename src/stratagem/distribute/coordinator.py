@@ -318,7 +318,8 @@ class ClusterCoordinator:
                 if self._configured.get(worker) != len(ext.plans):
                     ext.configure_worker(worker)
                     self._configured[worker] = len(ext.plans)
-                payload = dumps((closure.fn, closure.args, closure.kwargs), ext.handle_of(self, worker))
+                optimizers: list[Any] = []
+                payload = dumps((closure.fn, closure.args, closure.kwargs), ext.handle_of(self, worker, optimizers))
             except Exception as e:
                 if self._lost(worker, e):
                     self._finish(closure, requeue=True)
@@ -341,6 +342,7 @@ class ClusterCoordinator:
                 self._finish(closure, requeue=True)
                 return
             ext.functions_done += 1  # the chief's copies of the variables may be stale now
+            ext.stepped(optimizers)
             if status == "ok":
                 closure.value._set(value)
                 self._finish(closure)

@@ -576,8 +576,11 @@ class ParameterServerExtended(StrategyExtended):
         self._configured: set[str] = set()
 
     # --- what the coordinator uses -----------------------------------------------------------
-    def handle_of(self, registry: Any, worker: str) -> Callable[[Any], tuple[Any, ...] | None]:
-        """How objects are written when a function is shipped to ``worker``."""
+    def handle_of(
+        self, registry: Any, worker: str, optimizers: list[torch.optim.Optimizer] | None = None
+    ) -> Callable[[Any], tuple[Any, ...] | None]:
+        """How objects are written when a function is shipped to ``worker`` (the optimizers it
+        uses are added to ``optimizers``)."""
         strategy = self.owner()
 
         def handle(o: Any) -> tuple[Any, ...] | None:
@@ -589,10 +592,21 @@ class ParameterServerExtended(StrategyExtended):
             if o is strategy:
                 return ("strategy",)
             if isinstance(o, torch.optim.Optimizer):
+                if optimizers is not None:
+                    optimizers.append(o)
                 return ("opt", self.prepare_optimizer_key(o), optimizer_spec(o))
             return registry.handle(o, worker)
 
         return handle
+
+    @staticmethod
+    def stepped(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """A worker ran a function with these optimizers: mark them stepped as torch's LR
+        schedulers track it (their wrapper of ``step`` sets this flag), since the chief's own
+        ``step`` never runs; a scheduler on the chief then does not warn that it stepped first."""
+        for opt in optimizers:
+            if hasattr(opt.step, "_wrapped_by_lr_sched"):
+                opt._opt_called = True  # type: ignore[attr-defined]
 
     def checkpoint_saved(self, path: str) -> None:
         self.last_checkpoint = path

@@ -4,6 +4,7 @@ as a batch touches them (embedding tables), and the gradients pushed back after 
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -90,7 +91,33 @@ class VariableClient:
         except Exception as e:  # the send itself failed
             raise self.lost(ps, e) from e
 
-    def lost(self, ps: int, e: BaseException) -> ParameterServerError:
+    def raised(self, ps: int, name: str, message: str, remote_tb: str) -> BaseException:
+        """What a call to ps task ``ps`` raised there, raised here (the same type, if built in)."""
+        import builtins
+
+        cls = getattr(builtins, name, None)
+        text = f"parameter server {self.ps_names[ps]} raised {name}: {message}"
+        try:
+            err: BaseException = cls(text) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(text)
+        except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+            err = RuntimeError(text)
+        err.add_note(f"traceback on {self.ps_names[ps]}:\n{remote_tb.rstrip()}")
+        return err
+
+    def lost(self, ps: int, e: BaseException) -> BaseException:
+        """The error for a failed call to ps task ``ps``: the exception it raised, if it raised
+        one (the task is alive: torch's rpc re-raises it here as "On WorkerInfo(...): ..."), else
+        a ParameterServerError (the task cannot be reached: its variables are lost)."""
+        text = str(e)
+        if re.match(r"(\w+: )?On WorkerInfo\(", text):
+            lines = text.splitlines()
+            raised = lines[1] if len(lines) > 1 else text
+            try:
+                err = type(e)(f"parameter server {self.ps_names[ps]} raised {raised}")
+            except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+                err = RuntimeError(f"parameter server {self.ps_names[ps]} raised {raised}")
+            err.add_note("\n".join(lines[2:]).strip())
+            return err
         return ParameterServerError(
             f"{self.task} could not reach parameter server {self.ps_names[ps]} ({type(e).__name__}: "
             f"{(str(e).splitlines()[0] if str(e) else '').split(' (this error originated')[0]}); the "
@@ -186,7 +213,11 @@ class VariableClient:
             for s in plan.shards:
                 dense[s.ps].append((s.key, g if len(plan.shards) == 1 else g[s.start : s.stop]))
         targets = sorted(set(dense) | set(sparse))
-        self._wait([(ps, self._call(ps, "apply", opt_key, spec, dense[ps], sparse[ps])) for ps in targets])
+        results = self._wait([(ps, self._call(ps, "apply", opt_key, spec, dense[ps], sparse[ps])) for ps in targets])
+        for ps, failed in zip(targets, results):
+            if failed is not None:  # the optimizer raised on the ps task (which is fine)
+                name, message, remote_tb = failed
+                raise self.raised(ps, name, message, remote_tb)
 
     def forget_lookups(self) -> None:
         for b in self.bindings.values():

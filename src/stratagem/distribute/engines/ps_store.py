@@ -75,6 +75,24 @@ class ParameterStore:
         spec: OptimizerSpec,
         dense: Sequence[tuple[str, torch.Tensor]],
         sparse: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
+    ) -> tuple[str, str, str] | None:
+        """One optimizer step of the worker's optimizer ``opt_key`` on the shards it updates;
+        None, or (type name, message, traceback) of what the optimizer raised: returned, not
+        raised, since torch's rpc prints every exception a remote function raises."""
+        try:
+            self._apply(opt_key, spec, dense, sparse)
+        except Exception as e:  # noqa: BLE001 - the caller raises it
+            import traceback
+
+            return (type(e).__name__, str(e), traceback.format_exc())
+        return None
+
+    def _apply(
+        self,
+        opt_key: str,
+        spec: OptimizerSpec,
+        dense: Sequence[tuple[str, torch.Tensor]],
+        sparse: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
     ) -> None:
         """One optimizer step of the worker's optimizer ``opt_key`` on the shards it updates:
         ``dense`` (key, gradient) and ``sparse`` (key, shard-local rows, their gradient rows),
@@ -107,7 +125,11 @@ class ParameterStore:
             module, qualname, hyper = spec
             param = torch.nn.Parameter(self._values[key], requires_grad=True)
             self._values[key] = param
-            opt = _optimizer_class(module, qualname)([param], **hyper)
+            cls = _optimizer_class(module, qualname)
+            # what the constructor takes; the rest (an LR scheduler's initial_lr, keys a user
+            # added to the group) is set on the group as the coordinator has it
+            opt = cls([param], **_constructor_kwargs(cls, hyper))
+            opt.param_groups[0].update(hyper)
             self._optimizers[(opt_key, key)] = opt
         return opt
 
@@ -137,3 +159,14 @@ class ParameterStore:
 
     def ping(self) -> str:
         return self.task
+
+
+def _constructor_kwargs(cls: type, hyper: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters an optimizer class's constructor takes (all, if it takes **kwargs)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(hyper)
+    names = {p.name for p in params}
+    return {k: v for k, v in hyper.items() if k in names}
