@@ -185,6 +185,10 @@ def shapes_main(args: Any) -> None:
         walls: dict[str, list[float]] = {k: [] for k in runners}
         cpus: dict[str, list[float]] = {k: [] for k in runners}
         keys = list(runners)
+        if args.pairs:  # each schedule next to torch's: [T1', gpipe, torch GPipe, 1f1b, torch 1F1B, ...]
+            theirs = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "zero_bubble": "torch ZB",
+                      "interleaved_1f1b": "torch Interleaved"}  # fmt: skip
+            keys = ["T1'"] + [k for ours in theirs for k in (ours, theirs[ours]) if k in runners]
         for r in range(args.rounds + 1):
             for key in keys if r % 2 == 0 else keys[::-1]:  # alternate the order round by round
                 world.barrier()
@@ -248,6 +252,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds (after one warm-up)")
     ap.add_argument("--micro", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--pairs", action="store_true",
+                    help="with --shape: run each schedule next to torch's matching one (the order of "
+                         "the variants still alternates round by round)")  # fmt: skip
     args = ap.parse_args()
     if args.shape != "mlp":
         if args.micro == [1, 2, 4, 8, 16]:
