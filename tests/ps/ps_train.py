@@ -6,6 +6,7 @@ parity OPT     one worker: equal to one process at 1e-5 (OPT: sgd, adagrad, or s
 kill           two workers, worker 1 dies in its third function: every result delivered once
 rejoin         as kill, and the launcher restarts worker 1: it rejoins and runs functions again
 rejoin_idle    the same, but worker 1 dies and comes back while it has no function to run
+all_lost       both workers die in their second function; the chief waits for them to be restarted
 converge       two workers, asynchronous: the loss falls as one process's does
 ps_lost        ps 0 dies: the coordinator raises a clear error naming the last checkpoint
 checkpoint DIR one worker: a checkpoint of the ps-held model and optimizer restores in a plain
@@ -80,7 +81,7 @@ def reference_losses(model: nn.Module, kind: str, data: list) -> list[float]:
 def main() -> None:
     mode = sys.argv[1]
     kind = sys.argv[2] if len(sys.argv) > 2 else "sgd"
-    steps = {"parity": 12, "kill": 24, "rejoin": 400, "rejoin_idle": 400, "converge": 240, "ps_lost": 40, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
+    steps = {"parity": 12, "kill": 24, "rejoin": 400, "rejoin_idle": 400, "all_lost": 400, "converge": 240, "ps_lost": 40, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
     partitioner = sg.partitioners.FixedShardsPartitioner(2)
     strategy = sg.ParameterServerStrategy(variable_partitioner=partitioner)
     # from here on only the chief runs this script
@@ -108,6 +109,11 @@ def main() -> None:
 
         task = json.loads(os.environ["TF_CONFIG"])["task"]
         restart = int(os.environ.get("STRATAGEM_RESTART_COUNT", "0"))
+        if mode == "all_lost" and restart == 0:
+            calls = int(os.environ.get("STEP_CALLS", "0")) + 1
+            os.environ["STEP_CALLS"] = str(calls)
+            if calls == 2:
+                os._exit(7)  # each worker dies in its second function: none is left for a while
         if mode in ("kill", "rejoin") and task["index"] == 1 and restart == 0:
             calls = int(os.environ.get("STEP_CALLS", "0")) + 1  # this worker's count
             os.environ["STEP_CALLS"] = str(calls)
@@ -115,7 +121,7 @@ def main() -> None:
                 os._exit(7)  # worker 1 dies in the middle of its third function
         ids, y = next(it)
         loss = strategy.run(replica_fn, args=(ids, y))
-        if mode.startswith("rejoin"):
+        if mode.startswith("rejoin") or mode == "all_lost":
             return index, strategy.reduce("SUM", loss, axis=None), f"{task['index']}.{restart}"
         return index, strategy.reduce("SUM", loss, axis=None)
 
@@ -141,7 +147,7 @@ def main() -> None:
         coordinator.join()
         raise AssertionError("training went on without ps 0")
 
-    if mode.startswith("rejoin"):
+    if mode.startswith("rejoin") or mode == "all_lost":
         rejoin(coordinator, step_fn, iterator, idle=mode == "rejoin_idle")
         return
     sched = scheduler(optimizer, kind)
@@ -198,7 +204,7 @@ def rejoin(coordinator, step_fn, iterator, idle):
             break
     assert [i for i, _, _ in results] == list(range(len(results))), results  # each delivered once
     ran = sorted({who for _, _, who in results})
-    print(f"RESULT lost={coordinator.lost_workers} ran_on={ran} back={sum(w == '1.1' for _, _, w in results) >= 4}")
+    print(f"RESULT lost={sorted(coordinator.lost_workers)} ran_on={ran} back={sum(w == '1.1' for _, _, w in results) >= 4}")
 
 
 def checkpoint(folder, strategy, coordinator, model, optimizer, step_fn, iterator, steps):

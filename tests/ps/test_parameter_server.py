@@ -88,6 +88,22 @@ def test_a_restarted_worker_rejoins_and_runs_functions_again(mode):
 
 
 @pytest.mark.timeout(180)
+def test_when_every_worker_is_lost_the_chief_waits_for_restarted_ones():
+    """Both workers die in their second function: with restarts (--max-restarts 1) the chief
+    waits for them instead of failing, takes them back, and every result arrives once."""
+    argv = ["-m", "stratagem", "run", "--workers", "2", "--ps", "1", "--max-restarts", "1", "--grace-period", "20", SCRIPT, "all_lost"]
+    r = run_script(argv, timeout=150)
+    assert r.returncode == 0, r.stderr
+    lost, ran, back = re.fullmatch(r"RESULT lost=(.+) ran_on=(.+) back=(\w+)", result(r.stdout)).groups()
+    assert lost == "['worker:0', 'worker:1']" and back == "True", r.stdout
+    assert {"'0.0'", "'1.0'", "'1.1'"} <= set(ran.strip("[]").split(", ")), ran
+    lines = stratagem_lines(r.stderr)
+    assert "stratagem: every worker is lost; waiting up to 120s for one to be restarted" in lines, r.stderr
+    assert sum(line.endswith("restarted and rejoined; it runs functions again") for line in lines) >= 1, r.stderr
+    assert tracebacks(r.stderr) == 0 and not TORCH_LOG.search(r.stderr), r.stderr
+
+
+@pytest.mark.timeout(180)
 def test_a_lost_ps_is_a_clear_error_naming_the_checkpoint(tmp_path):
     r = job(2, 1, "ps_lost", "sgd", str(tmp_path))
     assert r.returncode == 1

@@ -118,6 +118,7 @@ class PSJob:
         # coordinator reports a lost worker in one line instead
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env.update(task_environ(self.cluster, task_type, index, restarts))
+        env["STRATAGEM_WORKER_RESTARTS"] = str(self.max_restarts)  # the chief waits for restarted workers
         return subprocess.Popen(list(self.command), env=env, preexec_fn=_die_with_parent)
 
     def run(self) -> int:

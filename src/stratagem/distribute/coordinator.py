@@ -16,6 +16,7 @@ import collections
 import itertools
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -189,6 +190,7 @@ class ClusterCoordinator:
         self._fatal: BaseException | None = None
         self._closed = False
         self._live = set(ext.worker_names)
+        self._all_lost_at: float | None = None  # when the last live worker was lost (restarts expected)
         self._sent: dict[str, set[str]] = {w: set() for w in ext.worker_names}
         self._configured: dict[str, int] = {}
         self.lost_workers: list[str] = []
@@ -214,7 +216,7 @@ class ClusterCoordinator:
     def join(self) -> None:
         """Wait until every scheduled function has run; raise the first error one raised."""
         with self._cond:
-            while (self._queue or self._inflight) and self._fatal is None and self._live:
+            while (self._queue or self._inflight) and self._fatal is None and (self._live or self._all_lost_at is not None):
                 self._cond.wait(1.0)
         self._raise_pending()
 
@@ -385,15 +387,30 @@ class ClusterCoordinator:
             self._live.discard(worker)
             self.lost_workers.append(worker)
             if not self._live:
-                self._fatal = WorkerLostError(
-                    f"every worker is lost ({', '.join(self.lost_workers)}); the scheduled functions "
-                    "cannot run: restart the job and restore the last checkpoint"
-                )
-                for c in self._queue:
-                    c.value._fail(self._fatal)
-                self._queue.clear()
+                if self._ext.worker_restarts > 0:  # the launcher restarts workers: wait for one, bounded
+                    self._all_lost_at = time.monotonic()
+                    print(
+                        f"stratagem: every worker is lost; waiting up to {self._ext.timeout:g}s for one to be restarted",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                else:
+                    self._fail_all(
+                        WorkerLostError(
+                            f"every worker is lost ({', '.join(self.lost_workers)}); the scheduled functions "
+                            "cannot run: restart the job and restore the last checkpoint"
+                        )
+                    )
             self._cond.notify_all()
         return True
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Nothing more can run: every waiting function gets ``error`` (the caller holds the lock)."""
+        self._fatal = self._fatal or error
+        for c in self._queue:
+            c.value._fail(self._fatal)
+        self._queue.clear()
+        self._cond.notify_all()
 
     def _await_return(self, worker: str, request: str | None = None) -> bool:
         """Wait for the lost ``worker`` to be restarted and take it back (its per-worker datasets
@@ -403,6 +420,14 @@ class ClusterCoordinator:
             with self._cond:
                 if self._closed or self._fatal is not None:
                     return False
+                if not self._live and self._all_lost_at is not None and time.monotonic() - self._all_lost_at > ext.timeout:
+                    self._fail_all(
+                        WorkerLostError(
+                            f"every worker is lost ({', '.join(sorted(set(self.lost_workers)))}) and none was "
+                            f"restarted within {ext.timeout:g}s: restart the job and restore the last checkpoint"
+                        )
+                    )
+                    return False
             request = request or ext.rejoin_request(worker)
             if request is not None:
                 if ext.readmit(worker, request):
@@ -410,6 +435,7 @@ class ClusterCoordinator:
                         self._configured.pop(worker, None)
                         self._sent[worker] = set()
                         self._live.add(worker)
+                        self._all_lost_at = None
                         self._cond.notify_all()
                     print(f"stratagem: {worker} restarted and rejoined; it runs functions again", file=sys.stderr, flush=True)
                     return True

@@ -281,6 +281,10 @@ class ParameterServerExtended(StrategyExtended):
         self._store: Any = None
         self._nonce = uuid.uuid4().hex  # this process, among the restarts of its task
         self._admitted: set[str] = set()  # the rejoin requests the chief answered
+        #: how often each worker is restarted when it fails (`stratagem run --max-restarts`, or a
+        #: cluster manager saying so in STRATAGEM_WORKER_RESTARTS): the chief then waits for a
+        #: restarted worker when every worker is lost, instead of failing at once
+        self.worker_restarts = int(os.environ.get("STRATAGEM_WORKER_RESTARTS", "0") or 0)
         self._join()
 
     def bind(self, strategy: Any) -> None:
