@@ -294,7 +294,7 @@ class ParameterServerExtended(StrategyExtended):
     # --- the rpc world --------------------------------------------------------------------
     def _join(self) -> None:
         """Meet the cluster in the chief's store, then join its rpc group: a dynamic group, so a
-        worker that died can come back (``_rejoin``)."""
+        worker that died can come back (``_ask_to_rejoin``, ``readmit``)."""
         s = self.spec
         rejoining = False
         store = self._meet()
