@@ -59,15 +59,30 @@ class PostedRecv:
 class Channel:
     """The messages this stage exchanges with its neighbours (ranks of the pipeline group)."""
 
-    def __init__(self, comm: Communicator, *, error_wait: float = 10.0) -> None:
+    def __init__(self, comm: Communicator, *, upstream: Communicator | None = None, error_wait: float = 10.0) -> None:
         if comm.world_size > 1 and not isinstance(comm, ProcessGroupCommunicator):
             raise TypeError(f"pipeline stages need a torch.distributed group, got {type(comm).__name__}")
+        if upstream is not None and (
+            not isinstance(upstream, ProcessGroupCommunicator) or upstream.world_size != comm.world_size
+        ):
+            raise TypeError("the upstream group must be a torch.distributed group of the same ranks")
         self.comm = comm
+        # messages to a lower rank (gradients, results) travel on a group of their own: gloo
+        # serves each pair of processes with one connection and one lock, so a gradient coming
+        # in while an activation goes out would wait for it (and the other way round)
+        self.up = upstream
         self.device = comm.device
         self.error_wait = error_wait
         self._pending: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
         self.last_extra = 0
         self.last_meta = b""
+
+    def _group(self, sender: int, receiver: int) -> Any:
+        assert isinstance(self.comm, ProcessGroupCommunicator)
+        if self.up is not None and sender > receiver:
+            assert isinstance(self.up, ProcessGroupCommunicator)
+            return self.up.group
+        return self.comm.group
 
     def _peer(self, rank: int) -> int:
         assert isinstance(self.comm, ProcessGroupCommunicator)
@@ -82,7 +97,7 @@ class Channel:
         works = []
         try:
             for t in tensors:
-                works.append(dist.isend(t, dst=self._peer(dst), group=self.comm.group, tag=tag))
+                works.append(dist.isend(t, dst=self._peer(dst), group=self._group(self.comm.rank, dst), tag=tag))
         except (RuntimeError, dist.DistError) as e:
             raise self._fail(e, f"send to stage {dst}") from e
         for w in works:
@@ -92,7 +107,7 @@ class Channel:
     def _recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         assert isinstance(self.comm, ProcessGroupCommunicator)
         try:
-            dist.recv(tensor, src=self._peer(src), group=self.comm.group, tag=tag)
+            dist.recv(tensor, src=self._peer(src), group=self._group(src, self.comm.rank), tag=tag)
         except (RuntimeError, dist.DistError) as e:
             raise self._fail(e, f"receive from stage {src}") from e
 
@@ -185,7 +200,7 @@ class Channel:
         nbytes = raw_nbytes(shape, dtype)
         buf = torch.empty(nbytes + 1, dtype=torch.uint8, device=self.device)
         try:
-            work = dist.irecv(buf, src=self._peer(src), group=self.comm.group, tag=tag)
+            work = dist.irecv(buf, src=self._peer(src), group=self._group(src, self.comm.rank), tag=tag)
         except (RuntimeError, dist.DistError) as e:
             raise self._fail(e, f"receive from stage {src}") from e
         return PostedRecv(work, buf, src, shape, dtype, tag)

@@ -41,8 +41,10 @@ class PipelineExtended(OverReplicas):
         pipeline: Communicator,
         replicas: Communicator,
         device: torch.device,
+        upstream: Communicator | None = None,
     ) -> None:
         self.config = config
+        self.upstream_comm = upstream  # the pipeline's ranks again, for messages to a lower stage
         self._world = world
         self.pipeline_comm = pipeline
         self.replicas = replicas
@@ -209,7 +211,7 @@ class PipelineExtended(OverReplicas):
             if self.replicas.world_size > 1:
                 tensors = [*modules.parameters(), *modules.buffers()]
                 self.replicas.broadcast_tensors_([t.data for t in tensors], src=0)
-            channel = Channel(self.pipeline_comm) if cfg.num_stages > 1 else None
+            channel = Channel(self.pipeline_comm, upstream=self.upstream_comm) if cfg.num_stages > 1 else None
             tied = (
                 TiedGradients(ties, layers, owned, self.stage, self._world, self.config.pipeline_groups())
                 if ties else None

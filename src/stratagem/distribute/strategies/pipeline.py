@@ -96,10 +96,12 @@ class PipelineStrategy(Strategy):
         else:
             pipeline_comm = world.split(config.pipeline_groups())
             replicas = world.split(config.replica_groups())
+        # the same pipelines again, for the messages that go to a lower stage (see p2p.Channel)
+        upstream = world.split(config.pipeline_groups()) if config.num_stages > 1 else None
         self.cluster_spec = env
         self.config = config
         self.device = device
-        self._pipeline_ext = PipelineExtended(config, world, pipeline_comm, replicas, device)
+        self._pipeline_ext = PipelineExtended(config, world, pipeline_comm, replicas, device, upstream)
         super().__init__(self._pipeline_ext)
 
     # --- pipeline facts -----------------------------------------------------------------------------
