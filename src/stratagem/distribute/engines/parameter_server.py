@@ -340,19 +340,24 @@ class ParameterServerExtended(StrategyExtended):
 
     def _await_group(self, store: Any) -> None:
         """Wait (bounded) until every task of the cluster is in the rpc group."""
+        self._await_tasks(
+            store, "joined",
+            lambda missing: f"{', '.join(missing)} did not join the rpc group within {self.timeout:g}s: "
+            "check that every task listed in TF_CONFIG runs",
+        )  # fmt: skip
+
+    def _await_tasks(self, store: Any, key: str, says: Callable[[list[str]], str]) -> None:
+        """Wait until every task has set ``stratagem/{key}/{task}`` in the chief's store; after
+        the timeout, a RuntimeError saying ``says(missing tasks)``."""
         import time
 
-        s = self.spec
         deadline = time.monotonic() + self.timeout
         while True:
-            missing = [n for n in s.rpc_names if not store.check([f"stratagem/joined/{n}"])]
+            missing = [n for n in self.spec.rpc_names if not store.check([f"stratagem/{key}/{n}"])]
             if not missing:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"ParameterServerStrategy: {', '.join(missing)} did not join the rpc group within "
-                    f"{self.timeout:g}s: check that every task listed in TF_CONFIG runs"
-                )
+                raise RuntimeError(f"ParameterServerStrategy: {says(missing)}")
             time.sleep(0.02)
 
     def _ask_to_rejoin(self, store: Any) -> int:
@@ -438,21 +443,13 @@ class ParameterServerExtended(StrategyExtended):
             ) from e
         store.set(f"stratagem/present/{s.rpc_name}", "1")
         if s.is_chief:
-            import time
-
-            deadline = time.monotonic() + self.timeout
             addresses = dict(zip(s.rpc_names, [s.chief, *s.workers, *s.ps]))
-            while True:
-                missing = [n for n in s.rpc_names if not store.check([f"stratagem/present/{n}"])]
-                if not missing:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"ParameterServerStrategy: {', '.join(f'{n} ({addresses[n]})' for n in missing)} did not "
-                        f"join the cluster within {self.timeout:g}s: start every task listed in TF_CONFIG "
-                        "(or use `stratagem run --workers N --ps P script.py`)"
-                    )
-                time.sleep(0.05)
+            self._await_tasks(
+                store, "present",
+                lambda missing: f"{', '.join(f'{n} ({addresses[n]})' for n in missing)} did not join the "
+                f"cluster within {self.timeout:g}s: start every task listed in TF_CONFIG "
+                "(or use `stratagem run --workers N --ps P script.py`)",
+            )  # fmt: skip
         return store
 
     def serve(self) -> None:

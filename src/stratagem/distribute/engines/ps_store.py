@@ -76,36 +76,26 @@ class ParameterStore:
         dense: Sequence[tuple[str, torch.Tensor]],
         sparse: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
     ) -> tuple[str, str, str] | None:
-        """One optimizer step of the worker's optimizer ``opt_key`` on the shards it updates;
-        None, or (type name, message, traceback) of what the optimizer raised: returned, not
-        raised, since torch's rpc prints every exception a remote function raises."""
+        """One optimizer step of the worker's optimizer ``opt_key`` on the shards it updates:
+        ``dense`` (key, gradient) and ``sparse`` (key, shard-local rows, their gradient rows),
+        the latter as a sparse gradient (torch's optimizers that take one: SGD, Adagrad,
+        SparseAdam), so untouched rows and their optimizer state stay as they are. Returns None,
+        or (type name, message, traceback) of what the optimizer raised: returned, not raised,
+        since torch's rpc prints every exception a remote function raises."""
         try:
-            self._apply(opt_key, spec, dense, sparse)
+            for key, grad in dense:
+                self.bytes_in += grad.numel() * grad.element_size()
+                self._step(opt_key, spec, key, grad)
+            for key, index, rows in sparse:
+                self.bytes_in += rows.numel() * rows.element_size() + index.numel() * index.element_size()
+                shape = self._values[key].shape
+                grad = torch.sparse_coo_tensor(index.unsqueeze(0), rows, shape, check_invariants=False).coalesce()
+                self._step(opt_key, spec, key, grad)
         except Exception as e:  # noqa: BLE001 - the caller raises it
             import traceback
 
             return (type(e).__name__, str(e), traceback.format_exc())
         return None
-
-    def _apply(
-        self,
-        opt_key: str,
-        spec: OptimizerSpec,
-        dense: Sequence[tuple[str, torch.Tensor]],
-        sparse: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
-    ) -> None:
-        """One optimizer step of the worker's optimizer ``opt_key`` on the shards it updates:
-        ``dense`` (key, gradient) and ``sparse`` (key, shard-local rows, their gradient rows),
-        the latter as a sparse gradient (torch's optimizers that take one: SGD, Adagrad,
-        SparseAdam), so untouched rows and their optimizer state stay as they are."""
-        for key, grad in dense:
-            self.bytes_in += grad.numel() * grad.element_size()
-            self._step(opt_key, spec, key, grad)
-        for key, index, rows in sparse:
-            self.bytes_in += rows.numel() * rows.element_size() + index.numel() * index.element_size()
-            shape = self._values[key].shape
-            grad = torch.sparse_coo_tensor(index.unsqueeze(0), rows, shape, check_invariants=False).coalesce()
-            self._step(opt_key, spec, key, grad)
 
     def _step(self, opt_key: str, spec: OptimizerSpec, key: str, grad: torch.Tensor) -> None:
         with self._locks[key]:
