@@ -134,7 +134,7 @@ def test_misuse_gets_clear_errors():
         "ERROR could not ship the scheduled function '<lambda>' to worker",
         "ERROR ZeroDivisionError division by zero (raised by the scheduled function on worker:0)",
         "ERROR ClusterCoordinator needs a ParameterServerStrategy, got OneDeviceStrategy",
-        "ERROR ValueError parameter server ps:0 raised ValueError: the fussy optimizer refuses "
+        "ERROR ValueError the fussy optimizer refuses (raised by the optimizer on parameter server ps:0) "
         "(raised by the scheduled function on worker:0)",
         "ERROR none after it: 0",
     ]

@@ -11,7 +11,6 @@ raised by a function is kept in its RemoteValue and raised by the next ``schedul
 
 from __future__ import annotations
 
-import builtins
 import collections
 import itertools
 import sys
@@ -23,7 +22,7 @@ from typing import Any
 
 from stratagem.core import tree
 from stratagem.distribute.engines.parameter_server import ParameterServerExtended
-from stratagem.distribute.engines.ps_client import ParameterServerError
+from stratagem.distribute.engines.ps_client import ParameterServerError, rebuilt_error
 from stratagem.distribute.engines.ps_pickle import dumps
 
 __all__ = [
@@ -144,19 +143,8 @@ def _rebuild_error(name: str, message: str, where: str, remote_tb: str) -> BaseE
     if name == "StopIteration":
         return OutOfRangeError(f"{where}: {message}")
     if name == "ParameterServerError":
-        err: BaseException = ParameterServerError(message)
-    else:
-        cls = getattr(builtins, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, Exception)):
-            cls = RuntimeError
-            message = f"{name}: {message}"
-        try:
-            err = cls(f"{message} (raised by the scheduled function on {where})")
-        except Exception:
-            err = RuntimeError(f"{name}: {message} (raised by the scheduled function on {where})")
-    if remote_tb and hasattr(err, "add_note") and not isinstance(err, ParameterServerError):
-        err.add_note(f"traceback on {where}:\n{remote_tb.rstrip()}")
-    return err
+        return ParameterServerError(message)
+    return rebuilt_error(name, message, f"the scheduled function on {where}", where, remote_tb)
 
 
 class ClusterCoordinator:

@@ -305,9 +305,7 @@ class ParameterServerExtended(StrategyExtended):
         if s.task_type == "worker":
             _RUNTIMES[s.rpc_name] = WorkerRuntime(s.rpc_name, lambda: self.owner())
         try:
-            rpc_membership.join(
-                s.rpc_name, rank, f"tcp://{s.master_addr}:{s.master_port}", self.timeout
-            )
+            rpc_membership.join(s.rpc_name, rank, f"tcp://{s.master_addr}:{s.master_port}", self.timeout)
         except Exception as e:
             raise RuntimeError(
                 f"ParameterServerStrategy: {s.rpc_name} could not meet the cluster (chief {s.chief}, "
@@ -322,9 +320,7 @@ class ParameterServerExtended(StrategyExtended):
         if s.is_chief:
             for i, name in enumerate(self.ps_names):
                 try:
-                    self.stores.append(
-                        rpc.remote(name, ParameterStore, args=(name,), timeout=self.timeout)
-                    )
+                    self.stores.append(rpc.remote(name, ParameterStore, args=(name,), timeout=self.timeout))
                     self.stores[-1].rpc_sync(timeout=self.timeout).ping()
                 except Exception as e:
                     raise ParameterServerError(
@@ -397,9 +393,7 @@ class ParameterServerExtended(StrategyExtended):
         if worker not in self.lost_tasks:
             self.lost_tasks.append(worker)
         live = [n for n in [*self.worker_names, *self.ps_names] if n not in self.lost_tasks]
-        with contextlib.suppress(
-            Exception
-        ):  # a ps that cannot be told is lost: its error comes on its own
+        with contextlib.suppress(Exception):  # a ps that cannot be told is lost: its error comes on its own
             rpc_membership.evict(worker, live, timeout=min(self.timeout, 10.0))
 
     def readmit(self, worker: str, nonce: str) -> bool:
@@ -471,15 +465,13 @@ class ParameterServerExtended(StrategyExtended):
                 break
         _RUNTIMES.pop(name, None)
         gc.collect()
-        if code:
+        if code:  # the chief is gone: nobody to leave with
             with contextlib.suppress(Exception):
                 rpc.shutdown(graceful=False)
-        else:
-            rpc_membership.leave_together(
-                self._store, LEAVE_PREFIX, timeout=min(self.timeout, 10.0), owner=self.spec.task_type == "ps"
-            )
-        if code:
             os._exit(code)
+        rpc_membership.leave_together(
+            self._store, LEAVE_PREFIX, timeout=min(self.timeout, 10.0), owner=self.spec.task_type == "ps"
+        )
         sys.exit(0)
 
     def shutdown(self) -> None:

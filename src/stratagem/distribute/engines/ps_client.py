@@ -26,6 +26,24 @@ class ParameterServerError(RuntimeError):
     """A ps task could not be reached: training cannot go on without the variables it holds."""
 
 
+def rebuilt_error(name: str, message: str, by: str, where: str, remote_tb: str = "") -> BaseException:
+    """An exception of type ``name`` raised ``by`` something on another task (``where``), raised
+    here: the built-in type of that name (RuntimeError for others), its traceback there in a note."""
+    import builtins
+
+    cls = getattr(builtins, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls, message = RuntimeError, f"{name}: {message}"
+    text = f"{message} (raised by {by})"
+    try:
+        err: BaseException = cls(text)
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        err = RuntimeError(f"{name}: {text}")
+    if remote_tb.strip():
+        err.add_note(f"traceback on {where}:\n{remote_tb.rstrip()}")
+    return err
+
+
 @dataclass
 class _Lookup:
     ids: torch.Tensor  # the unique global rows read
@@ -91,19 +109,6 @@ class VariableClient:
         except Exception as e:  # the send itself failed
             raise self.lost(ps, e) from e
 
-    def raised(self, ps: int, name: str, message: str, remote_tb: str) -> BaseException:
-        """What a call to ps task ``ps`` raised there, raised here (the same type, if built in)."""
-        import builtins
-
-        cls = getattr(builtins, name, None)
-        text = f"parameter server {self.ps_names[ps]} raised {name}: {message}"
-        try:
-            err: BaseException = cls(text) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(text)
-        except Exception:  # noqa: BLE001 - an exception type that takes other arguments
-            err = RuntimeError(text)
-        err.add_note(f"traceback on {self.ps_names[ps]}:\n{remote_tb.rstrip()}")
-        return err
-
     def lost(self, ps: int, e: BaseException) -> BaseException:
         """The error for a failed call to ps task ``ps``: the exception it raised, if it raised
         one (the task is alive: torch's rpc re-raises it here as "On WorkerInfo(...): ..."), else
@@ -111,13 +116,11 @@ class VariableClient:
         text = str(e)
         if re.match(r"(\w+: )?On WorkerInfo\(", text):
             lines = text.splitlines()
-            raised = lines[1] if len(lines) > 1 else text
-            try:
-                err = type(e)(f"parameter server {self.ps_names[ps]} raised {raised}")
-            except Exception:  # noqa: BLE001 - an exception type that takes other arguments
-                err = RuntimeError(f"parameter server {self.ps_names[ps]} raised {raised}")
-            err.add_note("\n".join(lines[2:]).strip())
-            return err
+            where = self.ps_names[ps]
+            return rebuilt_error(
+                type(e).__name__, lines[1] if len(lines) > 1 else text, f"parameter server {where}", where,
+                "\n".join(lines[2:]),
+            )  # fmt: skip
         return ParameterServerError(
             f"{self.task} could not reach parameter server {self.ps_names[ps]} ({type(e).__name__}: "
             f"{(str(e).splitlines()[0] if str(e) else '').split(' (this error originated')[0]}); the "
@@ -217,7 +220,8 @@ class VariableClient:
         for ps, failed in zip(targets, results):
             if failed is not None:  # the optimizer raised on the ps task (which is fine)
                 name, message, remote_tb = failed
-                raise self.raised(ps, name, message, remote_tb)
+                where = self.ps_names[ps]
+                raise rebuilt_error(name, message, f"the optimizer on parameter server {where}", where, remote_tb)
 
     def forget_lookups(self) -> None:
         for b in self.bindings.values():

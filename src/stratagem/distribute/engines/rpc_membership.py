@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 #: keys torch's TensorPipe agent uses in the group's store (torch/csrc/distributed/rpc/agent_utils.cpp
-#: and torch/distributed/rpc/_utils.py); tests/ps/test_rejoin.py fails if they change
+#: and torch/distributed/rpc/_utils.py); the rejoin tests in tests/ps fail if they change
 TOKEN_KEY = "RpcGroupManagementToken"
 NAMES_PREFIX = "names"
 ALL_WORKERS_KEY = "_ALL_WORKER_INFOS"
@@ -31,9 +31,7 @@ def join(name: str, rank: int, init_method: str, timeout: float) -> None:
     """This process joins the dynamic group at ``init_method`` as ``name`` with ``rank``."""
     import torch.distributed.rpc as rpc
 
-    opts = rpc.TensorPipeRpcBackendOptions(
-        init_method=init_method, rpc_timeout=timeout, num_worker_threads=16
-    )
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, num_worker_threads=16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's own deprecation notes
         rpc.init_rpc(name, rank=rank, rpc_backend_options=opts)
@@ -50,9 +48,7 @@ def _token(store: Any, holder: str, timeout: float) -> Iterator[None]:
         if got == mine:
             break
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"the rpc group's membership token is held by {got!r} for more than {timeout:g}s"
-            )
+            raise TimeoutError(f"the rpc group's membership token is held by {got!r} for more than {timeout:g}s")
         time.sleep(0.05)
     try:
         yield
@@ -69,9 +65,10 @@ def members() -> dict[str, int]:
     return {w.name: w.id for w in agent.get_worker_infos()}
 
 
-def evict(name: str, tell: Sequence[str], timeout: float) -> list[str]:
+def evict(name: str, tell: Sequence[str], timeout: float) -> None:
     """Take the dead member ``name`` out of the group: out of the store's list and out of this
-    process's and every ``tell`` member's agent. Returns the members that could not be told."""
+    process's and every ``tell`` member's agent (one that cannot be told is lost itself, and
+    reported as such by whoever needs it)."""
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
     from torch.distributed.rpc import _utils as rpc_utils
@@ -79,34 +76,22 @@ def evict(name: str, tell: Sequence[str], timeout: float) -> list[str]:
     agent: Any = rpc.api._get_current_rpc_agent()  # a TensorPipeAgent
     known = members()
     if name not in known:
-        return []
+        return
     dead = agent.get_worker_info(name)
     me = agent.get_worker_info().name
-    unreachable: list[str] = []
     with _token(agent.store, f"{me}-evicts-{name}", timeout):
         names = dist.PrefixStore(NAMES_PREFIX, agent.store)
         listed = names.get(ALL_WORKERS_KEY).decode()
         names.set(ALL_WORKERS_KEY, listed.replace(f"{dead.name}-{dead.id},", ""))
         futures = [
-            (
-                other,
-                rpc.rpc_async(
-                    other,
-                    rpc_utils._update_group_membership,
-                    args=(dead, [], {}, False),
-                    timeout=timeout,
-                ),
-            )
+            rpc.rpc_async(other, rpc_utils._update_group_membership, args=(dead, [], {}, False), timeout=timeout)
             for other in tell
             if other not in (me, name) and other in known
         ]
-        for other, fut in futures:
-            try:
+        for fut in futures:
+            with contextlib.suppress(Exception):
                 fut.wait()
-            except Exception:
-                unreachable.append(other)
         agent._update_group_membership(dead, [], {}, False)
-    return unreachable
 
 
 def leave_together(store: Any, prefix: str, timeout: float, *, owner: bool = False) -> None:
