@@ -1,5 +1,5 @@
 """A weight tied across 3 stages' first and last (the middle stage holds no end and adds zeros to
-the sum): equal to the unsplit model, the two ends bit-identical."""
+the sum), under 1F1B and zero-bubble: equal to the unsplit model, the two ends bit-identical."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def build() -> nn.Sequential:
     return nn.Sequential(emb, nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), Head(emb))
 
 
-def three_stages() -> dict:
-    s = PipelineStrategy(3, 2, balance=[1, 3, 1], schedule="1f1b", devices="cpu")
+def three_stages(schedule: str) -> dict:
+    s = PipelineStrategy(3, 2, balance=[1, 3, 1], schedule=schedule, devices="cpu")
     torch.manual_seed(0)
     pipe = s.pipeline(build(), nn.CrossEntropyLoss(), verbose=False)
     with s.scope():
@@ -54,8 +54,9 @@ def three_stages() -> dict:
 
 
 @pytest.mark.timeout(90)
-def test_tie_between_first_and_last_of_three_stages() -> None:
-    first, middle, last = (r.value for r in run_workers(three_stages, 3, timeout=80))
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_tie_between_first_and_last_of_three_stages(schedule: str) -> None:
+    first, middle, last = (r.value for r in run_workers(three_stages, 3, args=(schedule,), timeout=80))
     assert first["names"] == ["0.weight"] and last["names"] == ["4.out.weight"] and middle["end"] is None
     for r in (first, middle, last):
         assert r["diff"] < 1e-5, r["diff"]

@@ -252,6 +252,8 @@ class Stage:
         if self._split:
             return
         self._split = True
+        if self.is_first:
+            return  # its W passes start from the stage's output (``backward_input``)
         holders: dict[int, int] = {}
         for m in self.module.modules():
             for p in m._parameters.values():
@@ -302,6 +304,16 @@ class Stage:
                 f"{i} whose output has shape {list(out.shape)}",
                 stage=self.index,
             )
+        if not wants_x:
+            # nothing goes upstream (the first stage): I has nothing to compute and W runs the
+            # whole backward in one pass, as torch's zero-bubble runtime does; split in two, the
+            # backward would take more time (an engine run per module) for nothing to overlap
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            saved.leaves = None
+            saved.output = None
+            whole = _WeightPass([out], [grad if grad is not None else torch.ones_like(out)], params, [])
+            saved.leaf_grads = [whole] if params else []
+            return None
         # a module called more than once in a forward: its parameters' gradients are taken here
         counts: dict[nn.Module, int] = {}
         for m, _ in saved.leaves:
