@@ -217,7 +217,8 @@ def shape_report(rows: list[tuple[int, dict[str, list[float]]]], args: Any) -> N
     }[args.shape]
     print(f"\n2-stage pipeline: {what}; 2 processes x 1 thread; {args.rounds} rounds, order alternating")
     print("ms per mini-batch: median [min-max]; bound = T1' (M+K-1)/(MK); x bound = median / bound;")
-    print("vs torch = torch's median / ours (> 1: stratagem faster)")
+    print("vs torch = torch's median / ours (> 1: stratagem faster); paired = median over rounds of "
+          "torch's time / ours in that round")
     pairs = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "zero_bubble": "torch ZB",
              "interleaved_1f1b": "torch Interleaved"}  # fmt: skip
     for m, walls in rows:
@@ -233,7 +234,11 @@ def shape_report(rows: list[tuple[int, dict[str, list[float]]]], args: Any) -> N
         for ours, theirs in pairs.items():
             line = f"  {ours:<12} {cell(ours)}  x bound {med[ours] / bound:4.2f}"
             if theirs in walls:
+                # also the median of the rounds' own ratios (both ran in the same round, so it
+                # is less moved by load that changes from round to round)
+                paired = statistics.median(t / o for t, o in zip(walls[theirs], walls[ours]))
                 line += f" | {theirs:<12} {cell(theirs)}  vs torch {med[theirs] / med[ours]:4.2f}"
+                line += f" (paired {paired:4.2f})"
             print(line)
         cpu = "  CPU ms per step, both processes: " + ", ".join(
             f"{k} {walls['cpu ' + k][0] * 1e3:.0f}" for k in walls if not k.startswith("cpu ") and "cpu " + k in walls

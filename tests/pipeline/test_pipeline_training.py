@@ -485,3 +485,38 @@ def test_interleaved_stage_holds_its_chunks(tmp_path):
     assert "chunk 3 (stage 1): layers 3..3" in r0["partition"]
     assert r0["time"] == r1["time"] and len(r0["time"]) == 4 and sum(r0["time"]) == 6
     assert "the model has 5 layers" in r0["few"] and "2 stages x 3 virtual stages = 6 chunks" in r0["few"]
+
+
+class Keep(nn.Module):
+    """Keeps every input it is given (the activation a stage received) and a copy of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.kept.append((x.detach(), x.detach().clone()))
+        return x
+
+
+def kept_inputs_worker(schedule: str) -> tuple[int, float]:
+    """The stages reuse their message buffers from step to step: a module that keeps what it
+    received must still hold it, unchanged, after later steps."""
+    balance = [2, 1, 1, 2] if schedule == "interleaved_1f1b" else [2, 4]
+    s = PipelineStrategy(2, 4, schedule=schedule, balance=balance, devices="cpu")
+    pipe, opt = make_pipe(s, lambda: nn.Sequential(nn.Linear(5, 16), nn.Tanh(), Keep(), nn.Linear(16, 16), Keep(),
+                                                   nn.Linear(16, 3)), nn.CrossEntropyLoss())  # fmt: skip
+    for x, y in batches([8, 8, 8], seed=3):
+        s.run(pipe.train_step, args=(x, y))
+        opt.step()
+        opt.zero_grad()
+    kept = [pair for m in pipe.module.modules() if isinstance(m, Keep) for pair in m.kept]
+    return len(kept), max((float((a - b).abs().max()) for a, b in kept), default=0.0)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
+def test_a_kept_activation_is_not_overwritten_by_later_steps(schedule):
+    results = [r.value for r in run_workers(kept_inputs_worker, 2, args=(schedule,), timeout=80)]
+    assert results[0][0] == 0 and results[1][0] >= 2 * 3 * 4, results  # stage 1: 2 x 3 steps x 4 micro-batches
+    assert all(diff == 0.0 for _, diff in results), results
