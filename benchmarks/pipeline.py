@@ -182,6 +182,12 @@ def shapes_main(args: Any) -> None:
                     print(f"torch {name} at M={m}: not run ({type(e).__name__}: {e})", flush=True)
                 continue
             runners[f"torch {name}"] = step
+        if args.noise and "torch 1F1B" in runners:
+            # torch's 1F1B again, built and timed as a variant of its own: how far apart two
+            # identical variants measure on this machine (the noise floor of every ratio above)
+            step, _ = torch_pipelining("1F1B", m, args, balance, x, y, loss_fn, rank)
+            step()
+            runners["torch 1F1B again"] = step
         walls: dict[str, list[float]] = {k: [] for k in runners}
         cpus: dict[str, list[float]] = {k: [] for k in runners}
         keys = list(runners)
@@ -189,6 +195,7 @@ def shapes_main(args: Any) -> None:
             theirs = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "zero_bubble": "torch ZB",
                       "interleaved_1f1b": "torch Interleaved"}  # fmt: skip
             keys = ["T1'"] + [k for ours in theirs for k in (ours, theirs[ours]) if k in runners]
+            keys += [k for k in runners if k not in keys]
         for r in range(args.rounds + 1):
             for key in keys if r % 2 == 0 else keys[::-1]:  # alternate the order round by round
                 world.barrier()
@@ -240,6 +247,11 @@ def shape_report(rows: list[tuple[int, dict[str, list[float]]]], args: Any) -> N
                 line += f" | {theirs:<12} {cell(theirs)}  vs torch {med[theirs] / med[ours]:4.2f}"
                 line += f" (paired {paired:4.2f})"
             print(line)
+        if "torch 1F1B again" in walls:
+            again = walls["torch 1F1B again"]
+            paired = statistics.median(t / a for t, a in zip(walls["torch 1F1B"], again))
+            print(f"  noise floor: torch 1F1B {cell('torch 1F1B')} vs the same again {cell('torch 1F1B again')}: "
+                  f"{med['torch 1F1B'] / med['torch 1F1B again']:4.2f} (paired {paired:4.2f})")  # fmt: skip
         cpu = "  CPU ms per step, both processes: " + ", ".join(
             f"{k} {walls['cpu ' + k][0] * 1e3:.0f}" for k in walls if not k.startswith("cpu ") and "cpu " + k in walls
         )
@@ -260,6 +272,9 @@ def main() -> None:
     ap.add_argument("--pairs", action="store_true",
                     help="with --shape: run each schedule next to torch's matching one (the order of "
                          "the variants still alternates round by round)")  # fmt: skip
+    ap.add_argument("--noise", action="store_true",
+                    help="with --shape: also time torch's 1F1B a second time as a variant of its own "
+                         "and print how far apart the two measure (the noise floor of the ratios)")  # fmt: skip
     args = ap.parse_args()
     if args.shape != "mlp":
         if args.micro == [1, 2, 4, 8, 16]:
