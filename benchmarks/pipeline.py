@@ -35,6 +35,9 @@ from torch import nn
 from stratagem.distribute.strategies.pipeline import PipelineStrategy
 
 K = 2
+#: each of our schedules and the runner of torch's matching one (``--shape``)
+THEIRS = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "zero_bubble": "torch ZB",
+          "interleaved_1f1b": "torch Interleaved"}  # fmt: skip
 
 
 def build(width: int, layers: int) -> nn.Sequential:
@@ -192,9 +195,7 @@ def shapes_main(args: Any) -> None:
         cpus: dict[str, list[float]] = {k: [] for k in runners}
         keys = list(runners)
         if args.pairs:  # each schedule next to torch's: [T1', gpipe, torch GPipe, 1f1b, torch 1F1B, ...]
-            theirs = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "zero_bubble": "torch ZB",
-                      "interleaved_1f1b": "torch Interleaved"}  # fmt: skip
-            keys = ["T1'"] + [k for ours in theirs for k in (ours, theirs[ours]) if k in runners]
+            keys = ["T1'"] + [k for ours in THEIRS for k in (ours, THEIRS[ours]) if k in runners]
             keys += [k for k in runners if k not in keys]
         for r in range(args.rounds + 1):
             for key in keys if r % 2 == 0 else keys[::-1]:  # alternate the order round by round
@@ -226,8 +227,6 @@ def shape_report(rows: list[tuple[int, dict[str, list[float]]]], args: Any) -> N
     print("ms per mini-batch: median [min-max]; bound = T1' (M+K-1)/(MK); x bound = median / bound;")
     print("vs torch = torch's median / ours (> 1: stratagem faster); paired = median over rounds of "
           "torch's time / ours in that round")
-    pairs = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "zero_bubble": "torch ZB",
-             "interleaved_1f1b": "torch Interleaved"}  # fmt: skip
     for m, walls in rows:
         med = {k: statistics.median(v) for k, v in walls.items()}
         bound = med["T1'"] * (m + K - 1) / (m * K)
@@ -238,7 +237,7 @@ def shape_report(rows: list[tuple[int, dict[str, list[float]]]], args: Any) -> N
             v = walls[k]
             return f"{statistics.median(v) * 1e3:7.1f} [{min(v) * 1e3:.0f}-{max(v) * 1e3:.0f}]"
 
-        for ours, theirs in pairs.items():
+        for ours, theirs in THEIRS.items():
             line = f"  {ours:<12} {cell(ours)}  x bound {med[ours] / bound:4.2f}"
             if theirs in walls:
                 # also the median of the rounds' own ratios (both ran in the same round, so it

@@ -56,10 +56,12 @@ class PostedRecv:
         self.work, self.buf, self.src, self.shape, self.dtype, self.tag = work, buf, src, shape, dtype, tag
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _storage_uses(t: torch.Tensor) -> int | None:
     """How many tensors share ``t``'s storage (None where torch does not say)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else int(count(t.untyped_storage()._cdata))
+    return None if _USE_COUNT is None else int(_USE_COUNT(t.untyped_storage()._cdata))
 
 
 class _Buffers:
@@ -77,7 +79,7 @@ class _Buffers:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.reuse = device.type == "cpu" and _storage_uses(torch.empty(0)) is not None
+        self.reuse = device.type == "cpu" and _USE_COUNT is not None
         self.held: dict[tuple[Any, ...], list[tuple[torch.Tensor, int | None]]] = {}
         self.taken: dict[tuple[Any, ...], int] = {}
 

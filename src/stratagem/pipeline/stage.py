@@ -332,17 +332,11 @@ class Stage:
         rest = [p for p in self.module.parameters() if p.requires_grad and id(p) not in covered]
         saved.leaves = None
         saved.output = None
-        targets = ([x] if wants_x else []) + [o for o, _ in leaves]
+        targets = [x] + [o for o, _ in leaves]
         passes: list[_WeightPass] = []
-        if rest and not targets:  # nothing for I to compute: W is the whole backward
-            passes.append(_WeightPass([out], [grad if grad is not None else torch.ones_like(out)], rest, []))
-            rest = []
         groups: list[tuple[list[Any], list[nn.Parameter]]] = []
         if rest:  # those the output does not reach are left without a gradient, as by autograd
             groups, _ = _graph_groups(out, targets, rest)
-        if not targets:
-            saved.leaf_grads = passes
-            return None
         # one backward pass to the input and the module outputs (their gradients returned, not
         # accumulated: no copies), the gradients entering the nodes of the groups recorded by hooks
         seen: dict[Any, tuple[Any, ...]] = {}
@@ -357,8 +351,7 @@ class Stage:
         finally:
             for h in hooks:
                 h.remove()
-        gx = got[0] if wants_x else None
-        leaf_grads = got[1:] if wants_x else got
+        gx, leaf_grads = got[0], got[1:]
         for nodes, params in groups:
             starts, grads = [], []
             for node in nodes:
