@@ -404,16 +404,17 @@ def test_three_stages_zero_bubble():
     assert [r.value for r in results] == [[]] * 3
 
 
-def ring_failure_worker() -> tuple[str, float]:
-    """3 stages x 2 chunks: the last chunk's rank sends to rank 0 (a ring); chunk 1 fails in its
-    backward."""
+def ring_failure_worker(mode: str = "backward", position: int = 1) -> tuple[str, float]:
+    """3 stages x 2 chunks: the last chunk's rank sends to rank 0 (a ring); chunk ``position``
+    (on rank ``position % 3``) fails in its ``mode`` pass."""
     s = PipelineStrategy(3, 6, schedule="interleaved_1f1b", balance=[1] * 6, devices="cpu")
     boom = Boom()
-    layers = [nn.Linear(5, 8), boom, nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)]
+    layers: list[nn.Module] = [nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)]
+    layers.insert(position, boom)
     pipe, _ = make_pipe(s, lambda: nn.Sequential(*layers), nn.CrossEntropyLoss())
     x, y = batches([12])[0]
     s.run(pipe.train_step, args=(x, y))
-    boom.mode = "backward"
+    boom.mode = mode
     t0 = time.monotonic()
     try:
         s.run(pipe.train_step, args=(x, y))
@@ -423,10 +424,14 @@ def ring_failure_worker() -> tuple[str, float]:
 
 
 @pytest.mark.timeout(60)
-def test_interleaved_failure_goes_round_the_ring():
-    for r in run_workers(ring_failure_worker, 3, timeout=50):
+@pytest.mark.parametrize("mode,position", [("backward", 1), ("forward", 3), ("forward", 5), ("backward", 2)])
+def test_interleaved_failure_goes_round_the_ring(mode, position):
+    """Every process learns of the failure, with its message, at once: also one that learns it
+    from a third process while the failing one's marker to it is under way."""
+    for r in run_workers(ring_failure_worker, 3, args=(mode, position), timeout=50):
         msg, secs = r.value
-        assert "stage 1 failed: ValueError: boom in backward" in msg and secs < 5, (msg, secs)
+        # (a stage failing in the forward of its first layer also says what it received)
+        assert msg.startswith(f"stage {position} ") and f"ValueError: boom in {mode}" in msg and secs < 5, (msg, secs)
 
 
 # --- launch 7: interleaved 1F1B: a stage holding several chunks (its checkpoint: tests/checkpoint) ---

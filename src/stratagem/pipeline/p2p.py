@@ -37,13 +37,15 @@ def raw_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 class RemoteStageError(Exception):
-    """A neighbour (stage ``src``) reported that stage ``origin`` failed with ``message``."""
+    """A neighbour (stage ``src``) reported that stage ``origin`` failed with ``message``;
+    ``starter``: the rank that raised it and began spreading the news (-1: not known)."""
 
-    def __init__(self, origin: int, message: str, src: int = -1) -> None:
+    def __init__(self, origin: int, message: str, src: int = -1, starter: int = -1) -> None:
         super().__init__(message)
         self.origin = origin
         self.message = message
         self.src = src
+        self.starter = starter
 
 
 class PostedRecv:
@@ -130,9 +132,12 @@ class Channel:
         self.device = comm.device
         self.error_wait = error_wait
         self._pending: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+        self._abandoned: list[tuple[Any, tuple[torch.Tensor, ...]]] = []  # sends of failed steps
         self.last_extra = 0
         self.last_meta = b""
         self._buffers = _Buffers(torch.device(self.device))
+        #: while set (a ``time.monotonic()`` value), receives give up then (TimeoutError)
+        self.deadline: float | None = None
 
     def _group(self, sender: int, receiver: int) -> Any:
         assert isinstance(self.comm, ProcessGroupCommunicator)
@@ -164,9 +169,20 @@ class Channel:
     def _recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         assert isinstance(self.comm, ProcessGroupCommunicator)
         try:
-            dist.recv(tensor, src=self._peer(src), group=self._group(src, self.comm.rank), tag=tag)
+            if self.deadline is None:
+                dist.recv(tensor, src=self._peer(src), group=self._group(src, self.comm.rank), tag=tag)
+            else:
+                self._wait_recv(dist.irecv(tensor, src=self._peer(src), group=self._group(src, self.comm.rank), tag=tag))
         except (RuntimeError, dist.DistError) as e:
             raise self._fail(e, f"receive from stage {src}") from e
+
+    def _wait_recv(self, work: Any) -> None:
+        if self.deadline is None:
+            work.wait()
+            return
+        left = self.deadline - time.monotonic()
+        if left <= 0 or not work.wait(timeout=datetime.timedelta(seconds=left)):
+            raise TimeoutError("no message before the deadline")
 
     # --- messages ---------------------------------------------------------------------------
     def send(
@@ -215,7 +231,8 @@ class Channel:
             buf = torch.empty(int(h[2]), dtype=torch.uint8, device=self.device)
             if buf.numel():
                 self._recv(buf, src, tag)
-            raise RemoteStageError(int(h[1]), bytes(buf.cpu().tolist()).decode("utf-8", "replace"), src)
+            text = bytes(buf.cpu().tolist()).decode("utf-8", "replace")
+            raise RemoteStageError(int(h[1]), text, src, starter=int(h[3]) - 1)
         if h[0] != TENSOR:
             raise RuntimeError(f"malformed pipeline message from stage {src}: header {h}")
         shape = tuple(int(d) for d in h[4 : 4 + int(h[3])])
@@ -265,7 +282,7 @@ class Channel:
     def finish_raw(self, posted: PostedRecv) -> torch.Tensor | None:
         """Wait for a posted raw receive; the tensor, None, or RemoteStageError."""
         try:
-            posted.work.wait()
+            self._wait_recv(posted.work)
         except (RuntimeError, dist.DistError) as e:
             raise self._fail(e, f"receive from stage {posted.src}") from e
         buf, src, shape, dtype = posted.buf, posted.src, posted.shape, posted.dtype
@@ -290,11 +307,13 @@ class Channel:
             return None
         return buf[:-1].view(dtype).view(shape)
 
-    def post_error(self, dst: int, origin: int, message: str, *, nbytes: int | None = None, tag: int = 0) -> list[Any]:
-        """Queue, for stage ``dst``, the news that stage ``origin`` failed, shaped as the message
-        ``dst`` waits for next on ``tag``: a raw message of ``nbytes`` bytes (a marker holding the
-        origin and the start of ``message``, the whole message following as a header message), or
-        (``nbytes=None``) a header message. Returns the sends' works ([] if the peer is gone)."""
+    def post_error(self, dst: int, origin: int, message: str, *, starter: int, nbytes: int | None = None,
+                   tag: int = 0) -> list[Any]:  # fmt: skip
+        """Queue, for stage ``dst``, the news that stage ``origin`` failed (``starter``: the rank
+        that raised it), shaped as the message ``dst`` waits for next on ``tag``: a raw message of
+        ``nbytes`` bytes (a marker holding the origin and the start of ``message``, the whole
+        message following as a header message), or (``nbytes=None``) a header message. Returns
+        the sends' works ([] if the peer is gone)."""
         data = message.encode("utf-8")[:65536]
         parts: list[torch.Tensor] = []
         if nbytes is not None:
@@ -306,7 +325,7 @@ class Channel:
             buf[-1] = ERROR
             parts.append(buf)
         header = torch.zeros(HEADER, dtype=torch.int64)
-        header[0], header[1], header[2] = ERROR, origin, len(data)
+        header[0], header[1], header[2], header[3] = ERROR, origin, len(data), starter + 1
         parts.append(header)
         if data:
             parts.append(torch.tensor(list(data), dtype=torch.uint8))
@@ -315,23 +334,9 @@ class Channel:
         except Exception:  # noqa: BLE001 - the peer may be gone already
             return []
 
-    def send_error_raw(self, dst: int, nbytes: int, origin: int, message: str, tag: int = 0) -> bool:
-        """Like ``send_error`` when ``dst`` waits for a raw message of ``nbytes`` bytes."""
-        return self._wait(self.post_error(dst, origin, message, nbytes=nbytes, tag=tag))
-
-    def send_error(self, dst: int, origin: int, message: str, tag: int = 0) -> bool:
-        """Tell stage ``dst`` that stage ``origin`` failed; wait (at most ``error_wait`` s) until
-        it has received the message. Returns whether it did."""
-        return self._wait(self.post_error(dst, origin, message, tag=tag))
-
-    def wait_sent(self, works: list[Any]) -> bool:
-        """Wait (at most ``error_wait`` s in all) until the peers have received ``works``."""
-        return self._wait(works)
-
-    def _wait(self, works: list[Any]) -> bool:
-        if not works:
-            return False
-        deadline = time.monotonic() + self.error_wait
+    def wait_sent(self, works: list[Any], deadline: float) -> bool:
+        """Wait (until ``deadline``, a ``time.monotonic()`` value) for the peers to receive
+        ``works``; whether they did."""
         try:
             for w in works:
                 left = max(0.001, deadline - time.monotonic())
@@ -354,6 +359,9 @@ class Channel:
         self._buffers.end_step()
 
     def abandon(self) -> None:
-        """Forget queued sends (after a failure their peers will not receive them)."""
+        """Stop waiting for the queued sends (after a failure): they are kept, not waited for,
+        since gloo drops a send whose work is freed before its peer takes it, and a peer may still
+        take them before the error marker that follows them (``runtime._take_marker``)."""
+        self._abandoned = [(w, t) for w, t in self._abandoned if not w.is_completed()] + self._pending
         self._pending = []
         self._buffers.drop()

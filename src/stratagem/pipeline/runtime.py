@@ -15,10 +15,12 @@ A stage that fails sends each neighbour an error marker shaped like the message 
 waits for next from it (both know the plan, so both know which link that is), and the
 neighbours pass it on: each stage only ever blocks in a receive from a neighbour, and that
 neighbour sends either the expected message or the marker, so a failure reaches every stage fast.
+Every marker sent is also received (``_notify``), so no stage waits for one nobody takes.
 """
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -230,28 +232,87 @@ def _awaited(peer: Sequence[Action], peer_rank: int, links: dict[int, _Links], n
 
 
 def _notify(plan: Schedule | None, links: dict[int, _Links], rank: int, num_ranks: int, origin: int,
-            message: str, skip: int | None) -> None:  # fmt: skip
-    """Tell each neighbouring rank but ``skip`` that stage ``origin`` failed, with the message it
-    waits for next from this rank (an error marker of that message's size on that link, or on
-    the handshake); returns once they have received them, or after the channel's ``error_wait``
-    (a neighbour blocked on a third rank learns of the failure from that one instead)."""
+            message: str, starter: int, src: int | None) -> None:  # fmt: skip
+    """Spread the news that stage ``origin`` failed, raised on rank ``starter`` (this rank, or
+    learned from neighbour ``src``), and return once every marker sent or due has been received
+    (or after the channel's ``error_wait``).
+
+    Who sends what is fixed, so that each marker has a receiver: the starter tells every
+    neighbouring rank; every other rank tells each neighbour but the starter (it may be blocked on
+    this rank: a neighbour blocked on a third rank learns from that one) and receives a marker from
+    each neighbour (the one from ``src`` already came). A marker is shaped as the message its
+    receiver waits for next from the sender (on that link, or on the handshake): both know the plan."""
     if plan is None or not links:
         return
     channel = next(iter(links.values())).channel
-    posted: list[Any] = []
+    deadline = time.monotonic() + channel.error_wait
     handshake = {p for p in (rank - 1, rank + 1) if 0 <= p < num_ranks}
     ring = {ln.prev for ln in links.values() if not ln.stage.is_first}
     ring |= {ln.next for ln in links.values() if not ln.stage.is_last}  # rank 0 and K-1 when interleaved
-    for peer in sorted((handshake | ring) - {skip, rank}):
+    peers = sorted((handshake | ring) - {rank})
+    posted: list[Any] = []
+    for peer in peers:
+        if peer == starter:
+            continue
         awaited = _awaited(plan[peer], peer, links, plan.num_chunks)
         if awaited is None:  # the handshake's result or acknowledgement
             if peer in handshake:
-                posted += channel.post_error(peer, origin, message)
+                posted += channel.post_error(peer, origin, message, starter=starter)
             continue
         link, kind = awaited
         nbytes, tag = (link.forward_marker(), link.out_tag) if kind == "F" else (link.backward_marker(), link.in_tag)
-        posted += channel.post_error(peer, origin, message, nbytes=nbytes, tag=tag)
-    channel.wait_sent(posted)
+        posted += channel.post_error(peer, origin, message, starter=starter, nbytes=nbytes, tag=tag)
+    if starter != rank:
+        channel.deadline = deadline
+        try:
+            for peer in peers:
+                if peer != src:
+                    _take_marker(plan, links, rank, peer, peer in handshake)
+        finally:
+            channel.deadline = None
+    channel.wait_sent(posted, deadline)
+
+
+def _take_marker(plan: Schedule, links: dict[int, _Links], rank: int, peer: int, handshake: bool) -> None:
+    """Receive ``peer``'s error marker: it stands in for the first message of this rank's plan
+    that ``peer`` has not sent (``_awaited`` on its side), so take ``peer``'s messages in plan
+    order until it comes (on the handshake when every message was sent). Gives up at the
+    channel's deadline, or if ``peer`` is gone."""
+    taken: dict[tuple[str, int], int] = {}
+    try:
+        for a in plan[rank]:
+            c = rank if a.chunk is None else a.chunk
+            link = links.get(c)
+            if link is None:
+                continue
+            if a.kind == "F" and not link.stage.is_first and link.prev == peer:
+                kind = "F"
+            elif a.kind in BACKWARD_KINDS and not link.stage.is_last and link.next == peer:
+                kind = "B"
+                if link.out_spec is not None and not link.out_spec[1].is_floating_point:
+                    continue  # no gradients on this link
+            else:
+                continue
+            n = taken.get((kind, c), 0)
+            taken[kind, c] = n + 1
+            if n < (link.got_fwd if kind == "F" else link.got_bwd):
+                continue  # received before the failure
+            try:
+                if kind == "F":
+                    link.recv_activation(a.microbatch)
+                elif link.out_spec is None:
+                    link.channel.recv(peer, link.out_tag)
+                else:
+                    link.recv_grad(a.microbatch)
+            except PipelineError:
+                pass  # a message that did not fit: the marker comes later
+        if handshake:
+            while True:
+                links[next(iter(links))].channel.recv(peer, 0)
+    except RemoteStageError:
+        return
+    except Exception:  # noqa: BLE001 - the deadline passed, or the peer is gone
+        return
 
 
 def _chunks(stage: Stage | Sequence[Stage]) -> list[Stage]:
@@ -432,7 +493,8 @@ def _with_handshake(
         for st in stages:
             st.clear()
         channel.abandon()
-        _notify(plan, links, rank, num_ranks, e.origin, e.message, skip=e.src)
+        starter = e.starter if e.starter >= 0 else e.src
+        _notify(plan, links, rank, num_ranks, e.origin, e.message, starter=starter, src=e.src)
         raise PipelineError(f"stage {e.origin} failed: {e.message}", stage=e.origin) from None
     except BaseException as e:
         for st in stages:
@@ -443,7 +505,7 @@ def _with_handshake(
         message = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, PipelineError):
             message += "\n" + "".join(traceback.format_exception(e)[-3:]).rstrip()
-        _notify(plan, links, rank, num_ranks, origin, message, skip=None)
+        _notify(plan, links, rank, num_ranks, origin, message, starter=rank, src=None)
         if isinstance(e, PipelineError):
             raise
         raise PipelineError(f"stage {here} failed: {type(e).__name__}: {e}", stage=here) from e
