@@ -94,6 +94,11 @@ def main() -> None:
     coordinator = sg.coordinator.ClusterCoordinator(strategy)
 
     def dataset_fn():
+        if mode.startswith("rejoin") or mode == "all_lost":
+            import itertools  # noqa: PLC0415 - runs on the worker
+
+            # rounds go on until the restarted worker has run some: the others must not run out
+            return itertools.cycle(batches(steps))
         return batches(steps)
 
     per_worker = coordinator.create_per_worker_dataset(dataset_fn)

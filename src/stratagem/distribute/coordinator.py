@@ -174,6 +174,8 @@ class ClusterCoordinator:
         self._queue: collections.deque[_Closure] = collections.deque()
         self._cond = threading.Condition()
         self._inflight = 0
+        self._evicting = 0  # threads taking a lost worker out of the rpc group: no function starts
+        self._held = 0  # of those, the ones whose own function is still counted in _inflight
         self._error: BaseException | None = None
         self._fatal: BaseException | None = None
         self._closed = False
@@ -275,7 +277,7 @@ class ClusterCoordinator:
         """The next function for ``worker``; None when the coordinator is done; a rejoin request's
         id when the worker restarted while it waited for work."""
         with self._cond:
-            while not self._queue and not self._closed and self._fatal is None:
+            while (not self._queue or self._evicting) and not self._closed and self._fatal is None:
                 self._cond.wait(1.0)
                 if not self._queue and (request := self._ext.rejoin_request(worker)) is not None:
                     return request
@@ -300,7 +302,7 @@ class ClusterCoordinator:
             if closure is None:
                 return
             if isinstance(closure, str):  # it died while idle and is back: the old process is gone
-                self._lost(worker, RuntimeError("it restarted"), force=True)
+                self._lost(worker, RuntimeError("it restarted"), force=True, holding=False)
                 if not self._await_return(worker, closure):
                     return
                 continue
@@ -353,9 +355,10 @@ class ClusterCoordinator:
             closure.value._fail(err)
             self._finish(closure, err)
 
-    def _lost(self, worker: str, e: BaseException, force: bool = False) -> bool:
+    def _lost(self, worker: str, e: BaseException, force: bool = False, holding: bool = True) -> bool:
         """``worker`` cannot be reached (``force``: its call failed in transport): it takes no more
-        functions; its function goes back to the queue for the others."""
+        functions; its function (``holding``: one is under way) goes back to the queue for the
+        others."""
         if not force:
             try:
                 import torch.distributed.rpc as rpc
@@ -370,7 +373,7 @@ class ClusterCoordinator:
             file=sys.stderr,
             flush=True,
         )
-        self._ext.evict(worker)  # out of the rpc group, so that a restarted process can join it
+        self._evict(worker, holding)
         with self._cond:
             self._live.discard(worker)
             self.lost_workers.append(worker)
@@ -391,6 +394,26 @@ class ClusterCoordinator:
                     )
             self._cond.notify_all()
         return True
+
+    def _evict(self, worker: str, holding: bool) -> None:
+        """Take the lost ``worker`` out of the rpc group (so that a restarted process can join it)
+        while no function runs: torch's agents drop a member from their tables without the lock
+        their other threads take to read them (``TensorPipeAgent::updateGroupMembership``), so
+        a parameter server serving calls meanwhile can crash. No function starts until it is
+        done; those under way are waited for (at most 30 s)."""
+        with self._cond:
+            self._evicting += 1
+            self._held += int(holding)
+            deadline = time.monotonic() + min(30.0, self._ext.timeout)
+            while self._inflight > self._held and time.monotonic() < deadline and self._fatal is None:
+                self._cond.wait(0.05)
+        try:
+            self._ext.evict(worker)
+        finally:
+            with self._cond:
+                self._evicting -= 1
+                self._held -= int(holding)
+                self._cond.notify_all()
 
     def _fail_all(self, error: BaseException) -> None:
         """Nothing more can run: every waiting function gets ``error`` (the caller holds the lock)."""
