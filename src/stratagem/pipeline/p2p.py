@@ -181,7 +181,11 @@ class Channel:
             work.wait()
             return
         left = self.deadline - time.monotonic()
-        if left <= 0 or not work.wait(timeout=datetime.timedelta(seconds=left)):
+        try:
+            done = left > 0 and work.wait(timeout=datetime.timedelta(seconds=left))
+        except (RuntimeError, dist.DistError) as e:  # gloo raises on a timeout: no probing then
+            raise TimeoutError(f"no message before the deadline ({str(e).splitlines()[0] if str(e) else ''})") from e
+        if not done:
             raise TimeoutError("no message before the deadline")
 
     # --- messages ---------------------------------------------------------------------------
