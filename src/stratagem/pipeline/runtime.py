@@ -267,13 +267,14 @@ def _notify(plan: Schedule | None, links: dict[int, _Links], rank: int, num_rank
         try:
             for peer in peers:
                 if peer != src:
-                    _take_marker(plan, links, rank, peer, peer in handshake)
+                    _take_marker(plan, links, channel, rank, peer, peer in handshake)
         finally:
             channel.deadline = None
     channel.wait_sent(posted, deadline)
 
 
-def _take_marker(plan: Schedule, links: dict[int, _Links], rank: int, peer: int, handshake: bool) -> None:
+def _take_marker(plan: Schedule, links: dict[int, _Links], channel: Channel, rank: int, peer: int,
+                 handshake: bool) -> None:  # fmt: skip
     """Receive ``peer``'s error marker: it stands in for the first message of this rank's plan
     that ``peer`` has not sent (``_awaited`` on its side), so take ``peer``'s messages in plan
     order until it comes (on the handshake when every message was sent). Gives up at the
@@ -301,14 +302,14 @@ def _take_marker(plan: Schedule, links: dict[int, _Links], rank: int, peer: int,
                 if kind == "F":
                     link.recv_activation(a.microbatch)
                 elif link.out_spec is None:
-                    link.channel.recv(peer, link.out_tag)
+                    channel.recv(peer, link.out_tag)
                 else:
                     link.recv_grad(a.microbatch)
             except PipelineError:
                 pass  # a message that did not fit: the marker comes later
         if handshake:
             while True:
-                links[next(iter(links))].channel.recv(peer, 0)
+                channel.recv(peer, 0)
     except RemoteStageError:
         return
     except Exception:  # noqa: BLE001 - the deadline passed, or the peer is gone
