@@ -95,7 +95,7 @@ def main() -> None:
 
     def dataset_fn():
         if mode.startswith("rejoin") or mode == "all_lost":
-            import itertools  # noqa: PLC0415 - runs on the worker
+            import itertools  # runs on the worker
 
             # rounds go on until the restarted worker has run some: the others must not run out
             return itertools.cycle(batches(steps))

@@ -169,14 +169,12 @@ class Channel:
     def _recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         assert isinstance(self.comm, ProcessGroupCommunicator)
         try:
-            if self.deadline is None:
-                dist.recv(tensor, src=self._peer(src), group=self._group(src, self.comm.rank), tag=tag)
-            else:
-                self._wait_recv(dist.irecv(tensor, src=self._peer(src), group=self._group(src, self.comm.rank), tag=tag))
+            self._wait_recv(dist.irecv(tensor, src=self._peer(src), group=self._group(src, self.comm.rank), tag=tag))
         except (RuntimeError, dist.DistError) as e:
             raise self._fail(e, f"receive from stage {src}") from e
 
     def _wait_recv(self, work: Any) -> None:
+        """Wait for a receive: without limit, or until ``deadline`` (then TimeoutError)."""
         if self.deadline is None:
             work.wait()
             return
