@@ -160,3 +160,31 @@ def test_a_killed_replica_gives_one_line_from_the_other(launch, rank):
     assert tracebacks(stderr) == 0, stderr
     assert f"worker {rank} failed" in other or "stopped" in other, stderr
     assert launcher == ([] if launch == "self" else [f"stratagem run: replica {rank} failed (exit code -9)"]), stderr
+
+
+@pytest.mark.parametrize("follower", [0, 1])
+def test_the_launcher_names_the_replica_the_other_followed_when_both_end_in_one_second(tmp_path, monkeypatch, follower):
+    """torch's agent stamps a failure in whole seconds and breaks ties by rank; the replica that
+    ended because the other failed says so in torch's error file, which torch's ProcessFailure
+    reads and ``first_failure`` puts last."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from stratagem.cluster.stopping import first_failure, record_followed
+
+    files = {r: str(tmp_path / f"error{r}.json") for r in (0, 1)}
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", files[follower])
+    record_followed(f"WorkerFailedError: all_reduce failed because worker {1 - follower} failed", 1 - follower)
+    failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file=files[r]) for r in (0, 1)}
+    assert "because worker" in str(failures[follower].message)
+    for f in failures.values():
+        f.timestamp = 1_700_000_000  # the same second
+    assert first_failure(failures)[0] == 1 - follower
+    # without the record, torch's rule: the earliest, then the lowest rank
+    plain = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file=str(tmp_path / "none")) for r in (0, 1)}
+    plain[0].timestamp, plain[1].timestamp = 1_700_000_001, 1_700_000_000
+    assert first_failure(plain)[0] == 1
+    plain[0].timestamp = 1_700_000_000
+    assert first_failure(plain)[0] == 0
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    record_followed("outside torch's agent: nothing is written", 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"error{follower}.json"]

@@ -16,15 +16,18 @@ import argparse
 import fcntl
 import logging
 import os
+import shutil
 import socket
 import struct
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 from stratagem.cluster.launch import find_free_port
 from stratagem.cluster.ps_launch import PSJob
 from stratagem.cluster.resolvers import split_address
+from stratagem.cluster.stopping import first_failure
 
 _SIOCGIFADDR = 0x8915
 
@@ -227,14 +230,23 @@ def main(args: argparse.Namespace) -> int:
 
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addFilter(_said_by_us)
+    # torchrun's main copies the first failed replica's error file (a replica that ended because
+    # another failed writes one) into this process's, and logs an error where it has none: give it
+    # one (unless a launcher above gave this process its own)
+    scratch = None if os.environ.get("TORCHELASTIC_ERROR_FILE") else tempfile.mkdtemp(prefix="stratagem-run-")
+    if scratch is not None:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = os.path.join(scratch, "error.json")
     try:
         torchrun.main(targs)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = first_failure(e.failures)
         print(f"stratagem run: replica {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
         return 1
     finally:
         agent_log.removeFilter(_said_by_us)
+        if scratch is not None:
+            del os.environ["TORCHELASTIC_ERROR_FILE"]
+            shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

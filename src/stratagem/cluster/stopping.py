@@ -17,12 +17,16 @@ handler, an asyncio loop), and only by the main thread.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
 import sys
 import threading
+import time
+from collections.abc import Mapping
 from types import FrameType
+from typing import Any
 
 _reported = threading.Event()
 _installed: list[object] = []
@@ -36,6 +40,45 @@ def mark_reported() -> None:
 def reported() -> bool:
     """Whether this process has already said why it ends."""
     return _reported.is_set()
+
+
+#: the key of torch's error file that says a replica ended because another failed
+FOLLOWED = "stratagem_followed_rank"
+
+
+def record_followed(message: str, rank: int | None) -> None:
+    """This replica ends because replica ``rank`` (None: unknown) failed or the launcher stopped it:
+    say so in the error file torch's agent reads (``TORCHELASTIC_ERROR_FILE``, in the format of
+    torch.distributed.elastic's ``ErrorHandler``), so that ``stratagem run`` names the replica
+    that failed first (``first_failure``). Nothing happens outside torch's agent."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {"message": message, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}},
+        FOLLOWED: rank,
+    }
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:  # the launcher then names a replica by its exit time alone
+        pass
+
+
+def first_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """Of the failed replicas (rank -> torch's ``ProcessFailure``), the one the others followed:
+    first those that did not record that they followed another, then the earliest. torch's own
+    ``get_first_failure`` takes the earliest alone, in whole seconds with ties going to the lowest
+    rank: a replica that failed and one that ended a moment later because of it are often tied."""
+
+    def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
+        rank, failure = item
+        data = getattr(failure, "error_file_data", None)
+        return (isinstance(data, dict) and FOLLOWED in data, int(failure.timestamp), rank)
+
+    return min(failures.items(), key=key)
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
@@ -118,5 +161,6 @@ def _stop(rank: int, parent_pid: int | None, wait_for_report: float) -> None:
         sys.stdout.flush()
         sys.stderr.write(f"stratagem: rank {rank}: {line}\n")
         sys.stderr.flush()
+        record_followed(line, None)
     finally:
         os._exit(143)

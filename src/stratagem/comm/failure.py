@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stratagem.cluster.launch import children
-from stratagem.cluster.stopping import mark_reported
+from stratagem.cluster.stopping import mark_reported, record_followed
 from stratagem.comm.errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -402,6 +402,7 @@ class FailureMonitor:
         mark_reported()
         sys.stderr.write(f"stratagem: rank {self.rank}: WorkerFailedError: {err}\n")
         sys.stderr.flush()
+        record_followed(f"WorkerFailedError: {err}", err.rank)
         self._mark("aborted")
         for child in multiprocessing.active_children():
             child.terminate()
@@ -427,6 +428,7 @@ class FailureMonitor:
             if consequence:
                 sys.stderr.write(f"stratagem: rank {self.rank}: {etype.__name__}: {value}\n")
                 sys.stderr.flush()
+                record_followed(f"{etype.__name__}: {value}", getattr(value, "rank", None))
                 self._mark("aborted")
             else:
                 text = "".join(traceback.format_exception(etype, value, tb))
