@@ -99,7 +99,7 @@ def main() -> None:
 
         if mode == "converge":  # each worker reads its own shard (tf's InputContext), repeated:
             # which worker runs how many of the functions is not fixed
-            return itertools.cycle(batches(steps + 20)[: steps][ctx.input_pipeline_id :: ctx.num_input_pipelines])
+            return itertools.cycle(batches(steps + 20)[:steps][ctx.input_pipeline_id :: ctx.num_input_pipelines])
         if mode.startswith("rejoin") or mode == "all_lost":
             # rounds go on until the restarted worker has run some: the others must not run out
             return itertools.cycle(batches(steps))
@@ -203,6 +203,7 @@ def main() -> None:
 def evaluate(model: nn.Module, data: list) -> float:
     with torch.no_grad():
         return sum(nn.functional.mse_loss(model(ids), y).item() for ids, y in data) / len(data)
+
 
 def rejoin(coordinator, step_fn, iterator, idle):
     """Functions are scheduled in rounds until the restarted worker 1 has run some (bounded)."""

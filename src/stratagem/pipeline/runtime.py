@@ -310,9 +310,7 @@ def _take_marker(plan: Schedule, links: dict[int, _Links], channel: Channel, ran
         if handshake:
             while True:
                 channel.recv(peer, 0)
-    except RemoteStageError:
-        return
-    except Exception:  # noqa: BLE001 - the deadline passed, or the peer is gone
+    except Exception:  # noqa: BLE001 - the marker came (RemoteStageError), the deadline passed, or the peer is gone
         return
 
 
