@@ -84,7 +84,7 @@ def test_failed_ps_ends_the_job(tmp_path):
     assert r.returncode == 1, r.stderr
     assert stratagem_lines(r.stderr) == ["stratagem run: ps 0 failed (exit code 5)"]
     assert tracebacks(r.stderr) == 0  # the others were stopped quietly
-    assert time.monotonic() - start < 30  # not the tasks' 60 s sleep
+    assert time.monotonic() - start < 30  # promise: a failed ps stops the others at once (not their 60 s sleep)
 
 
 @pytest.mark.timeout(90)
@@ -93,7 +93,7 @@ def test_failed_chief_is_the_exit_code_and_stops_the_others(tmp_path):
     r = launch(tmp_path, "--workers", "1", "--ps", "1", mode="chief_fails")
     assert r.returncode == 7, r.stderr
     assert stratagem_lines(r.stderr) == ["stratagem run: chief failed (exit code 7)"]
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 30  # promise: a failed chief stops the others at once (not their 60 s sleep)
 
 
 @pytest.mark.timeout(90)
@@ -104,7 +104,7 @@ def test_task_still_running_after_the_grace_period_is_stopped(tmp_path):
     assert stratagem_lines(r.stderr) == [
         "stratagem run: worker 0 was still running 1s after the chief exited; stopping it"
     ]
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 30  # promise: the 1 s grace period, then SIGTERM, SIGKILL 5 s later
 
 
 @pytest.mark.parametrize(

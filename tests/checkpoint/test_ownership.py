@@ -168,7 +168,7 @@ def test_tampered_metadata_is_refused_quickly(tmp_path, target):
     start = time.monotonic()
     with pytest.raises(CheckpointCorruptError) as e:
         manager.restore(ckpt)
-    assert time.monotonic() - start < 5.0  # no read of a FIFO or a device file, which would block
+    assert time.monotonic() - start < 5.0  # promise: refused without a read of a FIFO or a device file, which would block of a FIFO or a device file, which would block
     want = {
         "outside": "not a plain name inside the checkpoint directory",
         "absolute": "not a plain name inside the checkpoint directory",

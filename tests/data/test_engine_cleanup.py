@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = textwrap.dedent("""
-    import multiprocessing, sys
+    import faulthandler, multiprocessing, signal, sys
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if it hangs
     from stratagem.data import Dataset
 
     def work(x):  # pure Python: holds the GIL
@@ -88,7 +89,14 @@ def test_nothing_survives_a_killed_job_by_more_than_5s(tmp_path, how):
         else:
             os.kill(proc.pid, sig)
         killed = time.monotonic()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # the job's stacks, for the report
+            time.sleep(1.0)
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            raise AssertionError(f"{how}: the job did not end within 30 s; its threads:\n{err[-6000:]}") from None
         while time.monotonic() - killed < 5 and any(_alive(p) for p in workers):
             time.sleep(0.05)
         left = [p for p in workers if _alive(p)]

@@ -38,4 +38,4 @@ def test_connect_names_the_unreachable_address():
     start = time.monotonic()
     with pytest.raises(CollectiveError, match=f"could not reach the rendezvous at 127.0.0.1:{port}"):
         connect_to_cluster(resolver, CommunicationOptions(timeout_seconds=2, failure=FAST.failure), device="cpu")
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 30  # promise: the 2 s rendezvous timeout holds, never a hang

@@ -233,7 +233,7 @@ def test_shape_mismatch_names_both_stages():
         assert kind in ("StageShapeError", "PipelineError"), msg
         assert "stage 1 cannot take the activation stage 0 sent" in msg
         assert "[4, 7]" in msg and "Linear(in_features=8" in msg and "Linear(in_features=5" in msg
-        assert secs < 30
+        assert secs < 30  # promise: a shape error reaches both stages as an error, not a wait for the 120 s timeout
     assert results[1].value[0] == StageShapeError.__name__
 
 
@@ -292,7 +292,7 @@ def test_exception_in_one_stage_reaches_every_process(schedule, mode, position):
     for r in results:
         msg, secs = r.value
         assert f"boom in {mode}" in msg and f"stage {stage}" in msg, msg
-        assert secs < 30
+        assert secs < 30  # promise: a stage's exception reaches every stage, not after the 120 s timeout
 
 
 # --- launch 4: two stages x two data-parallel copies ----------------------------------------------------
@@ -430,7 +430,8 @@ def test_interleaved_failure_goes_round_the_ring(mode, position):
     from a third process while the failing one's marker to it is under way."""
     for r in run_workers(ring_failure_worker, 3, args=(mode, position), timeout=50):
         msg, secs = r.value
-        # (a stage failing in the forward of its first layer also says what it received)
+        # (a stage failing in the forward of its first layer also says what it received); the
+        # promise: every stage learns of the failure within 5 s (docs/PIPELINE.md, failures)
         assert msg.startswith(f"stage {position} ") and f"ValueError: boom in {mode}" in msg and secs < 5, (msg, secs)
 
 

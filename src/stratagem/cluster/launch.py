@@ -76,14 +76,20 @@ class ReplicaProcesses:
         self.failed: tuple[int, int] | None = None  # (rank, exit code)
         #: how long to wait for the children after rank 0 crashed (they may be reporting)
         self.crash_wait = 2.0
+        #: how long to wait for them after rank 0 was interrupted (Ctrl-C) before stopping them
+        self.interrupt_wait = 1.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stratagem-replica-watch", daemon=True)
         self._thread.start()
         self._crashed = False
+        self._interrupted = False
         previous = sys.excepthook
 
         def excepthook(*exc: Any) -> None:
             self._crashed = True  # rank 0 is dying: do not wait long for its children
+            # Ctrl-C (or kill -INT of this process): the children cannot finish the job without
+            # rank 0, and those that got the interrupt too are ending by themselves
+            self._interrupted = issubclass(exc[0], KeyboardInterrupt)
             previous(*exc)
 
         sys.excepthook = excepthook
@@ -128,7 +134,11 @@ class ReplicaProcesses:
         If rank 0 ends normally but a child failed, the command still exits non-zero.
         """
         self._stop.set()
-        deadline = time.monotonic() + (self.crash_wait if self._crashed else wait)
+        if self._interrupted:
+            wait = self.interrupt_wait
+        elif self._crashed:
+            wait = self.crash_wait
+        deadline = time.monotonic() + wait
         for p in self.procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))

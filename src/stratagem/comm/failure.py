@@ -103,8 +103,13 @@ class FailureMonitor:
         prefix: str = "stratagem/failure/",
         options: FailureOptions | None = None,
         shutdown_wait: float = 60.0,
+        close_connections: Callable[[], None] | None = None,
     ) -> None:
         self.rank = rank
+        #: ends this process's collectives (the process groups torn down): called by the store
+        #: host when it fails, before it waits for its peers to read why, so that a peer blocked
+        #: in a collective with it fails at once rather than when its watchdog's grace runs out
+        self.close_connections = close_connections
         self.world_size = world_size
         self.master_addr = master_addr
         self.master_port = master_port
@@ -436,6 +441,8 @@ class FailureMonitor:
                 self.record_exception(value, text)
                 self._mark("failed")
                 if self.rank == self.store_host_rank:
+                    if self.close_connections is not None:
+                        self.close_connections()
                     # our store carries the record: keep it up until the peers have read it
                     limit = self.options.grace_seconds + 3 * self.options.heartbeat_seconds
                     self._wait_for_peers(self._saw_failure, limit)

@@ -67,6 +67,7 @@ def join(
         prefix=f"stratagem/failure/{spec.restart_count}/",
         options=options,
         shutdown_wait=timeout,
+        close_connections=_close_groups,
     )  # fmt: skip
     comm, store = init_process_group(
         spec.rank,
@@ -122,16 +123,7 @@ def _leave() -> None:
     guard.daemon = True
     guard.start()
     try:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
-        _joined.pop("comm", None)
-        # the process groups' C++ objects (gloo threads, the store they hold) go now, not during
-        # interpreter finalization: every communicator over them (the world's, a pipeline's
-        # sub-groups'; each registered itself, weakly, when made) lets go of its group
-        release_groups()
+        _close_groups()
     finally:
         guard.cancel()
         guard.join()  # it ends at once once cancelled: no thread of ours left running at exit
@@ -139,6 +131,21 @@ def _leave() -> None:
     if monitor is not None:
         monitor.close()
     _joined.pop("store", None)
+
+
+def _close_groups() -> None:
+    """Destroy the process groups (their connections close: a peer in a collective with this
+    process fails at once) and drop the job's communicator."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+    _joined.pop("comm", None)
+    # the process groups' C++ objects (gloo threads, the store they hold) go now, not during
+    # interpreter finalization: every communicator over them (the world's, a pipeline's
+    # sub-groups'; each registered itself, weakly, when made) lets go of its group
+    release_groups()
 
 
 #: how long tearing the process group down at exit may take before the process ends at once

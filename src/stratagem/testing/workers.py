@@ -23,6 +23,7 @@ from typing import Any
 
 from stratagem.cluster import ClusterSpec, find_free_port
 from stratagem.testing.output import stderr_problems
+from stratagem.testing.zygote import Zygote
 
 
 @dataclass
@@ -50,14 +51,30 @@ def _report(results: Sequence[WorkerResult], what: str) -> str:
     return "\n".join(parts)
 
 
-def _run(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float, cwd: str | None) -> tuple[list[subprocess.Popen[str]], list[float], bool, list[Any]]:
+#: the zygote of this process's workers (see :mod:`stratagem.testing.zygote`), made on first use
+_zygote: Zygote | None = None
+
+
+def _start(cmd: list[str], env: dict[str, str], out: Any, err: Any, cwd: str | None) -> Any:
+    """Start one worker: forked from the zygote when it can be (a ``python -c`` command whose
+    environment differs from the zygote's only in late-read variables), else a fresh process."""
+    global _zygote
+    if cmd[:2] == [sys.executable, "-c"] and len(cmd) == 3 and os.environ.get("STRATAGEM_TEST_ZYGOTE", "1") != "0":
+        if _zygote is None or _zygote.proc.poll() is not None:
+            _zygote = Zygote(_env(None, {}))
+        if _zygote.accepts(env):
+            return _zygote.start(cmd[2], env, cwd, out, err)
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, cwd=cwd, start_new_session=True)
+
+
+def _run(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float, cwd: str | None) -> tuple[list[Any], list[float], bool, list[Any]]:
     files = []
     procs = []
     for cmd, env in zip(cmds, envs):
         out = tempfile.TemporaryFile("w+")
         err = tempfile.TemporaryFile("w+")
         files.append((out, err))
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, cwd=cwd, start_new_session=True))
+        procs.append(_start(cmd, env, out, err, cwd))
     start = time.monotonic()
     ended = [0.0] * len(procs)
     timed_out = False

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The stress tier: the tests that start processes, run again beside a CPU hog (one busy loop per
+# core, as a machine shared with other work is), so a test that passes only on an idle machine
+# fails here. Extra arguments go to pytest. Used by .ci/run after the main suite.
+source "$(dirname "$0")/_venv.sh"
+hogs=()
+stop_hogs() { for pid in "${hogs[@]}"; do kill "$pid" 2>/dev/null || true; done; }
+trap stop_hogs EXIT
+for _ in $(seq "$(nproc)"); do
+  python -c "while True: pass" &
+  hogs+=($!)
+done
+echo "== pytest -m multiprocess, beside ${#hogs[@]} busy loops"
+python -m pytest -q --durations=20 -m "multiprocess" "$@"
