@@ -2,6 +2,7 @@
 
 import gc
 import signal
+import sys
 import time
 import weakref
 
@@ -86,3 +87,32 @@ def test_a_handler_of_the_users_is_left_alone():
         assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.timeout(30)
+def test_an_interrupt_swallowed_by_a_plain_weakref_callback_is_delivered_again():
+    """A plain ``weakref.ref`` callback (multiprocessing's Finalize, the process pool's wake-up)
+    cannot be told from its frames; Python prints and drops what it raises. A Ctrl-C landing there
+    must still stop the program (this once did nothing: the job ran on after SIGINT)."""
+    previous, hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        finalizers.install_interrupt_handler()
+        ran = []
+
+        def callback(ref):
+            ran.append("ran")
+            raise KeyboardInterrupt  # as if SIGINT arrived while the callback ran
+
+        owner = _Owner()
+        keep = weakref.ref(owner, callback)  # noqa: F841 - the callback needs the ref alive
+        with pytest.raises(KeyboardInterrupt):
+            gc.disable()
+            del owner  # the callback runs here; Python swallows its KeyboardInterrupt
+            for _ in range(2000):  # delivered again here
+                time.sleep(0.001)
+        assert ran == ["ran"]
+    finally:
+        gc.enable()
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook

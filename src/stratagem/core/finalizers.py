@@ -10,6 +10,13 @@ from the main thread) by one that behaves the same except inside a finalizer: th
 nothing and delivers the interrupt again a moment later, once the finalizer has returned.
 ``interrupt_safe`` wraps a finalizer so that a KeyboardInterrupt raised inside it anyway (by a
 handler of the user's) is re-delivered the same way.
+
+Not every callback Python runs while ignoring its exceptions can be told from its frames: a plain
+``weakref.ref`` callback (``multiprocessing.util.Finalize``, the process pool's wake-up on
+collection), a generator closed by the collector. An interrupt raised in one of those reaches
+``sys.unraisablehook`` instead of the program; ``install_interrupt_handler`` also wraps that hook,
+so such an interrupt is delivered again too (and nothing is printed for it). Without this a Ctrl-C
+that landed there did nothing, and the program ran on.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import _thread
 import functools
 import signal
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -54,6 +62,17 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _unraisable_hook(previous: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def hook(unraisable: Any) -> Any:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _redeliver_later()  # swallowed where Python ignores exceptions: deliver it again
+            return None
+        return previous(unraisable)
+
+    hook.stratagem_redelivers = True  # type: ignore[attr-defined]
+    return hook
+
+
 def install_interrupt_handler() -> None:
     """Make Ctrl-C survive finalizers (see the module's docstring). Idempotent; leaves a
     handler the user installed alone; does nothing outside the main thread."""
@@ -63,7 +82,9 @@ def install_interrupt_handler() -> None:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, _handler)
     except ValueError:  # e.g. an embedded interpreter without signals
-        pass
+        return
+    if signal.getsignal(signal.SIGINT) is _handler and not getattr(sys.unraisablehook, "stratagem_redelivers", False):
+        sys.unraisablehook = _unraisable_hook(sys.unraisablehook)
 
 
 def interrupt_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
