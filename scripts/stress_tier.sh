@@ -10,5 +10,6 @@ for _ in $(seq "$(nproc)"); do
   python -c "while True: pass" &
   hogs+=($!)
 done
-echo "== pytest -m multiprocess, beside ${#hogs[@]} busy loops"
-python -m pytest -q --durations=20 -m "multiprocess" "$@"
+echo "== pytest -m 'multiprocess and not slow', beside ${#hogs[@]} busy loops"
+python -m compileall -q src tests > /dev/null
+python -m pytest -q --durations=20 -m "multiprocess and not slow" "$@"

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# The whole test suite: lint (ruff), types (mypy), tests (pytest, every test with a hard timeout),
-# then the 20 slowest tests. Extra arguments go to pytest (e.g. `-m slow` for the slow tier only).
+# The test suite: lint (ruff), types (mypy), then the main tier of tests (pytest, every test with a
+# hard timeout; the 20 slowest are listed at the end). `bash scripts/test.sh --slow` runs the slow
+# tier instead (longer multi-process cases, marked `slow`; CI runs both, see .ci/run). Other
+# arguments go to pytest.
 source "$(dirname "$0")/_venv.sh"
-echo "== ruff"; ruff check src tests benchmarks examples scripts
-echo "== mypy"; mypy
+tier=(-m "not slow")
+if [ "${1:-}" = "--slow" ]; then
+  shift
+  tier=(-m slow)
+else
+  echo "== ruff"; ruff check src tests benchmarks examples scripts
+  echo "== mypy"; mypy
+fi
 # every process of a multi-process test imports these: compiled once here, not once per process
 # (PYTHONDONTWRITEBYTECODE, set on some machines, would otherwise make each compile them again)
 python -m compileall -q src tests > /dev/null
-echo "== pytest"; exec python -m pytest -q --durations=20 "$@"
+echo "== pytest ${tier[*]}"; exec python -m pytest -q --durations=20 "${tier[@]}" "$@"

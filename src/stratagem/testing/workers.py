@@ -63,7 +63,9 @@ def _start(cmd: list[str], env: dict[str, str], out: Any, err: Any, cwd: str | N
         if _zygote is None or _zygote.proc.poll() is not None:
             _zygote = Zygote(_env(None, {}))
         if _zygote.accepts(env):
-            return _zygote.start(cmd[2], env, cwd, out, err)
+            child = _zygote.start(cmd[2], env, cwd, out, err)
+            if child is not None:
+                return child
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, cwd=cwd, start_new_session=True)
 
 

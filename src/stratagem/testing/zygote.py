@@ -40,6 +40,7 @@ LATE_VARIABLES = frozenset({
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
     "MASTER_ADDR", "MASTER_PORT", "STRATAGEM_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE",
     "STRATAGEM_TEST_TARGET", "STRATAGEM_TEST_ARGS", "STRATAGEM_TEST_RESULT", "PYTHONPATH",
+    "PYTEST_CURRENT_TEST",  # pytest sets it anew for every test
 })
 
 #: what the zygote imports before it serves (what every worker of the harness imports first)
@@ -78,6 +79,10 @@ def serve() -> str:
     gone."""
     for name in PRELOAD:
         __import__(name)
+    import torch
+
+    if torch.cuda.is_initialized():  # a forked child could not use the GPU: serve nobody
+        os._exit(3)  # (the harness then starts every worker afresh)
     sock = socket.socket(fileno=int(os.environ.pop("STRATAGEM_ZYGOTE_FD")))
     children: set[int] = set()
     while True:
@@ -90,10 +95,15 @@ def serve() -> str:
                 request = pickle.loads(_recv_exact(sock, struct.unpack("!I", head)[0]))
             except (EOFError, OSError):
                 os._exit(0)
+            started, ready = os.pipe()
             pid = os.fork()
             if pid == 0:
                 sock.close()
-                return _become(request, fds)
+                os.close(started)
+                return _become(request, fds, ready)
+            os.close(ready)
+            os.read(started, 1)  # EOF once the child is in its own session (as Popen returns after exec)
+            os.close(started)
             for fd in fds:
                 os.close(fd)
             children.add(pid)
@@ -109,9 +119,10 @@ def serve() -> str:
             _send(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
 
 
-def _become(request: dict[str, Any], fds: list[int]) -> str:
+def _become(request: dict[str, Any], fds: list[int], ready: int) -> str:
     """In the forked child: this process becomes ``python -c code`` as the request describes."""
     os.setsid()
+    os.close(ready)  # the zygote may now report this pid: a killpg reaches this session
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(fds[0], 1)
@@ -168,14 +179,19 @@ class Zygote:
         keys = set(env) | set(self.env)
         return all(env.get(k) == self.env.get(k) for k in keys - LATE_VARIABLES)
 
-    def start(self, code: str, env: Mapping[str, str], cwd: str | None, stdout: IO[Any], stderr: IO[Any]) -> ZygoteChild:
+    def start(self, code: str, env: Mapping[str, str], cwd: str | None, stdout: IO[Any], stderr: IO[Any]) -> ZygoteChild | None:
+        """A child running ``code``; None if the zygote is gone (it refuses to serve when the
+        import touched a GPU): the caller starts the process afresh."""
         request = {"code": code, "env": dict(env), "cwd": cwd or os.getcwd()}
         with self.lock:
-            _send(self.sock, request, [stdout.fileno(), stderr.fileno()])
-            while True:
-                msg = self._read(None)
-                if msg[0] == "pid":
-                    return ZygoteChild(self, msg[1])
+            try:
+                _send(self.sock, request, [stdout.fileno(), stderr.fileno()])
+                while True:
+                    msg = self._read(None)
+                    if msg[0] == "pid":
+                        return ZygoteChild(self, msg[1])
+            except (EOFError, OSError):
+                return None
 
     def _read(self, timeout: float | None) -> tuple[Any, ...]:
         """One message (pids are answered in order; exits are recorded as they come); waits at
