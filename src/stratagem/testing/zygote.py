@@ -95,15 +95,15 @@ def serve() -> str:
                 request = pickle.loads(_recv_exact(sock, struct.unpack("!I", head)[0]))
             except (EOFError, OSError):
                 os._exit(0)
-            started, ready = os.pipe()
+            in_session, tell = os.pipe()
             pid = os.fork()
             if pid == 0:
                 sock.close()
-                os.close(started)
-                return _become(request, fds, ready)
-            os.close(ready)
-            os.read(started, 1)  # EOF once the child is in its own session (as Popen returns after exec)
-            os.close(started)
+                os.close(in_session)
+                return _become(request, fds, tell)
+            os.close(tell)
+            os.read(in_session, 1)  # EOF once the child is in its own session (as Popen returns after exec)
+            os.close(in_session)
             for fd in fds:
                 os.close(fd)
             children.add(pid)
@@ -119,10 +119,10 @@ def serve() -> str:
             _send(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
 
 
-def _become(request: dict[str, Any], fds: list[int], ready: int) -> str:
+def _become(request: dict[str, Any], fds: list[int], tell: int) -> str:
     """In the forked child: this process becomes ``python -c code`` as the request describes."""
     os.setsid()
-    os.close(ready)  # the zygote may now report this pid: a killpg reaches this session
+    os.close(tell)  # the zygote may now report this pid: a killpg reaches this session
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(fds[0], 1)
