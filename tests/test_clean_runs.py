@@ -72,6 +72,7 @@ def test_a_documented_program_runs_as_written_with_a_clean_stderr(where, code, t
     assert_clean_run(r, what=where)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_stratagem_run_of_the_readme_example_is_clean(tmp_path):
     r = run_script(["-m", "stratagem", "run", "-n", "2", str(ROOT / "examples" / "quickstart.py")],

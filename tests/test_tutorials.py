@@ -56,6 +56,7 @@ def test_data_performance_guide(tmp_path):
     assert float(speedups["cache"]) > 1.5 and float(speedups["vectorized map"]) > 2, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_parameter_server_training_tutorial(tmp_path):
     pytest.importorskip("cloudpickle")

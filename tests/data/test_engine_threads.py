@@ -51,6 +51,7 @@ def test_engine_decision_table():
     assert decide(3.1, 4.0, 4) == "threads" and decide(1.2, 3.9, 4) == "processes"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gil_bound_work_never_looks_parallel_on_a_busy_machine():
     """CI failure: pure Python measured 1.75x on 2 threads (serial run slowed by another

@@ -158,6 +158,7 @@ def test_sharded_two_processes(tmp_path: Path) -> None:
     assert outs[0]["bytes"] < outs[0]["reference_bytes"] * 0.6
 
 
+@pytest.mark.slow
 # --- 4 processes, then 2 and 1 from its checkpoint -------------------------------------------------
 @pytest.mark.timeout(200)
 def test_sharded_four_processes_and_resharded_restore(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ def _close(got: dict, want: dict) -> None:
         assert got["history"][k] == pytest.approx(want["history"][k], rel=1e-5), k
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("split", [True, False], ids=["each-replica-reads-its-share", "replicas-split-global-batches"])
 def test_a_backup_resumes_on_another_number_of_replicas(tmp_path, split):
