@@ -32,15 +32,11 @@ def job_argv(mode: str, launcher: str, directory: str) -> list[str]:
 
 
 def leftovers(directory: str) -> list[str]:
-    """What a stopped save left in the checkpoint directory: temporary or set-aside directories,
-    or a checkpoint without its metadata (none may be left: a save removes its own on the way out)."""
-    found = []
-    for p in Path(directory).iterdir():
-        if p.name.startswith((".tmp-ckpt-", ".old-ckpt-")):
-            found.append(p.name)
-        elif p.name.startswith("ckpt-") and not (p / "metadata.json").is_file():
-            found.append(f"{p.name} (no metadata.json)")
-    return found
+    """Checkpoints a stopped job left half-written or half-deleted where a reader would take them
+    for complete (``ckpt-N`` without its metadata). A writer stopped mid-save or mid-prune may
+    leave hidden ``.tmp-``/``.del-``/``.old-ckpt-`` directories: the next writer cleans them up."""
+    return [f"{p.name} (no metadata.json)" for p in Path(directory).iterdir()
+            if p.name.startswith("ckpt-") and not (p / "metadata.json").is_file()]
 
 
 def main() -> int:

@@ -125,15 +125,24 @@ def test_cleanup_touches_only_this_writer_and_dead_writers(tmp_path, other_proce
     gone = tmp_path / f".tmp-ckpt-7+{host}+{dead_pid}+abcd1234"
     remote = tmp_path / f".tmp-ckpt-7+elsewhere+{dead_pid}+abcd1234"
     aside = tmp_path / f".old-ckpt-5+{host}+{dead_pid}+abcd1234"  # its replacement never landed
-    for d in (live, gone, remote, aside):
+    pruning = tmp_path / f".del-ckpt-3+{host}+{dead_pid}+abcd1234"  # stopped while removing it
+    for d in (live, gone, remote, aside, pruning):
         d.mkdir()
     (aside / "metadata.json").write_text("{}")
     manager, _, _ = _manager(tmp_path)
     manager.save(1)
     names = {p.name for p in tmp_path.iterdir()}
     assert live.name in names and remote.name in names  # a live writer's, another host's: kept
-    assert gone.name not in names  # a dead writer's: removed
+    assert gone.name not in names and pruning.name not in names  # a dead writer's: removed
+    assert "ckpt-3" not in names  # one being pruned is never put back
     assert (tmp_path / "ckpt-5" / "metadata.json").exists()  # set aside by a dead writer: recovered
+
+
+def test_pruning_never_shows_a_half_deleted_checkpoint(tmp_path):
+    manager = CheckpointManager(Checkpoint(model=_model()), tmp_path, max_to_keep=1)
+    manager.save(1)
+    manager.save(2)  # ckpt-1 is renamed away, then removed
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK_NAME) == ["ckpt-2"]
 
 
 # --- safe reading ---------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 LOCK_NAME = ".stratagem-writer.lock"
-_LEFTOVER = re.compile(r"^\.(tmp|old)-ckpt-(\d+)\+(.+)\+(\d+)\+[0-9a-f]+$")
+_LEFTOVER = re.compile(r"^\.(tmp|old|del)-ckpt-(\d+)\+(.+)\+(\d+)\+[0-9a-f]+$")
 
 
 class CheckpointDirectoryLockedError(RuntimeError):
@@ -225,6 +225,18 @@ class WriterLock:
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+def remove_checkpoint(path: Path, step: int) -> None:
+    """Delete a committed checkpoint so that no half-deleted one is ever seen: first renamed out
+    of the listing (one rename) to a name of this writer's, then removed. A writer stopped in
+    between leaves a ``.del-ckpt-...`` directory, which the next writer removes."""
+    doomed = path.with_name(f".del-ckpt-{step}+{writer_tag()}+{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def clean_leftovers(directory: Path) -> list[str]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from stratagem.train.checkpoint.lock import (
     CheckpointDirectoryLockedError,
     WriterLock,
     clean_leftovers,
+    remove_checkpoint,
     writer_tag,
 )
 from stratagem.train.checkpoint.ties import StageTies
@@ -436,8 +436,8 @@ class CheckpointManager:
         if self.max_to_keep is None:
             return
         items = self._listing()
-        for _, p in items[: max(0, len(items) - self.max_to_keep)]:
-            shutil.rmtree(p, ignore_errors=True)
+        for step, p in items[: max(0, len(items) - self.max_to_keep)]:
+            remove_checkpoint(p, step)
 
     # --- restore ------------------------------------------------------------------------------
     def _load(self, path: Path) -> None:
