@@ -6,6 +6,9 @@ parity OPT     one worker: equal to one process at 1e-5 (OPT: sgd, adagrad, or s
 kill           two workers, worker 1 dies in its third function: every result delivered once
 rejoin         as kill, and the launcher restarts worker 1: it rejoins and runs functions again
 rejoin_idle    the same, but worker 1 dies and comes back while it has no function to run
+rejoin_many OPT R
+               as rejoin, R times in a row: each of worker 1's first R processes dies in its third
+               function (scripts/ps_rejoin_stress.py; `--max-restarts R`)
 all_lost       both workers die in their second function; the chief waits for them to be restarted
 converge       two workers on their own shards, asynchronous: the held-out loss falls as one
                process's does
@@ -82,7 +85,8 @@ def reference_losses(model: nn.Module, kind: str, data: list) -> list[float]:
 def main() -> None:
     mode = sys.argv[1]
     kind = sys.argv[2] if len(sys.argv) > 2 else "sgd"
-    steps = {"parity": 12, "kill": 24, "rejoin": 400, "rejoin_idle": 400, "all_lost": 400, "converge": 240, "ps_lost": 40, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
+    deaths = int(sys.argv[3]) if mode == "rejoin_many" else 1  # how many of worker 1's processes die
+    steps = {"parity": 12, "kill": 24, "rejoin": 400, "rejoin_idle": 400, "rejoin_many": 400, "all_lost": 400, "converge": 240, "ps_lost": 40, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
     partitioner = sg.partitioners.FixedShardsPartitioner(2)
     strategy = sg.ParameterServerStrategy(variable_partitioner=partitioner)
     # from here on only the chief runs this script
@@ -123,7 +127,7 @@ def main() -> None:
             os.environ["STEP_CALLS"] = str(calls)
             if calls == 2:
                 os._exit(7)  # each worker dies in its second function: none is left for a while
-        if mode in ("kill", "rejoin") and task["index"] == 1 and restart == 0:
+        if mode in ("kill", "rejoin", "rejoin_many") and task["index"] == 1 and restart < deaths:
             calls = int(os.environ.get("STEP_CALLS", "0")) + 1  # this worker's count
             os.environ["STEP_CALLS"] = str(calls)
             if calls == 3:
@@ -157,7 +161,7 @@ def main() -> None:
         raise AssertionError("training went on without ps 0")
 
     if mode.startswith("rejoin") or mode == "all_lost":
-        rejoin(coordinator, step_fn, iterator, idle=mode == "rejoin_idle")
+        rejoin(coordinator, step_fn, iterator, idle=mode == "rejoin_idle", deaths=deaths)
         return
     sched = scheduler(optimizer, kind)
     if sched is not None:  # the learning rate changes on the chief between functions
@@ -205,13 +209,15 @@ def evaluate(model: nn.Module, data: list) -> float:
         return sum(nn.functional.mse_loss(model(ids), y).item() for ids, y in data) / len(data)
 
 
-def rejoin(coordinator, step_fn, iterator, idle):
-    """Functions are scheduled in rounds until the restarted worker 1 has run some (bounded)."""
+def rejoin(coordinator, step_fn, iterator, idle, deaths=1):
+    """Functions are scheduled in rounds until worker 1's last process (after ``deaths``
+    restarts) has run some (bounded)."""
     import time
 
     import torch.distributed.rpc as rpc
 
-    results, deadline = [], time.monotonic() + 90
+    last = f"1.{deaths}"
+    results, deadline = [], time.monotonic() + 90 * deaths
     while time.monotonic() < deadline:
         if idle and len(results) == 8:  # nothing is scheduled: worker 1 dies, is restarted, asks back
             rpc.rpc_async("worker:1", os._exit, args=(7,))
@@ -219,11 +225,11 @@ def rejoin(coordinator, step_fn, iterator, idle):
         values = [coordinator.schedule(step_fn, args=(iterator, len(results) + i)) for i in range(8)]
         coordinator.join()
         results += [v.fetch() for v in values]
-        if sum(who == "1.1" for _, _, who in results) >= 4:
+        if sum(who == last for _, _, who in results) >= 4:
             break
     assert [i for i, _, _ in results] == list(range(len(results))), results  # each delivered once
     ran = sorted({who for _, _, who in results})
-    print(f"RESULT lost={sorted(coordinator.lost_workers)} ran_on={ran} back={sum(w == '1.1' for _, _, w in results) >= 4}")
+    print(f"RESULT lost={sorted(coordinator.lost_workers)} ran_on={ran} back={sum(w == last for _, _, w in results) >= 4}")
 
 
 def checkpoint(folder, strategy, coordinator, model, optimizer, step_fn, iterator, steps):

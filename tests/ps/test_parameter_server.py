@@ -207,3 +207,32 @@ def test_tasks_that_never_come_are_named(tmp_path):
         "RuntimeError: ParameterServerStrategy: worker:0 (127.0.0.1:1), ps:0 (127.0.0.1:2) did not join the "
         "cluster within 2s: start every task listed in TF_CONFIG (or use `stratagem run --workers N --ps P script.py`)"
     )
+
+
+CHIEF_VANISHES = """
+import os
+import torch
+import stratagem as sg
+
+strategy = sg.ParameterServerStrategy()
+with strategy.scope():
+    model = torch.nn.Linear(2, 1)
+coordinator = sg.coordinator.ClusterCoordinator(strategy)
+coordinator.schedule(lambda: model(torch.ones(1, 2))).fetch()
+os._exit(0)  # no shutdown: the others find the chief gone by themselves
+"""
+
+
+@pytest.mark.timeout(90)
+def test_when_the_chief_vanishes_the_other_tasks_leave_by_themselves(tmp_path):
+    """Workers and ps tasks watch the chief through its TCPStore (no rpc pings: an rpc call in
+    flight while the group's members change can crash a task); each leaves when it is gone."""
+    script = tmp_path / "job.py"
+    script.write_text(CHIEF_VANISHES)
+    argv = ["-m", "stratagem", "run", "--workers", "1", "--ps", "1", "--grace-period", "30", str(script)]
+    r = run_script(argv, timeout=80)
+    assert r.returncode == 0, r.stderr
+    assert sorted(stratagem_lines(r.stderr)) == [
+        "stratagem: ps:0: the chief is gone; leaving",
+        "stratagem: worker:0: the chief is gone; leaving",
+    ], r.stderr

@@ -4,7 +4,8 @@ One thread per worker takes the next scheduled function from one queue, ships it
 value, with handles for variables, optimizers, the strategy and per-worker iterators) and runs
 it there. A worker that cannot be reached has its function put back at the head of the queue
 for the others, and takes no more until it is restarted and rejoins (its thread waits for that);
-every function's result is delivered exactly once. An error
+every function's result is delivered exactly once. The rpc group's members change (a lost worker
+taken out, a restarted one admitted) only while the cluster is quiet (``_quiet``). An error
 raised by a function is kept in its RemoteValue and raised by the next ``schedule`` or ``join``
 (as tf does); a parameter server that is lost ends training with that error.
 """
@@ -12,15 +13,17 @@ raised by a function is kept in its RemoteValue and raised by the next ``schedul
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from stratagem.core import tree
+from stratagem.distribute.engines import rpc_membership
 from stratagem.distribute.engines.parameter_server import ParameterServerExtended
 from stratagem.distribute.engines.ps_client import ParameterServerError, rebuilt_error
 from stratagem.distribute.engines.ps_pickle import dumps
@@ -174,7 +177,7 @@ class ClusterCoordinator:
         self._queue: collections.deque[_Closure] = collections.deque()
         self._cond = threading.Condition()
         self._inflight = 0
-        self._evicting = 0  # threads taking a lost worker out of the rpc group: no function starts
+        self._changing = 0  # threads changing the rpc group's members (_quiet): no function starts
         self._held = 0  # of those, the ones whose own function is still counted in _inflight
         self._error: BaseException | None = None
         self._fatal: BaseException | None = None
@@ -277,7 +280,7 @@ class ClusterCoordinator:
         """The next function for ``worker``; None when the coordinator is done; a rejoin request's
         id when the worker restarted while it waited for work."""
         with self._cond:
-            while (not self._queue or self._evicting) and not self._closed and self._fatal is None:
+            while (not self._queue or self._changing) and not self._closed and self._fatal is None:
                 self._cond.wait(1.0)
                 if not self._queue and (request := self._ext.rejoin_request(worker)) is not None:
                     return request
@@ -396,22 +399,31 @@ class ClusterCoordinator:
         return True
 
     def _evict(self, worker: str, holding: bool) -> None:
-        """Take the lost ``worker`` out of the rpc group (so that a restarted process can join it)
-        while no function runs: torch's agents drop a member from their tables without the lock
-        their other threads take to read them (``TensorPipeAgent::updateGroupMembership``), so
-        a parameter server serving calls meanwhile can crash. No function starts until it is
-        done; those under way are waited for (at most 30 s)."""
+        """Take the lost ``worker`` out of the rpc group (so that a restarted process can join it)."""
+        with self._quiet(holding):
+            self._ext.evict(worker)
+
+    @contextlib.contextmanager
+    def _quiet(self, holding: bool) -> Iterator[None]:
+        """The cluster quiet for a change of the rpc group's members (a lost worker taken out, a
+        restarted one admitted): torch's agents change their member tables without the lock
+        their other threads read them under (``rpc_membership``), so a task making or serving a
+        call meanwhile can crash. No function starts until the change is done; those under way
+        are waited for (at most 30 s; ``holding``: the caller's own, which ends after it, is not
+        waited for); the chief's own calls wait (``rpc_membership.LOCK``, taken here last: a
+        change waits for a read of the ps tasks on the chief, never the other way round)."""
         with self._cond:
-            self._evicting += 1
+            self._changing += 1
             self._held += int(holding)
             deadline = time.monotonic() + min(30.0, self._ext.timeout)
             while self._inflight > self._held and time.monotonic() < deadline and self._fatal is None:
                 self._cond.wait(0.05)
         try:
-            self._ext.evict(worker)
+            with rpc_membership.LOCK:
+                yield
         finally:
             with self._cond:
-                self._evicting -= 1
+                self._changing -= 1
                 self._held -= int(holding)
                 self._cond.notify_all()
 
@@ -441,7 +453,9 @@ class ClusterCoordinator:
                     return False
             request = request or ext.rejoin_request(worker)
             if request is not None:
-                if ext.readmit(worker, request):
+                with self._quiet(holding=False):
+                    back = ext.readmit(worker, request)
+                if back:
                     with self._cond:
                         self._configured.pop(worker, None)
                         self._sent[worker] = set()

@@ -250,10 +250,6 @@ def _stop(task: str) -> None:
         runtime.stopped.set()
 
 
-def _ping() -> bool:
-    return True
-
-
 class ParameterServerExtended(StrategyExtended):
     """The engine of ParameterServerStrategy (one replica per worker, variables on ps tasks)."""
 
@@ -397,24 +393,28 @@ class ParameterServerExtended(StrategyExtended):
             rpc_membership.evict(worker, live, timeout=min(self.timeout, 10.0))
 
     def readmit(self, worker: str, nonce: str) -> bool:
-        """Take the restarted ``worker`` back under a new rank; whether it joined in time."""
+        """Take the restarted ``worker`` back under a new rank; whether it joined in time. Its
+        ``init_rpc`` adds it to every member's agent: the caller has made the cluster quiet, and
+        the chief's own calls wait (``rpc_membership.LOCK``) until it has joined."""
         import time
 
-        self._admitted.add(nonce)
-        rank = self.spec.world_size + len(self._admitted) - 1  # never used before
-        self._store.set(f"stratagem/admit/{worker}/{nonce}", str(rank))
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
+        def joined() -> bool:  # it says so once init_rpc has told every member
             with contextlib.suppress(Exception):
-                if (
-                    self._store.get(f"stratagem/joined/{worker}").decode() == nonce
-                    and rpc_membership.members().get(worker) == rank
-                ):
-                    if worker in self.lost_tasks:
-                        self.lost_tasks.remove(worker)
-                    return True
-            time.sleep(0.05)
-        return False
+                return bool(self._store.get(f"stratagem/joined/{worker}").decode() == nonce)
+            return False
+
+        with rpc_membership.LOCK:
+            self._admitted.add(nonce)
+            rank = self.spec.world_size + len(self._admitted) - 1  # never used before
+            self._store.set(f"stratagem/admit/{worker}/{nonce}", str(rank))
+            deadline = time.monotonic() + self.timeout
+            while not joined() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # the agent's table is read only now that nothing changes it
+            back = joined() and rpc_membership.members().get(worker) == rank
+        if back and worker in self.lost_tasks:
+            self.lost_tasks.remove(worker)
+        return back
 
     def _meet(self) -> Any:
         """Every task says it is here in the chief's store (torch's TCPStore at the chief's
@@ -447,7 +447,9 @@ class ParameterServerExtended(StrategyExtended):
         return store
 
     def serve(self) -> None:
-        """A worker or ps task: answer the chief until it is done (or gone), then leave."""
+        """A worker or ps task: answer the chief until it is done (or gone), then leave. The
+        chief is watched through its TCPStore (every 2 s), not over rpc: an rpc call in flight
+        while a member joins or is taken out can crash this process (``rpc_membership``)."""
         rpc = _rpc()
         name = self.spec.rpc_name
         runtime = _RUNTIMES.get(name)
@@ -456,7 +458,7 @@ class ParameterServerExtended(StrategyExtended):
         code = 0
         while not runtime.stopped.wait(2.0):
             try:
-                rpc.rpc_sync("chief", _ping, timeout=max(self.timeout, 5.0))
+                self._store.check(["stratagem/present/chief"])  # raises once the chief is gone
             except Exception:
                 if runtime.stopped.is_set():
                     break
@@ -483,21 +485,22 @@ class ParameterServerExtended(StrategyExtended):
             self.coordinator.close()
         self._closed = True
         rpc = _rpc()
-        lost = set(self.lost_tasks)
-        self.stores.clear()
-        if self.client is not None:
-            self.client.stores = []
-        gc.collect()
-        futs = []
-        for name in [*self.worker_names, *self.ps_names]:
-            if name not in lost:
-                with contextlib.suppress(Exception):
-                    futs.append(rpc.rpc_async(name, _stop, args=(name,), timeout=10))
         leaving = 1  # the tasks that answered leave together with the chief
-        for f in futs:
-            with contextlib.suppress(Exception):
-                f.wait()
-                leaving += 1
+        with rpc_membership.LOCK:  # after a rejoin under way, if any
+            lost = set(self.lost_tasks)
+            self.stores.clear()
+            if self.client is not None:
+                self.client.stores = []
+            gc.collect()
+            futs = []
+            for name in [*self.worker_names, *self.ps_names]:
+                if name not in lost:
+                    with contextlib.suppress(Exception):
+                        futs.append(rpc.rpc_async(name, _stop, args=(name,), timeout=10))
+            for f in futs:
+                with contextlib.suppress(Exception):
+                    f.wait()
+                    leaving += 1
         with contextlib.suppress(Exception):
             self._store.set(f"{LEAVE_PREFIX}/count", str(leaving))
         rpc_membership.leave_together(self._store, LEAVE_PREFIX, timeout=min(self.timeout, 10.0))
@@ -630,10 +633,11 @@ class ParameterServerExtended(StrategyExtended):
                 info = tagged(p)
                 if info is not None:
                     plan = self.plans[info[1]]
-                    parts = [
-                        self.stores[sh.ps].rpc_sync(timeout=self.timeout).optimizer_state(key, [sh.key])[0]
-                        for sh in plan.shards
-                    ]
+                    with rpc_membership.LOCK:
+                        parts = [
+                            self.stores[sh.ps].rpc_sync(timeout=self.timeout).optimizer_state(key, [sh.key])[0]
+                            for sh in plan.shards
+                        ]
                     merged = _merge_shard_states(parts, plan)
                     if merged:
                         state[index] = merged
@@ -655,7 +659,8 @@ class ParameterServerExtended(StrategyExtended):
                             and len(plan.shards) > 1 and v.shape[0] == plan.shape[0] else v)
                         for k, v in st.items()
                     }  # fmt: skip
-                    self.stores[sh.ps].rpc_sync(timeout=self.timeout).load_optimizer_state(key, spec, {sh.key: part})
+                    with rpc_membership.LOCK:
+                        self.stores[sh.ps].rpc_sync(timeout=self.timeout).load_optimizer_state(key, spec, {sh.key: part})
         opt.state.clear()  # the ps tasks hold it; the chief's optimizer never steps
 
     def configure_worker(self, worker: str) -> None:
@@ -668,7 +673,8 @@ class ParameterServerExtended(StrategyExtended):
 
     def traffic(self) -> list[tuple[int, int]]:
         """Bytes each ps task received and sent."""
-        return [store.rpc_sync(timeout=self.timeout).traffic() for store in self.stores]
+        with rpc_membership.LOCK:
+            return [store.rpc_sync(timeout=self.timeout).traffic() for store in self.stores]
 
     def refresh(self) -> None:
         """The chief's copies read anew if a worker ran a function since they were last read."""
@@ -684,11 +690,11 @@ class ParameterServerExtended(StrategyExtended):
         plans = self.plans if vids is None else [self.plans[v] for v in vids]
         self.client.pull(p.vid for p in plans)
         rpc_futs = []
-        for plan in plans:
-            if plan.rows:
-                for s in plan.shards:
-                    rpc_futs.append((plan, s, self.stores[s.ps].rpc_async(timeout=self.timeout).get([s.key])))
-        with torch.no_grad():
+        with rpc_membership.LOCK, torch.no_grad():
+            for plan in plans:
+                if plan.rows:
+                    for s in plan.shards:
+                        rpc_futs.append((plan, s, self.stores[s.ps].rpc_async(timeout=self.timeout).get([s.key])))
             for plan, s, fut in rpc_futs:
                 self.client.local[plan.vid][s.start : s.stop].copy_(fut.wait()[0])
 

@@ -1,6 +1,8 @@
 """A process's view of parameter-server variables: local tensors the model computes with,
 refreshed from the ps tasks before a function runs (dense variables, read whole) or row by row
-as a batch touches them (embedding tables), and the gradients pushed back after ``step()``."""
+as a batch touches them (embedding tables), and the gradients pushed back after ``step()``.
+Each read or write holds ``rpc_membership.LOCK`` from its calls to their answers, so that it
+never overlaps a change of the rpc group's members in this process."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stratagem.distribute.engines import rpc_membership
 from stratagem.distribute.engines.ps_plan import VariablePlan
 from stratagem.distribute.engines.ps_store import OptimizerSpec
 
@@ -128,6 +131,8 @@ class VariableClient:
         )
 
     def _wait(self, futures: Iterable[tuple[int, Any]]) -> list[Any]:
+        """The answers of calls made by :meth:`_call` (the caller holds ``rpc_membership.LOCK``
+        around both)."""
         out = []
         for ps, fut in futures:
             try:
@@ -145,8 +150,9 @@ class VariableClient:
                 continue
             for s in plan.shards:
                 by_ps[s.ps].append((vid, s.start, s.stop, s.key))
-        futures = [(ps, self._call(ps, "get", [k for *_, k in items])) for ps, items in by_ps.items()]
-        results = self._wait(futures)
+        with rpc_membership.LOCK:
+            futures = [(ps, self._call(ps, "get", [k for *_, k in items])) for ps, items in by_ps.items()]
+            results = self._wait(futures)
         with torch.no_grad():
             for (_, items), values in zip(by_ps.items(), results):
                 for (vid, start, stop, _), value in zip(items, values):
@@ -162,13 +168,15 @@ class VariableClient:
         starts = torch.tensor([s.start for s in plan.shards])
         which = torch.searchsorted(starts, ids, right=True) - 1
         futures, order = [], []
-        for i, s in enumerate(plan.shards):
-            mask = which == i
-            if bool(mask.any()):
-                futures.append((s.ps, self._call(s.ps, "rows", [(s.key, ids[mask] - s.start)])))
-                order.append(mask)
+        with rpc_membership.LOCK:
+            for i, s in enumerate(plan.shards):
+                mask = which == i
+                if bool(mask.any()):
+                    futures.append((s.ps, self._call(s.ps, "rows", [(s.key, ids[mask] - s.start)])))
+                    order.append(mask)
+            values = self._wait(futures)
         out = torch.empty((ids.numel(), *plan.shape[1:]), dtype=plan.dtype)
-        for mask, value in zip(order, self._wait(futures)):
+        for mask, value in zip(order, values):
             out[mask] = value[0]
         return out
 
@@ -181,7 +189,8 @@ class VariableClient:
             plan, local = self.plans[vid], self.local[vid].detach()
             for s in plan.shards:
                 by_ps[s.ps][s.key] = local if len(plan.shards) == 1 else local[s.start : s.stop]
-        self._wait([(ps, self._call(ps, "put", values)) for ps, values in by_ps.items()])
+        with rpc_membership.LOCK:
+            self._wait([(ps, self._call(ps, "put", values)) for ps, values in by_ps.items()])
 
     def push_gradients(self, opt_key: str, spec: OptimizerSpec, params: Iterable[torch.Tensor]) -> None:
         """One optimizer step on the ps tasks: dense gradients whole, embedding gradients as the
@@ -216,7 +225,8 @@ class VariableClient:
             for s in plan.shards:
                 dense[s.ps].append((s.key, g if len(plan.shards) == 1 else g[s.start : s.stop]))
         targets = sorted(set(dense) | set(sparse))
-        results = self._wait([(ps, self._call(ps, "apply", opt_key, spec, dense[ps], sparse[ps])) for ps in targets])
+        with rpc_membership.LOCK:
+            results = self._wait([(ps, self._call(ps, "apply", opt_key, spec, dense[ps], sparse[ps])) for ps in targets])
         for ps, failed in zip(targets, results):
             if failed is not None:  # the optimizer raised on the ps task (which is fine)
                 name, message, remote_tb = failed

@@ -1,4 +1,5 @@
-"""Membership of a dynamic torch.distributed.rpc group: join it, and take a dead member out of it.
+"""Membership of a dynamic torch.distributed.rpc group: join it, take a dead member out of it, and
+keep this process's own rpc calls off a change of its members.
 
 A parameter-server cluster is a *dynamic* rpc group (``init_rpc`` without ``world_size``), so a
 worker can leave and a restarted one come back. torch lets a live member leave (``shutdown``
@@ -9,11 +10,22 @@ dead member's behalf what its own leaving would have done: under the same token 
 name from the list and tells the live members (torch's ``_update_group_membership``, the function
 a leaving member calls on the others). The returning process joins under a rank never used before
 (:func:`join`), since the agents keep a connection per rank and a dead one stays broken.
+
+A change of members is not safe against the agent's other threads: torch's
+``TensorPipeAgent::updateGroupMembership`` erases a member from its tables (worker id and name to
+info, name to address) with no lock at all, and adds one under a lock that ``getWorkerInfos`` does
+not take, while every call made (its destination looked up by name or id) and every RRef message
+served reads those tables. So the members change only while the cluster is quiet: the coordinator
+starts no function and waits for those under way, nobody pings over rpc (the tasks watch the
+chief through its TCPStore), and :data:`LOCK` keeps this process's own calls (the chief's reads
+of the ps tasks, a worker's variable traffic) off the change, here and, through :func:`_forget`,
+on every member told of an eviction.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -25,6 +37,11 @@ from typing import Any
 TOKEN_KEY = "RpcGroupManagementToken"
 NAMES_PREFIX = "names"
 ALL_WORKERS_KEY = "_ALL_WORKER_INFOS"
+
+#: held while this process's agent changes the group's members (:func:`evict`, :func:`_forget`,
+#: the chief admitting a restarted worker) and by this process's rpc calls that could otherwise
+#: run meanwhile (``with LOCK:`` around the call and its wait); reentrant
+LOCK = threading.RLock()
 
 
 def join(name: str, rank: int, init_method: str, timeout: float) -> None:
@@ -68,30 +85,40 @@ def members() -> dict[str, int]:
 def evict(name: str, tell: Sequence[str], timeout: float) -> None:
     """Take the dead member ``name`` out of the group: out of the store's list and out of this
     process's and every ``tell`` member's agent (one that cannot be told is lost itself, and
-    reported as such by whoever needs it)."""
+    reported as such by whoever needs it). The caller has made the cluster quiet; this process's
+    own calls wait (:data:`LOCK`)."""
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
+
+    with LOCK:
+        agent: Any = rpc.api._get_current_rpc_agent()  # a TensorPipeAgent
+        known = members()
+        if name not in known:
+            return
+        dead = agent.get_worker_info(name)
+        me = agent.get_worker_info().name
+        with _token(agent.store, f"{me}-evicts-{name}", timeout):
+            names = dist.PrefixStore(NAMES_PREFIX, agent.store)
+            listed = names.get(ALL_WORKERS_KEY).decode()
+            names.set(ALL_WORKERS_KEY, listed.replace(f"{dead.name}-{dead.id},", ""))
+            futures = [
+                rpc.rpc_async(other, _forget, args=(dead,), timeout=timeout)
+                for other in tell
+                if other not in (me, name) and other in known
+            ]
+            for fut in futures:
+                with contextlib.suppress(Exception):
+                    fut.wait()
+            agent._update_group_membership(dead, [], {}, False)
+
+
+def _forget(dead: Any) -> None:
+    """(On a member, called by :func:`evict`.) ``dead`` out of this process's agent, once this
+    process's own calls that hold :data:`LOCK` are done."""
     from torch.distributed.rpc import _utils as rpc_utils
 
-    agent: Any = rpc.api._get_current_rpc_agent()  # a TensorPipeAgent
-    known = members()
-    if name not in known:
-        return
-    dead = agent.get_worker_info(name)
-    me = agent.get_worker_info().name
-    with _token(agent.store, f"{me}-evicts-{name}", timeout):
-        names = dist.PrefixStore(NAMES_PREFIX, agent.store)
-        listed = names.get(ALL_WORKERS_KEY).decode()
-        names.set(ALL_WORKERS_KEY, listed.replace(f"{dead.name}-{dead.id},", ""))
-        futures = [
-            rpc.rpc_async(other, rpc_utils._update_group_membership, args=(dead, [], {}, False), timeout=timeout)
-            for other in tell
-            if other not in (me, name) and other in known
-        ]
-        for fut in futures:
-            with contextlib.suppress(Exception):
-                fut.wait()
-        agent._update_group_membership(dead, [], {}, False)
+    with LOCK:
+        rpc_utils._update_group_membership(dead, [], {}, False)
 
 
 def leave_together(store: Any, prefix: str, timeout: float, *, owner: bool = False) -> None:
