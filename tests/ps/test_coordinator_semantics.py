@@ -60,6 +60,7 @@ print("RESULT", bool(torch.equal(bare, before)), bool(torch.allclose(bare, curre
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_chief_reads_current_values_in_a_bare_forward(tmp_path):
     r = _job(tmp_path, STALE_READ)

@@ -42,6 +42,7 @@ def test_one_worker_equals_one_process(optimizer, ps):
     assert "RESULT param_diff=" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_workers_converge_like_one_process():
     r = job(2, 1, "converge", "sgd")
@@ -50,6 +51,7 @@ def test_two_workers_converge_like_one_process():
     assert trained < 0.5 * start and trained < 1.5 * ref + 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_killed_worker_s_functions_run_on_the_other_and_each_result_arrives_once():
     r = job(2, 1, "kill")
@@ -66,6 +68,7 @@ def test_a_killed_worker_s_functions_run_on_the_other_and_each_result_arrives_on
     assert tracebacks(r.stderr) == 0 and not TORCH_LOG.search(r.stderr), r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["rejoin", "rejoin_idle"])
 def test_a_restarted_worker_rejoins_and_runs_functions_again(mode):
@@ -87,6 +90,7 @@ def test_a_restarted_worker_rejoins_and_runs_functions_again(mode):
     assert tracebacks(r.stderr) == 0 and not TORCH_LOG.search(r.stderr), r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_when_every_worker_is_lost_the_chief_waits_for_restarted_ones():
     """Both workers die in their second function: with restarts (--max-restarts 1) the chief
@@ -103,6 +107,7 @@ def test_when_every_worker_is_lost_the_chief_waits_for_restarted_ones():
     assert tracebacks(r.stderr) == 0 and not TORCH_LOG.search(r.stderr), r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_lost_ps_is_a_clear_error_naming_the_checkpoint(tmp_path):
     r = job(2, 1, "ps_lost", "sgd", str(tmp_path))
@@ -115,6 +120,7 @@ def test_a_lost_ps_is_a_clear_error_naming_the_checkpoint(tmp_path):
     assert tracebacks(r.stderr) == 1  # the chief's, nothing from the others
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_checkpoints_are_portable_both_ways(tmp_path):
     """Saved by the chief (variables and Adagrad's state read from the 2 ps tasks), restored in a
@@ -123,6 +129,7 @@ def test_checkpoints_are_portable_both_ways(tmp_path):
     assert_clean_run(r, what="the checkpoint job")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_misuse_gets_clear_errors():
     r = job(1, 1, "errors")
@@ -179,6 +186,7 @@ def test_a_partitioner_answer_of_the_wrong_shape_is_refused():
         plan_variables([("w", (4,), torch.float32, False)], 0, None)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_fit_needs_steps_per_epoch_and_then_equals_fit_in_one_process():
     """Keras's rule under ParameterServerStrategy; the loss, a metric and the validation logs of
