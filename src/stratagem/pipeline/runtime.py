@@ -231,11 +231,16 @@ def _awaited(peer: Sequence[Action], peer_rank: int, links: dict[int, _Links], n
     return None
 
 
+#: how long an interrupted stage (Ctrl-C, kill -INT) spends telling its neighbours: they were
+#: most likely stopped too, and one that was not learns from the closed connection anyway
+INTERRUPT_WAIT_S = 1.0
+
+
 def _notify(plan: Schedule | None, links: dict[int, _Links], rank: int, num_ranks: int, origin: int,
-            message: str, starter: int, src: int | None) -> None:  # fmt: skip
+            message: str, starter: int, src: int | None, wait: float | None = None) -> None:  # fmt: skip
     """Spread the news that stage ``origin`` failed, raised on rank ``starter`` (this rank, or
     learned from neighbour ``src``), and return once every marker sent or due has been received
-    (or after the channel's ``error_wait``).
+    (or after the channel's ``error_wait``, or ``wait`` if given).
 
     Who sends what is fixed, so that each marker has a receiver: the starter tells every
     neighbouring rank; every other rank tells each neighbour but the starter (it may be blocked on
@@ -245,7 +250,7 @@ def _notify(plan: Schedule | None, links: dict[int, _Links], rank: int, num_rank
     if plan is None or not links:
         return
     channel = next(iter(links.values())).channel
-    deadline = time.monotonic() + channel.error_wait
+    deadline = time.monotonic() + (channel.error_wait if wait is None else wait)
     handshake = {p for p in (rank - 1, rank + 1) if 0 <= p < num_ranks}
     ring = {ln.prev for ln in links.values() if not ln.stage.is_first}
     ring |= {ln.next for ln in links.values() if not ln.stage.is_last}  # rank 0 and K-1 when interleaved
@@ -504,7 +509,8 @@ def _with_handshake(
         message = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, PipelineError):
             message += "\n" + "".join(traceback.format_exception(e)[-3:]).rstrip()
-        _notify(plan, links, rank, num_ranks, origin, message, starter=rank, src=None)
+        wait = INTERRUPT_WAIT_S if isinstance(e, KeyboardInterrupt) else None
+        _notify(plan, links, rank, num_ranks, origin, message, starter=rank, src=None, wait=wait)
         if isinstance(e, PipelineError):
             raise
         raise PipelineError(f"stage {here} failed: {type(e).__name__}: {e}", stage=here) from e

@@ -1,9 +1,11 @@
 """Stop a job from outside (Ctrl-C, ``kill -INT``, ``kill -TERM``) and check that every process it
 started has ended within a bound: the contract behind "Ctrl-C always works".
 
-A job runs in its own session (as a command started from a terminal is its own process group);
-its processes are found through ``/proc`` by that session, so replicas a launcher or the script
-itself started are counted, whoever their parent is. Linux only.
+A job runs in its own session (as a command started from a terminal is its own process group).
+Its processes are every descendant of the process started, followed through ``/proc`` from before
+the stop until the last has ended, so a replica in a session of its own (torch's agent starts each
+worker with ``start_new_session``) or re-parented after its parent ended is still counted (a pid
+is known by its start time too: a reused pid is not mistaken for it). Linux only.
 """
 
 from __future__ import annotations
@@ -42,20 +44,41 @@ class Interrupted:
         return "still running: " + "; ".join(f"{p} {c}" for p, c in self.left) + "\n" + self.stderr[-3000:]
 
 
-def session_processes(sid: int) -> list[tuple[int, str]]:
-    """Live (not zombie) processes of session ``sid``: (pid, command line)."""
-    found = []
+def _table() -> dict[int, tuple[int, int, str, str]]:
+    """Every process: pid -> (parent pid, start time, state, command line)."""
+    table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
-                found.append((int(entry), cmd.strip()))
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+            table[int(entry)] = (int(fields[1]), int(fields[19]), fields[0], cmd.strip())
         except (OSError, IndexError, ValueError):
             continue
-    return found
+    return table
+
+
+class JobProcesses:
+    """The processes of the job rooted at ``root``: its descendants, remembered once seen."""
+
+    def __init__(self, root: int) -> None:
+        self.known: dict[int, tuple[int, str]] = {}  # pid -> (start time, command line)
+        self.root = root
+
+    def alive(self) -> list[tuple[int, str]]:
+        """(pid, command line) of the job's live (not zombie) processes, newly started ones
+        (children of a known one) included."""
+        table = _table()
+        grew = True
+        while grew:
+            grew = False
+            for pid, (ppid, start, _, cmd) in table.items():
+                if pid not in self.known and (ppid == self.root or ppid in self.known or pid == self.root):
+                    self.known[pid] = (start, cmd)
+                    grew = True
+        return [(pid, cmd) for pid, (start, cmd) in self.known.items()
+                if pid in table and table[pid][1] == start and table[pid][2] != "Z"]
 
 
 def interrupt_job(
@@ -67,20 +90,25 @@ def interrupt_job(
     sig, group = STOPS[how]
     proc = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=dict(os.environ if env is None else env))
+    job = JobProcesses(proc.pid)
     try:
-        time.sleep(delay)
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline:  # learn the job's processes as they start
+            job.alive()
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         if proc.poll() is not None:
             return Interrupted(False, 0.0, [], proc.communicate()[1], True)
+        job.alive()
         signalled = time.monotonic()
         if group:
             os.killpg(proc.pid, sig)
         else:
             os.kill(proc.pid, sig)
-        left = session_processes(proc.pid)
+        left = job.alive()
         while left and time.monotonic() - signalled < bound:
             time.sleep(0.02)
             proc.poll()
-            left = session_processes(proc.pid)
+            left = job.alive()
         took = time.monotonic() - signalled
         dumps = ""
         if left and shutil.which("py-spy"):  # what each one was doing
@@ -88,11 +116,13 @@ def interrupt_job(
                 dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True, text=True)
                 dumps += f"\n--- py-spy dump {pid}\n{dump.stdout[-3000:]}"
     finally:
-        if proc.poll() is None or session_processes(proc.pid):
+        for pid, _ in job.alive():  # whatever is left, in whichever session
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     try:
         _, err = proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
