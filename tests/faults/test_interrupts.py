@@ -35,3 +35,41 @@ def test_a_stopped_job_ends_every_process_within_the_bound(tmp_path, mode, launc
     assert r.ok, f"{how} of {launcher} {mode}: {r.describe()}"
     # and a save it stopped left nothing half-written
     assert not leftovers(str(tmp_path)), leftovers(str(tmp_path))
+
+
+BLOCKED = """
+import datetime, sys
+import torch.distributed as dist
+from stratagem.cluster.stopping import report_stops
+from stratagem.cluster import find_free_port
+store = dist.TCPStore("127.0.0.1", find_free_port(), is_master=True, wait_for_workers=False)
+assert report_stops(0)
+print("READY", flush=True)
+store.wait(["never"], datetime.timedelta(seconds=60))  # C++: Python's handler cannot run here
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_ends_a_replica_blocked_where_python_cannot_raise():
+    """Ctrl-C reaches Python's handler only between bytecodes: a replica blocked in a C++ wait
+    (a store, a collective) would wait out its timeout. It ends within the 1.5 s grace instead,
+    with one line and exit code 130, as the shell's Ctrl-C would."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        time.sleep(0.3)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read() if proc.stderr else ""
+    assert code == 130, err
+    assert "stratagem: rank 0: interrupted (Ctrl-C) while blocked in a call that did not return within 1.5s" in err, err
+    assert took < BOUND, took  # the promise: every process ends within BOUND of Ctrl-C

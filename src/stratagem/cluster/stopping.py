@@ -10,6 +10,13 @@ a small thread here reads it, waits a moment for the replica's own report (a fai
 already raising says more), then prints one line and ends the process with 143 (128 + SIGTERM),
 the exit code the default action gives.
 
+The same doorbell rings for Ctrl-C (SIGINT). Python raises KeyboardInterrupt in the main thread
+only when it runs Python code again; a replica blocked in a call that does not return (a
+collective whose peer was stopped, forming the process group with a peer that is gone) would sit
+there until that call's timeout. So if the SIGINT handler has not run
+:data:`INTERRUPT_GRACE_S` after the bell, this thread prints one line and ends the process with
+130 (128 + SIGINT), as the shell's Ctrl-C would have.
+
 Installed only where nothing else handles SIGTERM or owns the wakeup descriptor (a user's
 handler, an asyncio loop), and only by the main thread.
 """
@@ -27,6 +34,11 @@ import time
 from collections.abc import Mapping
 from types import FrameType
 from typing import Any
+
+from stratagem.core import finalizers
+
+#: how long the main thread has to start handling Ctrl-C before the process is ended
+INTERRUPT_GRACE_S = 1.5
 
 _reported = threading.Event()
 _installed: list[object] = []
@@ -109,6 +121,7 @@ def report_stops(rank: int, *, parent_pid: int | None = None, wait_for_report: f
         ring.close()
         return False
     signal.signal(signal.SIGTERM, _ignore)
+    finalizers.install_interrupt_handler()  # notes when the main thread handled a Ctrl-C
     thread = threading.Thread(
         target=_watch, args=(bell, rank, parent_pid, wait_for_report), name="stratagem-stop-reporter", daemon=True
     )
@@ -139,10 +152,33 @@ def _watch(bell: socket.socket, rank: int, parent_pid: int | None, wait_for_repo
                 return
             if not rung:
                 return
-            # other signals with Python handlers (SIGINT) ring too; act on the first SIGTERM
-            if signal.SIGTERM in rung and not handled:
+            if signal.SIGINT in rung and finalizers.handles_interrupts():  # not a handler of the user's
+                _watch_interrupt(rank, time.monotonic())
+            if signal.SIGTERM in rung and not handled:  # act on the first SIGTERM
                 handled = True
                 _stop(rank, parent_pid, wait_for_report)
+
+
+def _watch_interrupt(rank: int, rung_at: float) -> None:
+    """Ctrl-C rang: end the process if the main thread has not handled it within the grace."""
+
+    def check() -> None:
+        if finalizers.handler_ran_since(rung_at):
+            return  # KeyboardInterrupt was raised (or deferred past a finalizer): it is ending
+        try:
+            sys.stdout.flush()
+            sys.stderr.write(
+                f"stratagem: rank {rank}: interrupted (Ctrl-C) while blocked in a call that did not "
+                f"return within {INTERRUPT_GRACE_S:g}s; ending it\n"
+            )
+            sys.stderr.flush()
+            record_followed("interrupted (Ctrl-C)", None)
+        finally:
+            os._exit(128 + signal.SIGINT)
+
+    timer = threading.Timer(INTERRUPT_GRACE_S, check)
+    timer.daemon = True
+    timer.start()
 
 
 def _stop(rank: int, parent_pid: int | None, wait_for_report: float) -> None:

@@ -26,6 +26,7 @@ import functools
 import signal
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from types import FrameType
@@ -55,7 +56,26 @@ def _in_finalizer(frame: FrameType | None) -> bool:
     return False
 
 
+#: ``time.monotonic()`` when the handler last ran: Python code was running in the main thread
+_last_run = [0.0]
+
+
+def handles_interrupts() -> bool:
+    """Whether SIGINT goes to this module's handler (not a handler of the user's)."""
+    try:
+        return signal.getsignal(signal.SIGINT) is _handler
+    except ValueError:
+        return False
+
+
+def handler_ran_since(t: float) -> bool:
+    """Whether the SIGINT handler has run (in the main thread) since ``t``: if not, the main
+    thread is blocked in a call that does not return to Python (a collective, a C++ wait)."""
+    return _last_run[0] >= t
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
+    _last_run[0] = time.monotonic()
     if _in_finalizer(frame):
         _redeliver_later()
         return

@@ -57,6 +57,9 @@ def join(
         comm = ProcessGroupCommunicator(dist.group.WORLD, device, probe=job_probe(None))
         _joined["comm"] = comm
         return comm
+    # a replica stopped from outside (the launcher, its parent's end) says so in one line, and
+    # one that Ctrl-C finds blocked (forming the group with a peer that is gone) still ends
+    report_stops(spec.rank, parent_pid=os.getppid() if spec.source == "self" and spec.rank != 0 else None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -89,8 +92,6 @@ def join(
             # a replica this process started and that saw a peer fail says so itself, within
             # the monitor's grace: wait that long before stopping it at a crash
             kids.crash_wait = max(kids.crash_wait, options.grace_seconds + 2 * options.heartbeat_seconds + 1.0)
-    # a replica stopped from outside (the launcher, its parent's end) says so in one line
-    report_stops(spec.rank, parent_pid=os.getppid() if spec.source == "self" and spec.rank != 0 else None)
     # registered after the monitor's own exit hook, so it runs first (atexit is LIFO)
     atexit.register(_leave)
     return comm
