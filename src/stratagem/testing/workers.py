@@ -60,8 +60,11 @@ def _start(cmd: list[str], env: dict[str, str], out: Any, err: Any, cwd: str | N
     environment differs from the zygote's only in late-read variables), else a fresh process."""
     global _zygote
     if cmd[:2] == [sys.executable, "-c"] and len(cmd) == 3 and os.environ.get("STRATAGEM_TEST_ZYGOTE", "1") != "0":
-        if _zygote is None or _zygote.proc.poll() is not None:
-            _zygote = Zygote(_env(None, {}))
+        base = _env(None, {})  # a test may have changed os.environ for good: a zygote to match
+        if _zygote is None or _zygote.proc.poll() is not None or not _zygote.accepts(base):
+            if _zygote is not None:
+                _zygote.close()
+            _zygote = Zygote(base)
         if _zygote.accepts(env):
             child = _zygote.start(cmd[2], env, cwd, out, err)
             if child is not None:
