@@ -6,6 +6,7 @@ would) has its tests marked ``multiprocess``: `.ci/run` runs them a second time 
 submits it, not the next user.
 """
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -16,6 +17,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 #: what a module calls when its tests start processes
 _STARTS_PROCESSES = re.compile(r"\b(run_workers|run_script|subprocess|Popen|launch)\(|\bsubprocess\.")
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test starts with the environment the session started with: a test (or code it
+    calls in this process) that sets a variable does not change what later tests see."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
