@@ -37,11 +37,13 @@ class Interrupted:
     left: list[tuple[int, str]]  # (pid, command line) of those still running at the bound
     stderr: str
     ended_early: bool  # the job had ended by itself before the signal
+    dumps: str = ""  # what each process left was doing (py-spy, where installed)
 
     def describe(self) -> str:
         if self.ended_early:
             return "the job ended by itself before the signal:\n" + self.stderr[-2000:]
-        return "still running: " + "; ".join(f"{p} {c}" for p, c in self.left) + "\n" + self.stderr[-3000:]
+        return ("still running: " + "; ".join(f"{p} {c}" for p, c in self.left) + "\n"
+                + self.stderr[-4000:] + self.dumps)
 
 
 def _table() -> dict[int, tuple[int, int, str, str]]:
@@ -127,4 +129,4 @@ def interrupt_job(
         _, err = proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
         err = ""
-    return Interrupted(not left, took, left, err + dumps, False)
+    return Interrupted(not left, took, left, err, False, dumps)
