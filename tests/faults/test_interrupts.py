@@ -8,12 +8,13 @@ Four fixed cases here; `scripts/interrupt_trials.py --trials 200` signals at ran
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
 from stratagem.testing.interrupts import interrupt_job
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from interrupt_trials import BOUND, job_argv, leftovers  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
