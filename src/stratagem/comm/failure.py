@@ -130,6 +130,10 @@ class FailureMonitor:
         self._beats: dict[int, tuple[int, float]] = {}
         self._finished: set[int] = set()
         self._store_errors = 0
+        #: the store host ended its program and this process said it need not wait for it any
+        #: more: the store may be gone at any moment, so this process makes no more store calls
+        #: (torch's client prints a C++ warning with a stack for each call on a closed store)
+        self._released = False
         self._host = socket.gethostname()
         self._prev_hook = sys.excepthook
         #: the longest one store call of the watcher can block (then it raises)
@@ -172,11 +176,14 @@ class FailureMonitor:
             self._closing = True
             try:
                 with self._lock:
-                    self._store.set(self._key("end", self.rank), "done")
+                    if not self._released:
+                        self._store.set(self._key("end", self.rank), "done")
             except Exception:  # noqa: BLE001 - the store may be gone at exit
                 pass
             if self.rank == self.store_host_rank:
-                self._wait_for_peers(lambda p: p in self._finished, self.shutdown_wait)
+                # a peer still running is waited for until it ends, or says it has seen that this
+                # process ended (it then stops using the store), or ``shutdown_wait`` runs out
+                self._wait_for_peers(self._let_go, self.shutdown_wait)
             self._ended = True
         self._halt()
 
@@ -204,6 +211,19 @@ class FailureMonitor:
             sys.stderr.flush()
             sys.stdout.flush()
             os._exit(1)
+
+    def _let_go(self, p: int) -> bool:
+        return p in self._finished or self._has(self._key("released", p))
+
+    def _release(self) -> None:
+        """The store host ended: say so to it (this process's last store call) and stop using the
+        store, so the host need not wait for this process's end and this process never calls a
+        store that is gone."""
+        try:
+            self._add(self._key("released", self.rank), 1)
+        finally:
+            self._released = True
+            self._store_errors = 2
 
     def _wait_for_peers(self, satisfied: Any, limit: float) -> None:
         deadline = time.monotonic() + limit
@@ -260,7 +280,11 @@ class FailureMonitor:
                 self._add(self._key("hb", self.rank), 1)
                 if not self._closing and self.failure is None:
                     self._detect()
-            self._store_errors = 0
+                elif self.store_host_rank is not None and self.store_host_rank != self.rank:
+                    self._scan_ends()
+                self._store_errors = 0
+                if self._host_ended():
+                    self._release()
         except Exception as e:  # noqa: BLE001 - a store that stopped answering
             self._store_errors += 1
             if self._store_errors >= 2 and self.failure is None and not self._closing and not self._host_ended():
@@ -393,7 +417,8 @@ class FailureMonitor:
     def _mark(self, state: str) -> None:
         try:
             with self._lock:
-                self._store.set(self._key("end", self.rank), state)
+                if not self._released:
+                    self._store.set(self._key("end", self.rank), state)
         except Exception:  # noqa: BLE001
             pass
 
@@ -418,6 +443,8 @@ class FailureMonitor:
         summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
         rec = json.dumps({"rank": self.rank, "summary": summary, "traceback": tb_text[-20000:]})
         with self._lock:
+            if self._released:  # the store host has ended: nobody is left to read the record
+                return
             n = self._add(self._key("nfail"), 1)
             self._store.set(self._key("fail", n), rec)
 
