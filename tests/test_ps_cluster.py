@@ -34,7 +34,7 @@ def test_ps_task_as_given():
     assert (spec.num_workers, spec.num_ps, spec.world_size, spec.rank) == (2, 2, 5, 4)
     assert spec.rpc_names == ("chief", "worker:0", "worker:1", "ps:0", "ps:1")
     assert (spec.source, spec.restart_count) == ("tf_config", 0)
-    assert resolver.num_workers == 2 and resolver.master() == "10.0.0.1:2222"
+    assert resolver.num_workers == 2 and resolver.master() == "10.0.0.5:2222"  # tf: this task's address
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.task_id = 0  # type: ignore[misc]
 

@@ -14,6 +14,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import final
 
 from stratagem.cluster.ps_spec import PS_TASK_TYPES, PSClusterSpec
@@ -29,6 +30,7 @@ __all__ = [
     "PSClusterSpec",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
+    "TFClusterSpec",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
     "detect",
@@ -50,30 +52,97 @@ def split_address(address: str, what: str) -> tuple[str, int]:
 
 
 class ClusterResolver(abc.ABC):
-    """Where the workers of the job are; implementations read their source once, at __init__."""
+    """Where the workers of the job are; implementations read their source once, at __init__.
+
+    ``task_type`` / ``task_id`` are TensorFlow's: the job this process is a task of and its
+    index in that job. Each stratagem process is one task, so a resolver without TF_CONFIG
+    reports ``("worker", rank)`` (as tf's ``SlurmClusterResolver`` does); TF_CONFIG's resolver
+    reports its ``task`` as given. Both can be set, as in TensorFlow. Who is rank 0 (the
+    rendezvous, ``cluster_spec().is_chief``) is stratagem's own mapping and does not change them.
+    """
 
     @abc.abstractmethod
     def cluster_spec(self) -> ClusterSpec:
         """The frozen facts this resolver read."""
 
     @property
-    def task_type(self) -> str:
-        return "chief" if self.cluster_spec().is_chief else "worker"
+    def task_type(self) -> str | None:
+        return self.__dict__.get("_task_type", "worker")
+
+    @task_type.setter
+    def task_type(self, task_type: str | None) -> None:
+        self.__dict__["_task_type"] = task_type
 
     @property
-    def task_id(self) -> int:
-        return self.cluster_spec().task_index
+    def task_id(self) -> int | None:
+        if "_task_id" in self.__dict__:
+            return self.__dict__["_task_id"]  # type: ignore[no-any-return]
+        return self.cluster_spec().rank
+
+    @task_id.setter
+    def task_id(self, task_id: int | None) -> None:
+        self.__dict__["_task_id"] = task_id
 
     @property
     def num_workers(self) -> int:
         return self.cluster_spec().num_workers
 
-    def master(self) -> str:
-        """The rendezvous address, ``host:port``."""
-        return self.cluster_spec().master
+    def num_accelerators(
+        self, task_type: str | None = None, task_id: int | None = None, config_proto: object = None
+    ) -> dict[str, int]:
+        """The accelerators of this machine by type, as tf counts them: ``{"GPU": n}``, ``{}``
+        on a machine without one. Every task of a stratagem job is assumed to have the same."""
+        del task_type, task_id, config_proto
+        import torch  # the cluster layer reads no device otherwise
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return {"GPU": count} if count else {}
+
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
+        """The rendezvous address, ``host:port`` (TF_CONFIG's resolver: tf's session master)."""
+        del task_type, task_id
+        return f"{rpc_layer}://{self.cluster_spec().master}" if rpc_layer else self.cluster_spec().master
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.cluster_spec().describe()})"
+
+
+@dataclass(frozen=True)
+class TFClusterSpec(ClusterSpec):
+    """What ``TFConfigClusterResolver.cluster_spec()`` returns: stratagem's ``ClusterSpec`` (this
+    process's rank among all, chief first: what MultiWorkerMirroredStrategy joins with) that also
+    answers as ``tf.train.ClusterSpec`` does about TF_CONFIG's ``cluster``: ``as_dict()``,
+    ``jobs``, ``num_tasks``, ``task_indices``, ``task_address``, ``job_tasks``."""
+
+    tf_jobs: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def _job(self, job_name: str) -> tuple[str, ...]:
+        for name, tasks in self.tf_jobs:
+            if name == job_name:
+                return tasks
+        raise ValueError(f"No such job in cluster: {job_name!r}")
+
+    def as_dict(self) -> dict[str, list[str]]:
+        return {name: list(tasks) for name, tasks in self.tf_jobs}
+
+    @property
+    def jobs(self) -> list[str]:
+        return [name for name, _ in self.tf_jobs]
+
+    def num_tasks(self, job_name: str) -> int:
+        return len(self._job(job_name))
+
+    def task_indices(self, job_name: str) -> list[int]:
+        return list(range(len(self._job(job_name))))
+
+    def task_address(self, job_name: str, task_index: int) -> str:
+        tasks = self._job(job_name)
+        if not 0 <= task_index < len(tasks):
+            raise ValueError(f"No task with index {task_index!r} in job {job_name!r}")
+        return tasks[task_index]
+
+    def job_tasks(self, job_name: str) -> list[str]:
+        return list(self._job(job_name))
 
 
 def _local_position(hosts: list[str], index: int) -> tuple[int, int]:
@@ -86,14 +155,20 @@ def _local_position(hosts: list[str], index: int) -> tuple[int, int]:
 class TFConfigClusterResolver(ClusterResolver):
     """The ``TF_CONFIG`` JSON: ``{"cluster": {"worker": [...]}, "task": {"type", "index"}}``.
 
-    One process per task. A ``"chief"`` job, if present, comes first (rank 0); otherwise worker 0
-    is the chief. The chief's ``host:port`` is the rendezvous store.
+    One process per task. ``task_type`` / ``task_id`` are TF_CONFIG's ``task`` as given, as in
+    TensorFlow (``("worker", 0)`` for worker 0 whether or not the cluster has a chief), and
+    ``master()`` is tf's: ``session_master`` if TF_CONFIG has one, ``""`` for a cluster of one
+    task, else this task's address (``rpc_layer://`` before it when TF_CONFIG names one).
+    stratagem's own order of the processes is separate: a ``"chief"`` job, if present, comes
+    first (rank 0), otherwise worker 0 is rank 0, and rank 0's ``host:port`` is the rendezvous
+    store (``cluster_spec().rank``, ``cluster_spec().master``). ``cluster_spec()`` is that
+    :class:`ClusterSpec` and also answers as ``tf.train.ClusterSpec`` (``as_dict()``, ...).
 
     A cluster with a ``"ps"`` job is a parameter-server cluster (tf's rules: one chief, at least
-    one worker and one ps task): :meth:`ps_cluster` describes it, ``task_type``/``task_id`` are
-    TF_CONFIG's task as given, and :meth:`cluster_spec` (MultiWorkerMirroredStrategy's view)
-    refuses it. The task's restart count is ``STRATAGEM_RESTART_COUNT`` (``stratagem run
-    --workers N --ps P`` sets it), default 0.
+    one worker and one ps task): :meth:`ps_cluster` describes it and :meth:`cluster_spec`
+    (MultiWorkerMirroredStrategy's view) refuses it. The task's restart count is
+    ``STRATAGEM_RESTART_COUNT`` (``stratagem run --workers N --ps P`` sets it), default 0. The
+    environment is read once, when the resolver is made (tf re-reads TF_CONFIG at every call).
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None, *, tf_config: str | None = None) -> None:
@@ -114,8 +189,12 @@ class TFConfigClusterResolver(ClusterResolver):
             )
         self._spec: ClusterSpec | None = None
         self._ps: PSClusterSpec | None = None
+        self._jobs: dict[str, list[str]] = {k: list(v) for k, v in cluster.items() if isinstance(v, list)}
+        self._session_master = config.get("session_master")
+        self._rpc_layer: str | None = config.get("rpc_layer")
         if "ps" in cluster:
             self._ps = _ps_cluster(cluster, task, _restart_count(env))
+            self.task_type, self.task_id = self._ps.task_type, self._ps.task_id
             return
         unknown = set(cluster) - {"chief", "worker"}
         if unknown:
@@ -139,10 +218,12 @@ class TFConfigClusterResolver(ClusterResolver):
         hosts = [split_address(w, f"TF_CONFIG worker {i}")[0] for i, w in enumerate(workers)]
         master_addr, master_port = split_address(workers[0], "TF_CONFIG chief")
         local_rank, local_world = _local_position(hosts, index)
-        self._spec = ClusterSpec(
+        self._spec = TFClusterSpec(
             tuple(workers), index, index, len(workers), local_rank, local_world,
             master_addr, master_port, 0, "tf_config",
+            tf_jobs=tuple((job, tuple(tasks)) for job, tasks in self._jobs.items()),
         )
+        self.task_type, self.task_id = ttype, tindex
 
     def cluster_spec(self) -> ClusterSpec:
         if self._spec is None:
@@ -167,25 +248,43 @@ class TFConfigClusterResolver(ClusterResolver):
         return self._ps
 
     @property
-    def task_type(self) -> str:
-        return self._ps.task_type if self._ps is not None else super().task_type
-
-    @property
-    def task_id(self) -> int:
-        return self._ps.task_id if self._ps is not None else super().task_id
-
-    @property
     def num_workers(self) -> int:
         """The workers: in a parameter-server cluster, the ``worker`` tasks (not the chief)."""
         return self._ps.num_workers if self._ps is not None else super().num_workers
 
-    def master(self) -> str:
-        return self._ps.chief if self._ps is not None else super().master()
+    @property
+    def rpc_layer(self) -> str | None:
+        """TF_CONFIG's ``rpc_layer`` (None when it has none), as tf's resolver reports it."""
+        return self._rpc_layer
+
+    @rpc_layer.setter
+    def rpc_layer(self, rpc_layer: str | None) -> None:
+        self._rpc_layer = rpc_layer
+
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
+        """tf's session master: TF_CONFIG's ``session_master`` when set; ``""`` when the cluster
+        has one job of one task; else the address of ``task_type:task_id`` (this task by
+        default), as ``rpc_layer://host:port`` when an rpc layer is given or in TF_CONFIG.
+        The rendezvous store stratagem meets at is ``cluster_spec().master`` (or
+        ``ps_cluster().chief``)."""
+        if self._session_master is not None:
+            return str(self._session_master)
+        if not self._jobs or (len(self._jobs) == 1 and len(next(iter(self._jobs.values()))) == 1):
+            return ""
+        ttype = task_type if task_type is not None else self.task_type
+        tid = task_id if task_id is not None else self.task_id
+        tasks = self._jobs.get(str(ttype))
+        if tasks is None:
+            raise ValueError(f"No such job in cluster: {ttype!r}")
+        if tid is None or not 0 <= tid < len(tasks):
+            raise ValueError(f"No task with index {tid!r} in job {ttype!r}")
+        layer = rpc_layer if rpc_layer is not None else self.rpc_layer
+        return f"{layer}://{tasks[tid]}" if layer else tasks[tid]
 
     def __repr__(self) -> str:
         if self._ps is not None:
             return f"TFConfigClusterResolver({self._ps.describe()})"
-        return super().__repr__()
+        return f"TFConfigClusterResolver(task {self.task_type}:{self.task_id}; {self.cluster_spec().describe()})"
 
 
 def _restart_count(env: Mapping[str, str]) -> int:
@@ -345,7 +444,8 @@ class SimpleClusterResolver(ClusterResolver):
 
 
 def detect(environ: Mapping[str, str] | None = None) -> ClusterResolver:
-    """The resolver the environment calls for: TF_CONFIG, torchrun, Slurm, else one process."""
+    """The resolver the environment calls for: TF_CONFIG, torchrun, Slurm, else one process
+    (whose ``task_type`` and ``task_id`` are None, as tf's resolver says without TF_CONFIG)."""
     env = os.environ if environ is None else environ
     if env.get("TF_CONFIG"):
         return TFConfigClusterResolver(env)
@@ -353,4 +453,6 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterResolver:
         return TorchrunClusterResolver(env)
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
         return SlurmClusterResolver(env)
-    return SimpleClusterResolver("127.0.0.1:0", 1, 0)
+    alone = SimpleClusterResolver("127.0.0.1:0", 1, 0)
+    alone.task_type, alone.task_id = None, None  # tf's answer without TF_CONFIG
+    return alone

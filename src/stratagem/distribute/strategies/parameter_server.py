@@ -33,6 +33,7 @@ class ParameterServerStrategy(Strategy):
             )
         ext = ParameterServerExtended(ps_cluster(), variable_partitioner, timeout)
         super().__init__(ext)
+        self.cluster_resolver = resolver  # tf's strategy.cluster_resolver
         if not ext.spec.is_chief:
             ext.serve()  # returns only by ending the process
 
