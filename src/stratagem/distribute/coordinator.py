@@ -6,8 +6,14 @@ it there. A worker that cannot be reached has its function put back at the head 
 for the others, and takes no more until it is restarted and rejoins (its thread waits for that);
 every function's result is delivered exactly once. The rpc group's members change (a lost worker
 taken out, a restarted one admitted) only while the cluster is quiet (``_quiet``). An error
-raised by a function is kept in its RemoteValue and raised by the next ``schedule`` or ``join``
-(as tf does); a parameter server that is lost ends training with that error.
+raised by a function is kept in its RemoteValue, and the first one is raised by the next
+``schedule``, ``join`` or ``done``, which first cancels the functions still queued (their
+RemoteValues raise ``CancelledError``) and waits for those under way, then forgets it: later
+calls do not raise it again (tf's rules). A parameter server that is lost ends training with
+that error. A metric (``stratagem.metrics.Metric``) a function captures is updated on the
+worker in a copy; what the function added comes back with its result and is added to the
+chief's metric at the next ``schedule``, ``join``, ``done`` or ``fetch`` on the chief's thread
+(tf keeps such a metric in variables on the ps tasks), once per function that ran.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from stratagem.distribute.engines.ps_client import ParameterServerError, rebuilt
 from stratagem.distribute.engines.ps_pickle import dumps
 
 __all__ = [
+    "CancelledError",
     "ClusterCoordinator",
     "OutOfRangeError",
     "PerWorkerValues",
@@ -45,13 +52,19 @@ class WorkerLostError(RuntimeError):
     """No worker is left to run the scheduled functions."""
 
 
+class CancelledError(RuntimeError):
+    """A scheduled function that never ran: an earlier one failed, and when that error was
+    raised the functions still queued were cancelled (tf.errors.CancelledError). Schedule it again."""
+
+
 class RemoteValue:
     """The result of a scheduled function, set once when a worker has run it."""
 
-    def __init__(self) -> None:
+    def __init__(self, settle: Callable[[], None] | None = None) -> None:
         self._done = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
+        self._settle = settle  # the coordinator's: add the finished functions' metric updates
 
     def _set(self, value: Any) -> bool:
         if self._done.is_set():
@@ -73,6 +86,8 @@ class RemoteValue:
     def fetch(self) -> Any:
         """Wait for the function; its return value, or the error it raised."""
         self._done.wait()
+        if self._settle is not None:
+            self._settle()
         if self._error is not None:
             raise self._error
         return self._value
@@ -137,9 +152,11 @@ class PerWorkerIterator:
 
 
 class _Closure:
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], settle: Callable[[], None]
+    ) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.value = RemoteValue()
+        self.value = RemoteValue(settle)
 
 
 def _rebuild_error(name: str, message: str, where: str, remote_tb: str) -> BaseException:
@@ -180,6 +197,9 @@ class ClusterCoordinator:
         self._changing = 0  # threads changing the rpc group's members (_quiet): no function starts
         self._held = 0  # of those, the ones whose own function is still counted in _inflight
         self._error: BaseException | None = None
+        self._error_of: RemoteValue | None = None  # the function whose error _error is
+        self._running: set[_Closure] = set()
+        self._metric_updates: list[tuple[Any, Any]] = []  # (the chief's metric, totals a worker added)
         self._fatal: BaseException | None = None
         self._closed = False
         self._live = set(ext.worker_names)
@@ -200,16 +220,22 @@ class ClusterCoordinator:
     def schedule(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> RemoteValue:
         """Queue ``fn(*args, **kwargs)`` to run on the next free worker; returns its RemoteValue."""
         self._raise_pending()
-        closure = _Closure(fn, tuple(args), dict(kwargs or {}))
+        closure = _Closure(fn, tuple(args), dict(kwargs or {}), self._settle)
         with self._cond:
             self._queue.append(closure)
             self._cond.notify_all()
         return closure.value
 
     def join(self) -> None:
-        """Wait until every scheduled function has run; raise the first error one raised."""
+        """Wait until every scheduled function has run; raise the first error one raised (then
+        the functions still queued are cancelled, and the error is not raised again)."""
         with self._cond:
-            while (self._queue or self._inflight) and self._fatal is None and (self._live or self._all_lost_at is not None):
+            while (
+                (self._queue or self._inflight)
+                and self._error is None  # tf: an error ends the wait; the rest is cancelled
+                and self._fatal is None
+                and (self._live or self._all_lost_at is not None)
+            ):
                 self._cond.wait(1.0)
         self._raise_pending()
 
@@ -222,6 +248,7 @@ class ClusterCoordinator:
 
     def fetch(self, value: Any) -> Any:
         """``value`` with every RemoteValue in it replaced by its result (waiting for each)."""
+        self._settle()
         return tree.map_structure(lambda v: v.fetch() if isinstance(v, RemoteValue) else v, value, is_leaf=lambda v: isinstance(v, RemoteValue))
 
     def create_per_worker_dataset(self, dataset_fn: Callable[..., Any]) -> PerWorkerDataset:
@@ -267,15 +294,64 @@ class ClusterCoordinator:
             raise TypeError("a scheduled function cannot use the ClusterCoordinator (it lives on the chief)")
         return None
 
-    # --- the worker threads --------------------------------------------------------------------
+    # --- errors, cancellation and metric updates (on the caller's thread) ----------------------
     def _raise_pending(self) -> None:
+        """Raise the first error a function raised since the last one was raised, once: the
+        functions still queued are cancelled and those under way waited for first (tf's
+        ``_raise_if_error``); the metric updates of those that ran are added before."""
+        err: BaseException | None = None
         with self._cond:
-            if self._fatal is not None:
-                raise self._fatal
-            err, self._error = self._error, None
+            if self._fatal is None and self._error is not None:
+                self._cancel(lambda c: True, self._error)
+                err, self._error, self._error_of = self._error, None, None
+            fatal = self._fatal
+        self._settle()
+        if fatal is not None:
+            raise fatal
         if err is not None:
             raise err
 
+    def _cancel(self, which: Callable[[_Closure], bool], cause: BaseException | None) -> None:
+        """Cancel the queued functions ``which`` picks and wait for those of them under way
+        (the caller holds the lock)."""
+        while True:
+            keep: collections.deque[_Closure] = collections.deque()
+            for c in self._queue:
+                if which(c):
+                    c.value._fail(
+                        CancelledError(
+                            "The corresponding function is cancelled. Please reschedule the function."
+                            + (f" (an earlier scheduled function failed: {type(cause).__name__}: {cause})" if cause else "")
+                        )
+                    )
+                else:
+                    keep.append(c)
+            self._queue = keep
+            busy = [c for c in self._running if which(c)]
+            if not busy or self._fatal is not None or (not self._live and self._all_lost_at is None):
+                break
+            self._cond.wait(1.0)  # a function under way may come back to the queue (its worker lost)
+        self._cond.notify_all()
+
+    def _abandon(self, values: Any) -> None:
+        """The caller gives up on the functions whose RemoteValues are ``values`` (a ``fit`` that
+        failed): those still queued are cancelled, those under way waited for, and the first
+        error, if one of them raised it, is forgotten: it was the caller's, raised already."""
+        mine = {id(v) for v in values}
+        with self._cond:
+            self._cancel(lambda c: id(c.value) in mine, None)
+            if self._error_of is not None and id(self._error_of) in mine:
+                self._error, self._error_of = None, None
+        self._settle()
+
+    def _settle(self) -> None:
+        """Add the metric updates that came back with finished functions to the chief's metrics."""
+        with self._cond:
+            updates, self._metric_updates = self._metric_updates, []
+        for metric, totals in updates:
+            metric.add_totals(totals)
+
+    # --- the worker threads --------------------------------------------------------------------
     def _next(self, worker: str) -> _Closure | str | None:
         """The next function for ``worker``; None when the coordinator is done; a rejoin request's
         id when the worker restarted while it waited for work."""
@@ -287,15 +363,23 @@ class ClusterCoordinator:
             if self._closed or self._fatal is not None:
                 return None
             self._inflight += 1
-            return self._queue.popleft()
+            closure = self._queue.popleft()
+            self._running.add(closure)
+            return closure
 
     def _finish(self, closure: _Closure | None, error: BaseException | None = None, requeue: bool = False) -> None:
         with self._cond:
             self._inflight -= 1
+            self._running.discard(closure)  # type: ignore[arg-type]
             if requeue and closure is not None:
-                self._queue.appendleft(closure)
-            if error is not None and self._error is None:
-                self._error = error
+                if self._error is not None:  # tf: a function put back after an error is cancelled
+                    closure.value._fail(
+                        CancelledError("The corresponding function is cancelled. Please reschedule the function.")
+                    )
+                else:
+                    self._queue.appendleft(closure)
+            if error is not None and self._error is None and closure is not None:
+                self._error, self._error_of = error, closure.value
             self._cond.notify_all()
 
     def _work(self, worker: str) -> None:
@@ -314,7 +398,8 @@ class ClusterCoordinator:
                     ext.configure_worker(worker)
                     self._configured[worker] = len(ext.plans)
                 optimizers: list[Any] = []
-                payload = dumps((closure.fn, closure.args, closure.kwargs), ext.handle_of(self, worker, optimizers))
+                metrics: list[Any] = []
+                payload = dumps((closure.fn, closure.args, closure.kwargs), ext.handle_of(self, worker, optimizers, metrics))
             except Exception as e:
                 if self._lost(worker, e):
                     self._finish(closure, requeue=True)
@@ -326,7 +411,7 @@ class ClusterCoordinator:
                 self._finish(closure, shipped)
                 continue
             try:
-                status, value = ext.run_on(worker, payload, self._timeout)
+                status, value, *updates = ext.run_on(worker, payload, self._timeout)
             except Exception as e:
                 self._lost(worker, e, force=True)
                 self._finish(closure, requeue=True)
@@ -339,6 +424,9 @@ class ClusterCoordinator:
             ext.functions_done += 1  # the chief's copies of the variables may be stale now
             ext.stepped(optimizers)
             if status == "ok":
+                if updates and updates[0]:
+                    with self._cond:  # added on the caller's thread (_settle), before it sees the result
+                        self._metric_updates.extend((metrics[i], totals) for i, totals in updates[0])
                 closure.value._set(value)
                 self._finish(closure)
                 continue

@@ -120,34 +120,42 @@ def fit_coordinated(
         cbs.insert(0, Progress(mode))
     cblist = CallbackList(cbs, state)
     logs: Logs = {}
-    with context.strategy_scope(strategy):
-        cblist.call("on_train_begin", None)
-        for epoch in range(initial_epoch, epochs):
-            state.epoch, state.step = epoch, 0
-            for m in tracked:
-                m.reset_state()
-            cblist.call("on_epoch_begin", epoch, None)
-            values = [
-                coordinator.schedule(train_step, args=(iterator, strategy, model, optimizer, loss_fn, tracked))
-                for _ in range(steps_per_epoch)
-            ]
-            for value in values:  # in order, as they arrive: every step's totals added once
-                cblist.call("on_train_batch_begin", state.step, None)
-                for m, totals in zip(tracked, value.fetch()):
-                    m.add_totals(totals)
-                state.step += 1
-                state.iterations += 1
-                cblist.call("on_train_batch_end", state.step - 1, {m.name: float(m.result()) for m in tracked})
-            coordinator.join()
-            logs = {m.name: float(m.result()) for m in tracked}
-            if validate is not None:
-                logs.update({f"val_{k}": v for k, v in validate().items()})
-            history.record(epoch, logs)
-            cblist.call("on_epoch_end", epoch, logs)
-            history.update_last(logs)
-            if state.stop_training:
-                break
-        cblist.call("on_train_end", dict(logs))
+    values: list[Any] = []  # this epoch's steps
+    try:
+        with context.strategy_scope(strategy):
+            cblist.call("on_train_begin", None)
+            for epoch in range(initial_epoch, epochs):
+                state.epoch, state.step = epoch, 0
+                for m in tracked:
+                    m.reset_state()
+                cblist.call("on_epoch_begin", epoch, None)
+                values.clear()
+                for _ in range(steps_per_epoch):
+                    values.append(
+                        coordinator.schedule(train_step, args=(iterator, strategy, model, optimizer, loss_fn, tracked))
+                    )
+                for value in values:  # in order, as they arrive: every step's totals added once
+                    cblist.call("on_train_batch_begin", state.step, None)
+                    for m, totals in zip(tracked, value.fetch()):
+                        m.add_totals(totals)
+                    state.step += 1
+                    state.iterations += 1
+                    cblist.call("on_train_batch_end", state.step - 1, {m.name: float(m.result()) for m in tracked})
+                coordinator.join()
+                logs = {m.name: float(m.result()) for m in tracked}
+                if validate is not None:
+                    logs.update({f"val_{k}": v for k, v in validate().items()})
+                history.record(epoch, logs)
+                cblist.call("on_epoch_end", epoch, logs)
+                history.update_last(logs)
+                if state.stop_training:
+                    break
+            cblist.call("on_train_end", dict(logs))
+    except BaseException:
+        # this fit's steps still queued are cancelled, those under way waited for, and its first
+        # error forgotten: raised here, it is not raised again by a later schedule() or join()
+        coordinator._abandon(values)
+        raise
     return history
 
 

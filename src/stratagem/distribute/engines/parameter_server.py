@@ -38,7 +38,7 @@ from stratagem.distribute.engines.ps_client import (
     embedding_rows_hook,
     tagged,
 )
-from stratagem.distribute.engines.ps_pickle import loads
+from stratagem.distribute.engines.ps_pickle import dumps, loads
 from stratagem.distribute.engines.ps_plan import Partitioner, VariablePlan, plan_variables
 from stratagem.distribute.engines.ps_store import OptimizerSpec, ParameterStore
 from stratagem.distribute.reduce_op import ReduceOp
@@ -122,6 +122,7 @@ class WorkerRuntime:
         self.optimizers: dict[str, WorkerOptimizer] = {}
         self.datasets: dict[str, Any] = {}
         self.iterators: dict[str, Iterator[Any]] = {}
+        self.metrics: dict[int, tuple[Any, torch.Tensor]] = {}  # this function's: copy, totals before
         self.stopped = threading.Event()
         self.busy = threading.Lock()
 
@@ -153,6 +154,12 @@ class WorkerRuntime:
             return opt
         if kind == "strategy":
             return self.strategy_ref()
+        if kind == "metric":
+            _, index, blob = handle
+            if index not in self.metrics:
+                metric = loads(blob, lambda h: self.resolve(h, touched))
+                self.metrics[index] = (metric, metric.local_totals())
+            return self.metrics[index][0]
         if kind == "iterator":
             _, key, dataset_key, fn_bytes = handle
             it = self.iterators.get(key)
@@ -175,10 +182,13 @@ class WorkerRuntime:
             return dataset
         raise ValueError(f"unknown handle {handle!r}")
 
-    def run(self, payload: bytes) -> tuple[str, Any]:
-        """Run one scheduled function: ("ok", value) or ("error", (type name, message, traceback))."""
+    def run(self, payload: bytes) -> tuple[Any, ...]:
+        """Run one scheduled function: ("ok", value, metric updates) or ("error", (type name,
+        message, traceback)). The metric updates are ``(index, totals added)`` for each metric
+        the function captured and updated (``handle_of``)."""
         with self.busy:
             touched: set[int] = set()
+            self.metrics = {}
             try:
                 fn, args, kwargs = loads(payload, lambda h: self.resolve(h, touched))
                 if self.client is not None:
@@ -192,11 +202,14 @@ class WorkerRuntime:
                     changed = [v for v, ver in before.items() if self.client.local[v]._version != ver]
                     if changed:
                         self.client.push_values(changed)
-                return ("ok", _detach(value))
+                added = [(i, m.local_totals() - before) for i, (m, before) in sorted(self.metrics.items())]
+                return ("ok", _detach(value), [(i, t) for i, t in added if bool(t.any())])
             except StopIteration as e:
                 return ("error", ("StopIteration", str(e) or "the per-worker iterator is exhausted", ""))
             except BaseException as e:  # delivered to the coordinator, which raises it there
                 return ("error", (type(e).__name__, str(e), traceback.format_exc()))
+            finally:
+                self.metrics = {}
 
     def _buffer_versions(self, vids: Iterable[int]) -> dict[int, int]:
         assert self.client is not None
@@ -224,6 +237,19 @@ def _call_dataset_fn(fn: Callable[..., Any], runtime: WorkerRuntime) -> Any:
     return fn(InputContext(ext.num_workers, index, 1))
 
 
+def accumulates(o: Any) -> bool:
+    """Whether ``o`` is a streaming metric (``stratagem.metrics.Metric``'s protocol: its state is
+    totals that add, ``local_totals()`` / ``add_totals(t)``): a scheduled function's updates of
+    one are sent back and added to the chief's (tf keeps a metric made in ``scope()`` in
+    variables on the ps tasks, which every worker's update adds to)."""
+    cls = type(o)
+    return callable(getattr(cls, "local_totals", None)) and callable(getattr(cls, "add_totals", None))
+
+
+def _no_handles(o: Any) -> None:
+    return None
+
+
 def _detach(value: Any) -> Any:
     from stratagem.core import tree
 
@@ -235,7 +261,7 @@ def _configure(task: str, stores: list[Any], ps_names: list[str], plans: list[Va
     _RUNTIMES[task].configure(stores, ps_names, plans, timeout)
 
 
-def _run_closure(task: str, payload: bytes) -> tuple[str, Any]:
+def _run_closure(task: str, payload: bytes) -> tuple[Any, ...]:
     runtime = _RUNTIMES.get(task)
     if runtime is None or runtime.stopped.is_set():
         return ("gone", f"{task} is leaving the cluster")
@@ -573,13 +599,25 @@ class ParameterServerExtended(StrategyExtended):
 
     # --- what the coordinator uses -----------------------------------------------------------
     def handle_of(
-        self, registry: Any, worker: str, optimizers: list[torch.optim.Optimizer] | None = None
+        self,
+        registry: Any,
+        worker: str,
+        optimizers: list[torch.optim.Optimizer] | None = None,
+        metrics: list[Any] | None = None,
     ) -> Callable[[Any], tuple[Any, ...] | None]:
         """How objects are written when a function is shipped to ``worker`` (the optimizers it
-        uses are added to ``optimizers``)."""
+        uses are added to ``optimizers``; with ``metrics``, the metrics it captures are added
+        there and travel as handles: the worker updates a copy and sends back what it added,
+        which the coordinator adds to the chief's metric)."""
         strategy = self.owner()
 
         def handle(o: Any) -> tuple[Any, ...] | None:
+            if metrics is not None and accumulates(o):
+                for i, m in enumerate(metrics):
+                    if m is o:
+                        return ("metric", i, None)  # the worker has it from the first mention
+                metrics.append(o)
+                return ("metric", len(metrics) - 1, dumps(o, _no_handles))
             if isinstance(o, torch.Tensor):
                 info = tagged(o)
                 if info is not None and info[0] is self.client:
@@ -667,7 +705,7 @@ class ParameterServerExtended(StrategyExtended):
         rpc = _rpc()
         rpc.rpc_sync(worker, _configure, args=(worker, self.stores, self.ps_names, self.plans, self.timeout), timeout=self.timeout)
 
-    def run_on(self, worker: str, payload: bytes, timeout: float) -> tuple[str, Any]:
+    def run_on(self, worker: str, payload: bytes, timeout: float) -> tuple[Any, ...]:
         rpc = _rpc()
         return rpc.rpc_sync(worker, _run_closure, args=(worker, payload), timeout=timeout)  # type: ignore[no-any-return]
 
