@@ -118,7 +118,9 @@ def test_reduce_gather_and_input_semantics():
         assert res["ctx"] == [rank, 2]
         assert res["cross_replica_ctx_is_none"]
         assert res["all_reduce"] == 3
-        assert res["local_results"] == 1
+        # every value but a reduce/gather result is taken as per-replica: one part per local
+        # replica (tf gives 1 for a plain constant; see Strategy.experimental_local_results)
+        assert res["local_results"] == 2
         assert res["from_function"] == ([(2, 3)] * 3 if rank == 0 else [(2, 3), (0, 3), (0, 3)])
     # the slices of range(6).batch(4): replica 0 gets [0,1] then [4]; replica 1 [2,3] then [5]
     assert results[0].value["dataset"][0] == [[0, 1], [4]]

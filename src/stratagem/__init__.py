@@ -46,6 +46,7 @@ from stratagem.distribute.bootstrap import (
 )
 from stratagem.distribute.input_options import InputOptions
 from stratagem.distribute.mixed_precision import RunOptions
+from stratagem.distribute.process import is_chief, print
 from stratagem.train import (
     Callback,
     Checkpoint,
@@ -108,11 +109,13 @@ __all__ = [
     "in_cross_replica_context",
     "initialize_system",
     "initialize_tpu_system",
+    "is_chief",
     "launch",
     "metrics",
     "mixed_precision",
     "partitioners",
     "coordinator",
     "predict",
+    "print",
     "strategy_of",
 ]

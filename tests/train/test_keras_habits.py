@@ -44,7 +44,7 @@ def test_replica_context_api_has_tf_semantics(results):
         api = v["api"]
         assert api["gathered"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]  # replica 0's 1 row, replica 1's 2 rows
         assert api["merged"] == (1.0 + 2.0) * 10  # merge_fn saw both replicas' values, once
-        assert api["value"] == [10 * r] and api["local"] == 1
+        assert api["value"] == [10 * r] and api["local"] == 2  # tf: a PerReplica of both replicas
         _same(v["reg"], v["reg_ref"])  # the L2 penalty counts once, as on one device
 
 

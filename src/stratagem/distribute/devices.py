@@ -5,11 +5,70 @@ tf.distribute's rules where it has them: no devices given means every visible GP
 each), or one CPU replica when there is none. ``devices="cpu"`` is N CPU replicas (gloo);
 ``devices="cuda"`` one replica per GPU. Two replicas never share one GPU: NCCL cannot run two
 ranks on one device, so that is refused, naming both replicas and the device.
+
+TensorFlow's device names are understood as TensorFlow means them: ``"/gpu:0"``,
+``"/device:GPU:1"``, ``"GPU:0"`` and ``"/job:worker/replica:0/task:0/device:GPU:0"`` are CUDA
+devices (``cuda:0``, ``cuda:1``), ``"/cpu:0"`` and ``"/device:CPU:0"`` the CPU
+(:func:`torch_device_name`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+
+# tf's device specification: optional /job:, /replica:, /task: parts, then the device, as
+# "/device:GPU:0", "/gpu:0" or "GPU:0" (tf.DeviceSpec.from_string)
+_TF_PART = re.compile(r"^(job|replica|task|device):(.*)$")
+_TF_DEVICE = re.compile(r"^([A-Za-z_]+)(?::(\d+|\*))?$")
+
+
+def torch_device_name(name: str, *, what: str = "device") -> str:
+    """The torch device string of a device name: torch's own (``"cpu"``, ``"cuda"``,
+    ``"cuda:1"``, ``"gpu:1"``) or TensorFlow's (``"/gpu:0"`` -> ``"cuda:0"``, ``"/cpu:0"`` ->
+    ``"cpu"``, ``"/job:worker/replica:0/task:0/device:GPU:1"`` -> ``"cuda:1"``). ``"cuda"``
+    alone stays ``"cuda"`` (the current GPU); other kinds (TPU, XLA) are an error naming the
+    strategy that runs them."""
+    text = str(name).strip()
+    device = text
+    if "/" in text:
+        parts = [p for p in text.split("/") if p]
+        device = ""
+        for part in parts:
+            m = _TF_PART.match(part)
+            if m is None:
+                if device or not _TF_DEVICE.match(part):
+                    raise ValueError(f"{what}: cannot read the device name {name!r}; {_USE}")
+                device = part  # "/gpu:0"
+            elif m.group(1) == "device":
+                device = m.group(2)
+            elif m.group(1) == "task" and m.group(2) not in ("0", "*"):
+                raise ValueError(
+                    f"{what}: {name!r} names a device of task {m.group(2)}; a strategy places "
+                    "this process's replica on this machine only (its peers are found by the "
+                    "cluster resolver): give the device without /job:/task: (e.g. '/gpu:0')"
+                )
+        if not device:
+            raise ValueError(f"{what}: {name!r} names no device; {_USE}")
+    m = _TF_DEVICE.match(device)
+    if m is None:
+        raise ValueError(f"{what}: unknown device {name!r}; {_USE}")
+    kind, index = m.group(1).lower(), m.group(2)
+    if index == "*":
+        index = None
+    if kind == "cpu":
+        return "cpu"
+    if kind in ("gpu", "cuda"):
+        return "cuda" if index is None else f"cuda:{int(index)}"
+    if kind in ("tpu", "xla", "xla_gpu", "xla_cpu", "tpu_system"):
+        raise ValueError(f"{what}: unknown device {name!r} here: XLA/TPU devices run under sg.TPUStrategy")
+    raise ValueError(f"{what}: unknown device {name!r}; {_USE}")
+
+
+_USE = (
+    "use 'cpu', 'cuda', 'cuda:<index>' or TensorFlow's '/cpu:0', '/gpu:<index>', "
+    "'/device:GPU:<index>'"
+)
 
 
 def plan_devices(
@@ -19,10 +78,10 @@ def plan_devices(
     if num_replicas is not None and num_replicas < 1:
         raise ValueError(f"{what}: num_replicas must be >= 1, got {num_replicas}")
     if isinstance(devices, str):
-        kind = devices.lower()
-        if kind == "cpu":
+        kind = torch_device_name(devices, what=f"{what}(devices={devices!r})")
+        if kind == "cpu":  # "cpu", "/cpu:0": num_replicas CPU replicas
             return ["cpu"] * (num_replicas or 1)
-        if kind in ("cuda", "gpu"):
+        if kind == "cuda":
             if gpu_count == 0:
                 raise ValueError(f"{what}(devices={devices!r}): this machine has no GPU; use devices='cpu'")
             n = num_replicas or gpu_count
@@ -37,7 +96,13 @@ def plan_devices(
             raise ValueError(f"{what}: devices={list(devices)} gives {len(plan)} replicas but num_replicas={num_replicas}")
         for i, d in enumerate(plan):
             if d.startswith("cuda") and int(d.split(":")[1]) >= gpu_count:
-                raise ValueError(f"{what}: device {d} of replica {i} is not available (this machine has {gpu_count} GPUs)")
+                given = list(devices)[i]
+                asked = f"{given!r} ({d})" if str(given) != d else d
+                has = f"{gpu_count} GPU(s): cuda:0..cuda:{gpu_count - 1}" if gpu_count else "no GPU"
+                raise ValueError(
+                    f"{what}: device {asked} of replica {i} is not available: this machine has {has}"
+                    + ("; use '/cpu:0' (or devices='cpu') for CPU replicas" if not gpu_count else "")
+                )
             if d.startswith("cuda") and d in plan[:i]:
                 raise ValueError(
                     f"{what}: replicas {plan.index(d)} and {i} would both use {d}; two replicas "
@@ -53,14 +118,8 @@ def plan_devices(
 
 
 def _normal(d: str) -> str:
-    text = str(d).lower()
-    if text == "cpu" or text.startswith("cpu:"):
-        return "cpu"
-    if text in ("cuda", "gpu"):
-        return "cuda:0"
-    if text.startswith(("cuda:", "gpu:")):
-        return "cuda:" + str(int(text.split(":", 1)[1]))
-    raise ValueError(f"unknown device {d!r}; use 'cpu', 'cuda' or 'cuda:<index>'")
+    name = torch_device_name(d, what=f"device {d!r}")
+    return "cuda:0" if name == "cuda" else name
 
 
 def _check_enough(n: int, gpu_count: int, what: str) -> None:

@@ -122,6 +122,13 @@ class StrategyExtended(abc.ABC):
         """Every replica's ``value`` (objects), in replica order (called by every replica)."""
         return [value]
 
+    def local_results(self, value: Any) -> tuple[Any, ...]:
+        """The parts of a per-replica ``value`` that tf's process for this strategy would hold:
+        this process's value where one process is one replica of its worker (MultiWorker, one
+        device), every local replica's, gathered, where tf runs them all in one process
+        (MirroredStrategy; then every replica must call it)."""
+        return (value,)
+
     @abc.abstractmethod
     def scope(self) -> contextlib.AbstractContextManager[None]:
         """Capture what is created inside ``strategy.scope()`` (modules, optimizers)."""
@@ -189,13 +196,62 @@ class ReplicaContext:
 
 class PerReplica:
     """Every replica's value of something, in replica order (what ``merge_call`` hands over).
-    ``strategy.experimental_local_results(v)`` and ``v.values`` give the tuple."""
+    ``strategy.experimental_local_results(v)`` and ``v.values`` give the tuple. Printed as
+    tf.distribute prints one: ``PerReplica:{\n  0: ...,\n  1: ...\n}``."""
 
     def __init__(self, values: tuple[Any, ...]) -> None:
-        self.values = values
+        self.values = tuple(values)
+
+    def _show(self, part: Callable[[Any], str]) -> str:
+        body = ",\n".join(f"  {i}: {part(v)}" for i, v in enumerate(self.values))
+        return f"{type(self).__name__}:{{\n{body}\n}}"
+
+    def __str__(self) -> str:
+        return self._show(str)
 
     def __repr__(self) -> str:
-        return f"PerReplica({self.values!r})"
+        return self._show(repr)
+
+
+# Tensors ``Strategy.reduce`` / ``gather`` returned: one value for the whole job (a plain tensor
+# in tf), so ``experimental_local_results`` of one is ``(value,)``, not a copy per replica. Held
+# by identity and weakly (tensors compare by value).
+_cross_replica: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _mark_cross_replica(value: Any) -> Any:
+    for t in _tensor_leaves(value):
+        key = id(t)
+
+        def forget(_ref: object, key: int = key) -> None:
+            _cross_replica.pop(key, None)
+
+        _cross_replica[key] = weakref.ref(t, forget)
+    return value
+
+
+def _is_cross_replica(value: Any) -> bool:
+    leaves = _tensor_leaves(value)
+    return bool(leaves) and all((r := _cross_replica.get(id(t))) is not None and r() is t for t in leaves)
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensor_leaves(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensor_leaves(v)]
+    return []
+
+
+def live_strategies() -> list[Strategy]:
+    """The strategies this process made that are still alive, oldest first (``sg.is_chief()``
+    asks them, as a script makes its strategy once and uses it outside any scope)."""
+    return list(_made)
+
+
+_made: weakref.WeakSet[Strategy] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -212,6 +268,7 @@ class Strategy:
     def __init__(self, extended: StrategyExtended) -> None:
         self._extended = extended
         extended.bind(self)
+        _made.add(self)
 
     @property
     def extended(self) -> StrategyExtended:
@@ -256,11 +313,11 @@ class Strategy:
         an axis the values are also reduced along it, and MEAN divides by the true number of
         elements along that axis over all replicas. The result is the same on every replica.
         """
-        return self._extended.reduce(ReduceOp.of(reduce_op), value, axis)
+        return _mark_cross_replica(self._extended.reduce(ReduceOp.of(reduce_op), value, axis))
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate per-replica ``value`` along ``axis`` in replica order (sizes may differ)."""
-        return self._extended.gather(value, axis)
+        return _mark_cross_replica(self._extended.gather(value, axis))
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Iterable[Any]:
         """Global batches in, this replica's slice of each out (zero-size when it gets none)."""
@@ -273,11 +330,27 @@ class Strategy:
         return self._extended.distribute_datasets_from_function(dataset_fn, options)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The values of ``value``: all replicas' for a PerReplica, else this process's replica's
-        (stratagem runs one replica per process)."""
+        """The parts of ``value`` tf's process would hold, in replica order, as a tuple.
+
+        stratagem runs one process per replica, so what ``strategy.run`` returns (and each batch
+        of a distributed dataset) is this replica's part only. Under ``MirroredStrategy``, where
+        tf's one process holds every replica of the machine, the parts of every local replica
+        are gathered, so a loop written for tf (the distributed-input tutorial collecting
+        predictions) sees all of them: **every replica must make the call**, as every replica
+        runs the same program (inside ``if strategy.is_chief:`` it waits for the others until
+        the collective times out). Other replicas' tensors arrive on this replica's device.
+        Under ``MultiWorkerMirroredStrategy`` (one replica per process on each worker, as
+        tf's worker holds its own replicas only) and one-process strategies it is ``(value,)``.
+
+        A :class:`PerReplica` (``merge_call``) gives its values; a result of ``strategy.reduce``
+        or ``strategy.gather`` (one value for the job, a plain tensor in tf) gives
+        ``(value,)``. Any other value is taken as per-replica; a plain constant made outside
+        ``run`` gives one copy per local replica where tf gives one."""
         if isinstance(value, PerReplica):
             return value.values
-        return (value,)
+        if _is_cross_replica(value):
+            return (value,)
+        return self._extended.local_results(value)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """This replica's value ``value_fn(ValueContext(replica_id, num_replicas))`` (placed on its
@@ -297,6 +370,27 @@ class Strategy:
     def barrier(self) -> None:
         """Wait until every process of the strategy gets here."""
         self._extended.barrier()
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process is the job's chief: the one process that prints, logs and
+        writes (rank 0; the coordinator under ParameterServerStrategy). stratagem runs the
+        script once per replica, so code that must happen once asks this first."""
+        return bool(self._extended.should_log)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The chief runs the block first while the other processes wait; then they run it
+        (Accelerate's ``main_process_first``): download or preprocess a dataset once, into a
+        cache the others then read. Every process must enter it. If the block raises on the
+        chief, the chief's error ends it and the others' wait ends with a WorkerFailedError
+        (or a CollectiveTimeoutError), never a silent start without the chief's work."""
+        chief = self.is_chief
+        if not chief:
+            self._extended.barrier()
+        yield
+        if chief:
+            self._extended.barrier()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"

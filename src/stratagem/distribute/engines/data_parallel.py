@@ -56,6 +56,10 @@ def call_site() -> tuple[str, int]:
     return (frame.f_code.co_filename, frame.f_lineno)
 
 
+def _where(site: Any) -> str:
+    return f"{site[0]}:{site[1]}" if isinstance(site, tuple) and len(site) == 2 else "?"
+
+
 def _masked(tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]:
     """Shape-only stand-ins with the size along ``axis`` hidden (it may differ by replica)."""
     return [
@@ -78,9 +82,14 @@ class DataParallelExtended(StrategyExtended):
         first_bucket_bytes: int | None = None,
         bucket_bytes: int | None = None,
         name: str = "strategy",
+        local_replicas: Sequence[int] | None = None,
     ) -> None:
         self.comm = comm
         self._device = device
+        self.name = name
+        # the replicas (ranks of ``comm``) whose parts tf's one process would hold: this
+        # machine's under MirroredStrategy; None: this process's replica only
+        self.local_replicas = tuple(local_replicas) if local_replicas is not None else None
         self.sync_buffers = sync_buffers
         self.registry: MirrorRegistry | None = (
             MirrorRegistry(
@@ -126,6 +135,24 @@ class DataParallelExtended(StrategyExtended):
 
     def merge_values(self, value: Any) -> list[Any]:
         return self.comm.all_gather_object(tree.map_structure(_to_cpu, value))
+
+    def local_results(self, value: Any) -> tuple[Any, ...]:
+        local = self.local_replicas
+        if local is None or self.comm.world_size == 1:
+            return (value,)
+        site = call_site()
+        everyone = self.comm.all_gather_object(("experimental_local_results", site, tree.map_structure(_to_cpu, value)))
+        calls = [(e[0], e[1]) if isinstance(e, tuple) and len(e) == 3 else ("?", None) for e in everyone]
+        if any(c != calls[0] for c in calls):
+            where = "; ".join(f"replica {r}: {c[0]} at {_where(c[1])}" for r, c in enumerate(calls))
+            raise RuntimeError(
+                f"{self.name}.experimental_local_results gathers every local replica's part, so "
+                f"every replica must call it at the same point of the program ({where}); call "
+                "it on every replica (not inside `if strategy.is_chief:`), then print or keep "
+                "the parts on the chief only"
+            )
+        mine = self.comm.rank
+        return tuple(value if r == mine else place(everyone[r][2], self._device) for r in local)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -6,6 +6,13 @@ scope closes, replicas check that they created the same parameters (names, shape
 rank 0's values are broadcast to all, and one GradientReducer is (re)built over every mirrored
 parameter, so gradients are reduced during backward. Modules used in ``strategy.run`` whose
 parameters were not created in a scope are refused with a clear error.
+
+Lazy modules (``nn.LazyLinear``, ``nn.LazyBatchNorm1d``, ...) register uninitialized parameters
+and buffers: they are claimed (placed, owned) when registered and synced when their module's
+first forward pass materializes them, wherever it runs (a dry run in the scope, the first
+``strategy.run``, a compiled step): a forward pre-hook, after torch's own, broadcasts rank 0's
+values and rebuilds the reducer before the forward pass uses them. Every replica runs that
+first forward pass at the same point of the program, as it runs every other collective.
 """
 
 from __future__ import annotations
@@ -18,12 +25,16 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from stratagem.comm import Communicator
 from stratagem.comm.reducer import GradientReducer
 from stratagem.distribute import ownership
 from stratagem.distribute.ownership import OutsideScopeError
 from stratagem.distribute.strategy import Strategy
+
+# a lazy module's uninitialized tensor: (tensor, name, is a parameter, its module)
+_Lazy = tuple[weakref.ref[torch.Tensor], str, bool, weakref.ref[nn.Module]]
 
 
 class _BufferSlot(NamedTuple):
@@ -121,6 +132,9 @@ class MirrorRegistry:
         self._new: list[tuple[torch.Tensor, str]] = []
         self._checked_modules = _IdSet()  # by identity: a copy of a checked module is checked anew
         self._checked_optimizers = _IdSet()
+        # lazy modules' uninitialized tensors: (tensor, name, is a parameter, module)
+        self._lazy: list[_Lazy] = []
+        self._lazy_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
         self.reducer: GradientReducer | None = None
         self.armed = False  # inside this strategy's run: backward may reduce gradients
         self._depth = 0
@@ -157,8 +171,10 @@ class MirrorRegistry:
         return t.to(self.device)
 
     def _on_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> Any:
-        if param is None or isinstance(param, nn.parameter.UninitializedParameter):
+        if param is None:
             return None
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            return self._lazy_tensor(module, name, param, is_param=True)
         moved = self._place(param)
         if moved is not None:
             param = nn.Parameter(moved, requires_grad=param.requires_grad)
@@ -168,6 +184,8 @@ class MirrorRegistry:
     def _on_buffer(self, module: nn.Module, name: str, buffer: torch.Tensor | None) -> Any:
         if buffer is None:
             return None
+        if isinstance(buffer, nn.parameter.UninitializedBuffer):
+            return self._lazy_tensor(module, name, buffer, is_param=False)
         moved = self._place(buffer)
         if moved is not None:
             buffer = moved
@@ -182,6 +200,52 @@ class MirrorRegistry:
             ownership.claim(t, self.owner())
         (self._params if is_param else self._buffers).append((weakref.ref(t), name))
         self._new.append((t, name))
+
+    # --- lazy modules -----------------------------------------------------------------------
+    def _lazy_tensor(self, module: nn.Module, name: str, t: Any, *, is_param: bool) -> Any:
+        """An uninitialized parameter or buffer of a lazy module: placed on the replica's device
+        (it materializes where it is), claimed now, synced when its module materializes it."""
+        placed = None
+        if self.device is not None and t.data.device != self.device:
+            cls = type(t)
+            placed = cls(requires_grad=t.requires_grad, device=self.device, dtype=t.data.dtype)
+            t = placed
+        if t not in self._mirrored:
+            self._mirrored.add(t)
+            if self.owner is not None:
+                ownership.claim(t, self.owner())
+            self._lazy.append((weakref.ref(t), f"{type(module).__name__}.{name}", is_param, weakref.ref(module)))
+        if module not in self._lazy_hooks:
+            # after torch's own pre-hook (registered in LazyModuleMixin.__init__, before the
+            # module registers its parameters), so the tensors are materialized when it runs;
+            # in a compiled step the hook is a graph break: the sync runs eagerly
+            hook = torch.compiler.disable(self._materialized_hook)
+            self._lazy_hooks[module] = module.register_forward_pre_hook(hook)
+        return placed
+
+    def _materialized_hook(self, module: nn.Module, args: Any) -> None:
+        """A lazy module's forward pass is about to use the tensors it just materialized: make
+        them rank 0's everywhere and reduce their gradients (collective; every replica)."""
+        if any(m is module and (t := r()) is not None and _uninitialized(t) for r, _, _, mr in self._lazy if (m := mr()) is not None):
+            return  # not yet (a module whose own hook comes after this one)
+        keep: list[_Lazy] = []
+        ready: list[_Lazy] = []
+        for e in self._lazy:
+            t = e[0]()
+            if t is not None:
+                (keep if _uninitialized(t) else ready).append(e)
+        self._lazy = keep
+        for r, name, is_param, mref in ready:
+            t = r()
+            assert t is not None
+            (self._params if is_param else self._buffers).append((r, name))
+            self._new.append((t, name))
+            m = mref()
+            if m is not None and not any(e[3]() is m for e in keep) and m in self._lazy_hooks:
+                self._lazy_hooks.pop(m).remove()
+        if module in self._lazy_hooks:
+            self._lazy_hooks.pop(module).remove()
+        self.sync()
 
     # --- sync -------------------------------------------------------------------------------
     def sync(self, *, retrain: bool = False) -> None:
@@ -308,7 +372,7 @@ class MirrorRegistry:
         for name, p in module.named_parameters():
             if p not in self._mirrored:
                 raise OutsideScopeError(
-                    f"{type(module).__name__} (parameter {name!r}, shape {tuple(p.shape)}) was "
+                    f"{type(module).__name__} (parameter {name!r}, shape {_shape(p)}) was "
                     f"created outside {self.strategy_name}.scope(); create the model (and its "
                     f"optimizer) inside `with strategy.scope():` so its variables are mirrored"
                 )
@@ -321,11 +385,19 @@ class MirrorRegistry:
             for p in group["params"]:
                 if p not in self._mirrored:
                     raise OutsideScopeError(
-                        f"{type(optimizer).__name__} steps a parameter of shape {tuple(p.shape)} "
+                        f"{type(optimizer).__name__} steps a parameter of shape {_shape(p)} "
                         f"that was not created in {self.strategy_name}.scope(); create the model "
                         "inside `with strategy.scope():` so replicas stay identical"
                     )
         self._checked_optimizers.add(optimizer)
+
+
+def _uninitialized(t: torch.Tensor) -> bool:
+    return isinstance(t, UninitializedTensorMixin)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "uninitialized (lazy)" if _uninitialized(t) else str(tuple(t.shape))
 
 
 def _summary(sig: list[tuple[str, tuple[int, ...], str]]) -> str:

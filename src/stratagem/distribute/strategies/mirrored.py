@@ -64,5 +64,8 @@ class MirroredStrategy(Strategy):
                 gradient_op=op,
                 bucket_bytes=int(bucket_cap_mb * 1024 * 1024),
                 name="MirroredStrategy",
+                # tf's MirroredStrategy is one process holding every replica of the machine:
+                # experimental_local_results gives all of their parts
+                local_replicas=range(first := spec.rank - spec.local_rank, first + spec.local_world_size),
             )
         )
