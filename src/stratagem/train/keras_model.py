@@ -1,0 +1,712 @@
+"""Keras's Model habits on a torch module: ``compile``, then ``fit``, ``evaluate``, ``predict``,
+``save`` / ``load_weights`` and ``history`` on the model.
+
+Three ways in, as Keras users and torch users have their models:
+
+- subclass ``stratagem.Model`` instead of ``torch.nn.Module`` (Keras's subclassing habit; it *is*
+  an ``nn.Module``: ``forward``, ``parameters()``, ``state_dict()`` as usual);
+- ``stratagem.Sequential(layer, ...)`` (``nn.Sequential`` with the same methods);
+- ``stratagem.keras_model(module)`` for a module someone else wrote (Hugging Face, timm): its
+  class becomes a subclass of its own class and ``Model``, as torch's ``fully_shard`` does with
+  ``FSDPModule``; nothing else about the module changes.
+
+Each method is a thin layer over the functional ``stratagem.fit`` / ``evaluate`` / ``predict``
+(which stay), so everything those do under a strategy holds here: global batch = ``batch_size``
+(split across the replicas), single-device parity, exact resume. What Keras adds on the way:
+
+- ``compile(optimizer, loss, metrics, loss_weights, steps_per_execution)``: optimizer names
+  (``"adam"``) and recipes (``stratagem.optimizers.Adam(learning_rate=...)``, schedules stepped
+  per update) are built over the model's parameters here, inside the scope of the strategy that
+  made the model; loss names mean what they mean in Keras; a dict or list of losses applies one
+  per output (weighted by ``loss_weights``, summed).
+- the array form: ``fit(x, y, batch_size=32, validation_split=, shuffle=, sample_weight=,
+  class_weight=, validation_data=(x_val, y_val))``; ``validation_split`` takes the *last* part of
+  the arrays before shuffling, as Keras does; ``shuffle=True`` reshuffles every epoch from a seed
+  drawn from torch's generator on the chief (``torch.manual_seed`` makes runs repeat);
+  ``validation_data`` is checked against the training arrays before training starts.
+- ``evaluate`` returns the loss alone, or ``[loss, *metrics]`` (``return_dict=True``: a dict).
+
+``model.compile`` is Keras's: torch's in-place ``nn.Module.compile`` is ``torch.compile(model)``.
+``save(path)`` writes the weights and the compile arguments, not the architecture (torch has no
+portable one): ``stratagem.load_model(path, model=MyModel(...))`` loads them into a model rebuilt
+in code (a class with Keras's ``get_config`` / ``from_config`` is rebuilt without it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from stratagem.train import optimizers as optimizers_mod
+from stratagem.train.callback import Callback
+from stratagem.train.fit import evaluate as evaluate_fn
+from stratagem.train.fit import fit as fit_fn
+from stratagem.train.fit import predict as predict_fn
+from stratagem.train.history import History
+from stratagem.train.losses import Loss, per_example_loss
+from stratagem.train.losses import get as get_loss
+
+__all__ = ["Model", "Sequential", "keras_model", "load_model"]
+
+#: Keras's default batch size for array inputs
+DEFAULT_BATCH_SIZE = 32
+_WEIGHTS = "model.weights"  # the checkpoint inside a saved model's directory
+_CONFIG = "config.json"
+
+
+class _Compiled:
+    """What ``compile`` was given, resolved."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, optimizer_arg: Any, loss: Any, loss_arg: Any,
+                 metrics: list[Any], loss_weights: Any, steps_per_execution: int | str) -> None:
+        self.optimizer = optimizer
+        self.optimizer_arg = optimizer_arg
+        self.loss = loss
+        self.loss_arg = loss_arg
+        self.metrics = metrics
+        self.loss_weights = loss_weights
+        self.steps_per_execution = steps_per_execution
+
+
+class _OutputsLoss(Loss):
+    """One loss per output of a model with several (a dict or a tuple of outputs), weighted and
+    summed as Keras sums them: ``sum_k w_k * loss_k``, each ``loss_k`` the mean over the batch."""
+
+    def __init__(self, losses: Mapping[Any, Any], weights: Mapping[Any, float]) -> None:
+        super().__init__(name="loss")
+        self.losses = dict(losses)
+        self.weights = dict(weights)
+
+    def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        return self.per_example(y_true, y_pred)
+
+    def per_example(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        total: torch.Tensor | None = None
+        for key, loss in self.losses.items():
+            try:
+                out, y = y_pred[key], y_true[key]
+            except (KeyError, IndexError, TypeError) as e:
+                raise ValueError(
+                    f"compile was given a loss for output {key!r}, but the model's outputs "
+                    f"({_describe(y_pred)}) or the labels ({_describe(y_true)}) have no such entry"
+                ) from e
+            term = per_example_loss(loss, out, y) * self.weights.get(key, 1.0)
+            total = term if total is None else total + term
+        assert total is not None
+        return total
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"a dict with keys {sorted(value)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _resolve_loss(loss: Any, loss_weights: Any) -> Any:
+    if isinstance(loss, Mapping) or (isinstance(loss, (list, tuple)) and not isinstance(loss, str)):
+        keys = list(loss) if isinstance(loss, Mapping) else list(range(len(loss)))
+        losses = {k: get_loss(loss[k]) for k in keys}
+        if loss_weights is None:
+            weights = {k: 1.0 for k in keys}
+        elif isinstance(loss_weights, Mapping):
+            unknown = sorted(set(loss_weights) - set(keys), key=str)
+            if unknown:
+                raise ValueError(f"loss_weights names outputs {unknown} that have no loss; the losses are for {keys}")
+            weights = {k: float(loss_weights.get(k, 1.0)) for k in keys}
+        else:
+            if len(loss_weights) != len(keys):
+                raise ValueError(f"loss_weights has {len(loss_weights)} entries for {len(keys)} losses")
+            weights = {k: float(w) for k, w in zip(keys, loss_weights)}
+        return _OutputsLoss(losses, weights)
+    if loss_weights is not None:
+        w = loss_weights if isinstance(loss_weights, (int, float)) else None
+        if w is None:
+            raise ValueError(
+                f"loss_weights {loss_weights!r} is for several outputs, but compile was given one loss; "
+                "give a list or dict of losses, one per output"
+            )
+        base = get_loss(loss)
+        return _Scaled(base, float(w))
+    return get_loss(loss) if loss is not None else None
+
+
+class _Scaled(Loss):
+    """A single loss times a number (``loss_weights=w`` with one loss)."""
+
+    def __init__(self, loss: Any, weight: float) -> None:
+        super().__init__(name="loss")
+        self.loss, self.weight = loss, weight
+
+    def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        return self.per_example(y_true, y_pred)
+
+    def per_example(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        return per_example_loss(self.loss, y_pred, y_true) * self.weight
+
+
+# --- arrays: Keras's form of x, y ------------------------------------------------------------
+def _is_array(value: Any) -> bool:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(value, Mapping) and value:
+        return all(isinstance(v, (torch.Tensor, np.ndarray)) for v in value.values())
+    if isinstance(value, (list, tuple)) and value:
+        return all(isinstance(v, (torch.Tensor, np.ndarray)) for v in value)
+    return False
+
+
+def _tensor(value: Any) -> Any:
+    """Numpy as tensors (floats as float32, as Keras's default floatx); structure kept."""
+    if isinstance(value, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(value))
+        return t.float() if t.is_floating_point() and t.dtype == torch.float64 else t
+    if isinstance(value, Mapping):
+        return {k: _tensor(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return tuple(_tensor(v) for v in value)
+    return value
+
+
+def _rows(value: Any) -> set[int]:
+    if isinstance(value, torch.Tensor):
+        return {int(value.shape[0])} if value.dim() else {-1}
+    if isinstance(value, Mapping):
+        return set().union(*(_rows(v) for v in value.values()))
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_rows(v) for v in value))
+    return set()
+
+
+def _take(value: Any, index: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[index]
+    if isinstance(value, Mapping):
+        return {k: _take(v, index) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return tuple(_take(v, index) for v in value)
+    return value
+
+
+def _shapes(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape[1:])
+    if isinstance(value, Mapping):
+        return {k: _shapes(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return tuple(_shapes(v) for v in value)
+    return None
+
+
+def _check_batch_size(batch_size: Any, what: str) -> int:
+    if batch_size is None:
+        return DEFAULT_BATCH_SIZE
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{what}: batch_size must be a positive integer or None, got {batch_size!r}")
+    return batch_size
+
+
+class _ArrayEpochs:
+    """Global batches of in-memory arrays, reshuffled each pass from ``(seed, pass)`` as Keras
+    reshuffles each epoch; the same batches for the same pass (so a resumed run replays exactly)."""
+
+    def __init__(self, arrays: tuple[Any, ...], batch_size: int, shuffle: bool, seed: int) -> None:
+        self.arrays = arrays
+        self.n = _rows(arrays).pop()
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self._passes = 0
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def order(self, p: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.n)
+        g = torch.Generator().manual_seed(self.seed + 1_000_003 * p)
+        return torch.randperm(self.n, generator=g)
+
+    def __iter__(self) -> Any:
+        p = self._passes
+        self._passes += 1
+        order = self.order(p)
+        for i in range(0, self.n, self.batch_size):
+            yield _take(self.arrays, order[i : i + self.batch_size])
+
+
+def _array_data(x: Any, y: Any, sample_weight: Any, what: str) -> tuple[Any, ...]:
+    x = _tensor(x)
+    arrays: tuple[Any, ...] = (x,)
+    if y is not None:
+        arrays += (_tensor(y),)
+    if sample_weight is not None:
+        if y is None:
+            raise ValueError(f"{what}: sample_weight needs y (the labels the weights belong to)")
+        arrays += (_tensor(sample_weight),)
+    rows = _rows(arrays)
+    if len(rows) != 1 or -1 in rows:
+        names = ["x", "y", "sample_weight"][: len(arrays)]
+        got = ", ".join(f"{n}: {sorted(_rows(a))}" for n, a in zip(names, arrays))
+        raise ValueError(f"{what}: x, y and sample_weight must have the same number of rows (samples); got {got}")
+    return arrays
+
+
+def _agreed_seed(strategy: Any) -> int:
+    """A seed for this fit's shuffles: drawn from torch's generator, the chief's on every replica."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    if strategy is not None and strategy.num_replicas_in_sync > 1 and not strategy.extended.coordinates_workers:
+        t = torch.tensor([seed if strategy.extended.should_checkpoint else 0], dtype=torch.int64)
+        seed = int(strategy.reduce("sum", t).item())
+    return seed
+
+
+# --- the model ---------------------------------------------------------------------------------
+class Model(nn.Module):
+    """A torch module with Keras's ``compile`` / ``fit`` / ``evaluate`` / ``predict`` / ``save``.
+
+    Subclass it as you would ``nn.Module`` (``__init__`` + ``forward``), or use ``Sequential`` or
+    ``keras_model(module)``."""
+
+    history: History | None
+    stop_training: bool
+
+    # state lives in __dict__ and is made on first use: a module given these methods by
+    # keras_model() never ran this class's __init__
+    def _keras(self) -> dict[str, Any]:
+        state = self.__dict__.get("_sg_keras")
+        if state is None:
+            state = {"compiled": None}
+            self.__dict__["_sg_keras"] = state
+            self.__dict__.setdefault("history", None)
+            self.__dict__.setdefault("stop_training", False)
+        return state
+
+    def _compiled(self, what: str) -> _Compiled:
+        compiled = self._keras()["compiled"]
+        if compiled is None:
+            raise RuntimeError(f"You must call `compile()` before using the model ({what}).")
+        return compiled
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        compiled = self._keras()["compiled"]
+        return None if compiled is None else compiled.optimizer
+
+    @property
+    def loss(self) -> Any:
+        compiled = self._keras()["compiled"]
+        return None if compiled is None else compiled.loss_arg
+
+    @property
+    def compiled_metrics(self) -> list[Any]:
+        compiled = self._keras()["compiled"]
+        return [] if compiled is None else list(compiled.metrics)
+
+    @property
+    def metrics_names(self) -> list[str]:
+        """``["loss", *metric names]``: the order ``evaluate`` returns its values in."""
+        return list(self._keras().get("metrics_names", ["loss"]))
+
+    @property
+    def distribute_strategy(self) -> Any:
+        from stratagem.distribute.ownership import strategy_of
+
+        return strategy_of(self)
+
+    def compile(  # type: ignore[override]
+        self,
+        optimizer: Any = "rmsprop",
+        loss: Any = None,
+        loss_weights: Any = None,
+        metrics: Sequence[Any] | None = None,
+        weighted_metrics: Sequence[Any] | None = None,
+        run_eagerly: bool = False,
+        steps_per_execution: int | str = 1,
+        jit_compile: bool | str = "auto",
+        auto_scale_loss: bool = True,
+    ) -> None:
+        """Configure the model for training (Keras's ``compile``; see the module's docstring)."""
+        if weighted_metrics:
+            raise ValueError(
+                "compile(weighted_metrics=...) is not offered: fit passes sample weights to every metric "
+                "in metrics=, so give them there (Keras's metrics= ignore sample weights)"
+            )
+        if jit_compile is True:
+            raise ValueError(
+                "compile(jit_compile=True) is not offered: compile the step with @stratagem.function on a "
+                "custom training loop, or leave jit_compile='auto' (fit runs eagerly)"
+            )
+        del run_eagerly, auto_scale_loss  # fit runs eagerly; fp16 loss scaling is fit's precision=
+        uninitialized = [n for n, p in self.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+        if uninitialized:
+            raise ValueError(
+                f"compile: the model has parameters whose shape is not known yet ({uninitialized[:3]}, from "
+                "nn.Lazy* layers); run one batch through it first (model(x), inside strategy.scope() when "
+                "there is a strategy), then compile"
+            )
+        built = self._build_optimizer(optimizer)
+        resolved = _resolve_loss(loss, loss_weights)
+        self._keras()["compiled"] = _Compiled(
+            built, optimizer, resolved, loss, list(metrics or []), loss_weights, steps_per_execution
+        )
+
+    def _build_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        strategy = self.distribute_strategy
+        if strategy is None:
+            return optimizers_mod.get(optimizer, self.parameters())
+        with strategy.scope():  # the optimizer belongs to the model's strategy, as in Keras
+            return optimizers_mod.get(optimizer, self.parameters())
+
+    # --- fit / evaluate / predict ---------------------------------------------------------------
+    def fit(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: int | str = "auto",
+        callbacks: Sequence[Callback] | None = None,
+        validation_split: float = 0.0,
+        validation_data: Any = None,
+        shuffle: bool | str = True,
+        class_weight: dict[int, float] | None = None,
+        sample_weight: Any = None,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int = 1,
+    ) -> History:
+        """Train the model (Keras's ``fit``): ``x``/``y`` arrays or tensors, or ``x`` a dataset of
+        ``(x, y)`` / ``(x, y, sample_weight)`` batches. Returns the History (also ``model.history``)."""
+        compiled = self._compiled("fit")
+        if validation_freq != 1:
+            raise ValueError(
+                f"fit(validation_freq={validation_freq!r}) is not offered: fit validates after every epoch; "
+                "call model.evaluate(...) from a callback's on_epoch_end for another cadence"
+            )
+        if shuffle == "batch":
+            raise ValueError("fit(shuffle='batch') is not offered (it exists in Keras for HDF5 files); use shuffle=True")
+        strategy = self.distribute_strategy
+        val = validation_data
+        if _is_array(x):
+            arrays = _array_data(x, y, sample_weight, "fit")
+            if val is None and validation_split:
+                if not 0.0 < validation_split < 1.0:
+                    raise ValueError(f"fit: validation_split must be in (0, 1), got {validation_split}")
+                n = _rows(arrays).pop()
+                split_at = int(math.floor(n * (1.0 - validation_split)))
+                if split_at == 0 or split_at == n:
+                    raise ValueError(
+                        f"Training data contains {n} samples, which is not sufficient to split it into a "
+                        f"validation and training set as specified by `validation_split={validation_split}`. "
+                        "Either provide more data, or a different value for the `validation_split` argument."
+                    )
+                val_arrays = _take(arrays, slice(split_at, n))
+                arrays = _take(arrays, slice(0, split_at))
+                val = _ArrayEpochs(val_arrays, _check_batch_size(validation_batch_size or batch_size, "fit"), False, 0)
+            data: Any = _ArrayEpochs(arrays, _check_batch_size(batch_size, "fit"), bool(shuffle), _agreed_seed(strategy))
+        else:
+            if x is None:
+                raise ValueError("fit: pass the training data as x (arrays, tensors or a dataset)")
+            for name, value in (("y", y), ("sample_weight", sample_weight)):
+                if value is not None:
+                    raise ValueError(
+                        f"fit: `{name}` argument is not supported when using a dataset as x; the dataset "
+                        "yields (x, y) or (x, y, sample_weight) batches"
+                    )
+            if batch_size is not None:
+                raise ValueError("fit: batch_size is for array inputs; a dataset already yields batches (leave it unset)")
+            if validation_split:
+                raise ValueError("fit: validation_split is only supported for tensors or numpy arrays, not a dataset")
+            data = x
+            arrays = None
+        if val is not None and not isinstance(val, _ArrayEpochs):
+            val = self._validation(val, arrays, validation_batch_size or batch_size)
+        history = fit_fn(
+            self, compiled.optimizer, compiled.loss, data,  # type: ignore[arg-type]
+            epochs=epochs, validation_data=val, metrics=compiled.metrics, callbacks=list(callbacks or []),
+            steps_per_epoch=steps_per_epoch, verbose=verbose, steps_per_execution=compiled.steps_per_execution,
+            initial_epoch=initial_epoch, validation_steps=validation_steps, class_weight=class_weight,
+        )
+        self.__dict__["history"] = history
+        self._keras()["metrics_names"] = ["loss", *_metric_names(compiled.metrics, history)]
+        return history
+
+    def _validation(self, val: Any, train: tuple[Any, ...] | None, batch_size: int | None) -> Any:
+        """``validation_data`` as batches, checked before training starts."""
+        if isinstance(val, (tuple, list)) and val and _is_array(val[0]):
+            if len(val) not in (2, 3):
+                raise ValueError(
+                    f"fit: validation_data must be (x_val, y_val) or (x_val, y_val, val_sample_weight); got a "
+                    f"{type(val).__name__} of {len(val)}"
+                )
+            arrays = _array_data(val[0], val[1], val[2] if len(val) == 3 else None, "fit(validation_data)")
+            if train is not None:
+                for i, name in enumerate(("x", "y")):
+                    if i < len(train) and i < len(arrays) and _shapes(train[i]) != _shapes(arrays[i]):
+                        raise ValueError(
+                            f"fit: validation_data's {name} has samples of shape {_shapes(arrays[i])}, the "
+                            f"training {name} of shape {_shapes(train[i])}; they must match"
+                        )
+            return _ArrayEpochs(arrays, _check_batch_size(batch_size, "fit(validation_data)"), False, 0)
+        if batch_size is not None and train is None:
+            raise ValueError("fit: validation_batch_size is for array validation_data")
+        return val
+
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        verbose: int | str = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: Sequence[Callback] | None = None,
+        return_dict: bool = False,
+    ) -> Any:
+        """The loss and metrics over the data (Keras's ``evaluate``): the loss alone when there are no
+        metrics, else ``[loss, *metrics]`` in ``metrics_names`` order; ``return_dict=True`` a dict."""
+        compiled = self._compiled("evaluate")
+        del verbose
+        if callbacks:
+            raise ValueError("evaluate(callbacks=...) is not offered; evaluate takes no callbacks in stratagem")
+        if _is_array(x):
+            data: Any = _ArrayEpochs(_array_data(x, y, sample_weight, "evaluate"), _check_batch_size(batch_size, "evaluate"), False, 0)
+        else:
+            if y is not None or sample_weight is not None:
+                raise ValueError("evaluate: `y` and `sample_weight` are for array inputs; a dataset yields (x, y) batches")
+            if batch_size is not None:
+                raise ValueError("evaluate: batch_size is for array inputs; a dataset already yields batches")
+            data = x
+        metrics = [copy.deepcopy(m) if not isinstance(m, str) else m for m in compiled.metrics]
+        logs = evaluate_fn(self, compiled.loss, data, metrics=metrics, steps=steps, return_dict=True)
+        self._keras()["metrics_names"] = list(logs)
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    def predict(
+        self,
+        x: Any,
+        batch_size: int | None = None,
+        verbose: int | str = "auto",
+        steps: int | None = None,
+        callbacks: Sequence[Callback] | None = None,
+    ) -> Any:
+        """The model's outputs for every sample of ``x`` (Keras's ``predict``), in order."""
+        del verbose
+        if callbacks:
+            raise ValueError("predict(callbacks=...) is not offered; predict takes no callbacks in stratagem")
+        if _is_array(x):
+            return predict_fn(self, _tensor(x), batch_size=_check_batch_size(batch_size, "predict"), steps=steps)
+        if batch_size is not None:
+            raise ValueError("predict: batch_size is for array inputs; a dataset already yields batches")
+        return predict_fn(self, x, steps=steps)
+
+    # --- saving ---------------------------------------------------------------------------------
+    def save_weights(self, filepath: str | os.PathLike[str], overwrite: bool = True) -> None:
+        """Save the weights to ``filepath`` (a stratagem checkpoint directory: safetensors + JSON).
+        Call it on every replica."""
+        _save_checkpoint(self, Path(filepath), overwrite)
+
+    def load_weights(self, filepath: str | os.PathLike[str]) -> None:
+        """Load weights saved by ``save_weights``, ``save``, ``ModelCheckpoint`` or a
+        ``CheckpointManager`` (its directory: the newest). Call it on every replica."""
+        from stratagem.train.callbacks import load_weights
+
+        path = Path(filepath)
+        if (path / _CONFIG).exists() and (path / _WEIGHTS).exists():
+            path = path / _WEIGHTS
+        load_weights(self, path)
+
+    def save(self, filepath: str | os.PathLike[str], overwrite: bool = True) -> None:
+        """Save the weights and the compile arguments to the directory ``filepath`` (Keras's
+        ``model.save``). The architecture is not saved (torch has no portable form of it): load with
+        ``stratagem.load_model(filepath, model=ModelClass(...))``, or without ``model=`` when the
+        class has Keras's ``get_config()`` (then ``from_config`` or ``cls(**config)`` rebuilds it)."""
+        path = Path(filepath)
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"save: {path} exists and overwrite=False")
+        from stratagem.distribute.current import get_strategy
+
+        strategy = self.distribute_strategy or get_strategy()
+        chief = strategy.extended.should_checkpoint
+        _save_checkpoint(self, path / _WEIGHTS, True)
+        if chief:
+            config: dict[str, Any] = {
+                "class": f"{type(self).__module__}:{type(self).__qualname__}",
+                "keras_model_of": _base_class(self),
+                "config": _get_config(self),
+                "compile": _compile_config(self._keras()["compiled"]),
+            }
+            (path / _CONFIG).write_text(json.dumps(config, indent=2, default=str))
+        strategy.barrier()
+
+
+def _get_config(model: nn.Module) -> Any:
+    get_config: Any = getattr(model, "get_config", None)
+    return get_config() if callable(get_config) else None
+
+
+def _base_class(model: nn.Module) -> str | None:
+    """For a module given Keras's methods by keras_model(): the class it had."""
+    cls = type(model)
+    if getattr(cls, "_sg_keras_of", None) is not None:
+        base = cls._sg_keras_of  # type: ignore[attr-defined]
+        return f"{base.__module__}:{base.__qualname__}"
+    return None
+
+
+def _compile_config(compiled: _Compiled | None) -> dict[str, Any] | None:
+    if compiled is None:
+        return None
+
+    def simple(value: Any) -> Any:
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return value
+        if isinstance(value, (list, tuple)):
+            return [simple(v) for v in value]
+        if isinstance(value, Mapping):
+            return {str(k): simple(v) for k, v in value.items()}
+        return None  # an object: not restorable by name
+
+    return {
+        "optimizer": simple(compiled.optimizer_arg),
+        "loss": simple(compiled.loss_arg),
+        "metrics": simple(compiled.metrics),
+        "loss_weights": simple(compiled.loss_weights),
+        "steps_per_execution": compiled.steps_per_execution,
+    }
+
+
+def _metric_names(metrics: Sequence[Any], history: History) -> list[str]:
+    names = [k for k in history.history if k != "loss" and not k.startswith("val_") and k != "learning_rate"]
+    return names[: len(metrics)] if metrics else []
+
+
+def _save_checkpoint(model: nn.Module, target: Path, overwrite: bool) -> None:
+    """Write ``model``'s weights as a stratagem checkpoint directory at ``target`` (every replica
+    calls it; the chief writes and renames it into place)."""
+    from stratagem.distribute.current import get_strategy
+    from stratagem.distribute.ownership import strategy_of
+    from stratagem.train.checkpoint import Checkpoint, CheckpointManager
+
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"save_weights: {target} exists and overwrite=False")
+    strategy = strategy_of(model) or get_strategy()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".staging-{target.name}"
+    manager = CheckpointManager(Checkpoint(model=model), staging, None, strategy=strategy)
+    try:
+        staged = Path(manager.save(0))
+        if strategy.extended.should_checkpoint:
+            old = None
+            if target.exists():
+                old = target.with_name(f".old-{target.name}-{os.getpid()}")
+                os.rename(target, old)
+            os.rename(staged, target)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+    finally:
+        manager.close()
+        strategy.barrier()
+        if strategy.extended.should_checkpoint:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+class Sequential(Model, nn.Sequential):
+    """``nn.Sequential`` with Keras's ``compile`` / ``fit`` / ``evaluate`` / ``predict`` / ``save``."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        if len(layers) == 1 and isinstance(layers[0], (list, tuple)):
+            layers = tuple(layers[0])  # Keras's Sequential([layer, ...])
+        nn.Sequential.__init__(self, *layers)
+
+
+_KERAS_CLASSES: dict[type, type] = {}
+
+
+def keras_model(module: nn.Module) -> Model:
+    """Give ``module`` Keras's methods (``compile``, ``fit``, ...) in place and return it.
+
+    Its class becomes a subclass of its own class and ``Model`` (as torch's ``fully_shard`` makes
+    a module an ``FSDPModule``): parameters, buffers, ``forward`` and ``state_dict`` keys are
+    unchanged."""
+    if isinstance(module, Model):
+        return module
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"keras_model takes a torch.nn.Module; got {type(module).__name__}")
+    cls = type(module)
+    keras_cls = _KERAS_CLASSES.get(cls)
+    if keras_cls is None:
+        keras_cls = type(cls.__name__, (cls, Model), {"_sg_keras_of": cls, "__module__": cls.__module__})
+        keras_cls.__qualname__ = cls.__qualname__
+        _KERAS_CLASSES[cls] = keras_cls
+    module.__class__ = keras_cls
+    return module  # type: ignore[return-value]
+
+
+def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None, compile: bool = True) -> Model:
+    """Keras's ``load_model`` for a model saved by ``Model.save``: the weights loaded into
+    ``model`` (the architecture rebuilt in code), or into a model rebuilt from the saved class's
+    ``get_config()``; compiled again with the saved arguments when they were names."""
+    path = Path(filepath)
+    config_file = path / _CONFIG
+    if not config_file.exists():
+        raise FileNotFoundError(
+            f"load_model: {path} is not a model saved by Model.save (no {_CONFIG} in it); for weights "
+            "saved by save_weights or ModelCheckpoint use model.load_weights(path)"
+        )
+    saved = json.loads(config_file.read_text())
+    if model is None:
+        model = _rebuild(saved, path)
+    keras = keras_model(model)
+    keras.load_weights(path / _WEIGHTS)
+    spec = saved.get("compile")
+    if compile and spec is not None:
+        if spec.get("optimizer") is None or (spec.get("loss") is None and saved["compile"].get("loss") is not None):
+            raise ValueError(
+                f"load_model: {path} was compiled with objects that cannot be restored by name "
+                f"(optimizer or loss); pass compile=False and call model.compile(...) yourself"
+            )
+        keras.compile(optimizer=spec["optimizer"], loss=spec["loss"], metrics=spec.get("metrics") or None,
+                      loss_weights=spec.get("loss_weights"), steps_per_execution=spec.get("steps_per_execution", 1))
+    return keras
+
+
+def _rebuild(saved: Mapping[str, Any], path: Path) -> nn.Module:
+    import importlib
+
+    name = saved.get("keras_model_of") or saved.get("class")
+    if saved.get("config") is None:
+        raise ValueError(
+            f"load_model: {path} holds the weights of a {name}, but not its architecture (torch has no "
+            f"portable form of it): rebuild it in code and pass it, load_model({str(path)!r}, "
+            "model=MyModel(...)); or give the class Keras's get_config() so save records its arguments"
+        )
+    module_name, _, qualname = str(name).partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    config = saved["config"]
+    if hasattr(obj, "from_config"):
+        return obj.from_config(config)  # type: ignore[no-any-return]
+    return obj(**config)  # type: ignore[no-any-return]
