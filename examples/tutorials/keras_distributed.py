@@ -47,7 +47,7 @@ loss = nn.CrossEntropyLoss()  # from_logits=True; fit reads the per-example loss
 metrics = [sg.metrics.SparseCategoricalAccuracy(name="accuracy")]
 
 checkpoint_dir = os.environ.get("CHECKPOINT_DIR", "./training_checkpoints")
-manager = sg.CheckpointManager(sg.Checkpoint(model=model, optimizer=optimizer), checkpoint_dir, max_to_keep=3)
+checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt_{epoch}")
 
 
 def decay(epoch):  # the tutorial's learning-rate schedule
@@ -65,22 +65,17 @@ class PrintLR(sg.callbacks.Callback):
             print(f"\nLearning rate for epoch {epoch + 1} is {self.optimizer.param_groups[0]['lr']}")
 
 
-class SaveEachEpoch(sg.callbacks.Callback):  # the tutorial's ModelCheckpoint(save_weights_only)
-    def on_epoch_end(self, epoch, logs=None):
-        manager.save(epoch)
-
-
 callbacks = [
-    sg.callbacks.CSVLogger(os.path.join(checkpoint_dir, "training.csv")),
+    sg.callbacks.CSVLogger(os.path.join(checkpoint_dir, "training.csv")),  # the tutorial's TensorBoard
+    sg.callbacks.ModelCheckpoint(filepath=checkpoint_prefix, save_weights_only=True),
     sg.callbacks.LearningRateScheduler(decay),
     PrintLR(),
-    SaveEachEpoch(),
 ]
 
 EPOCHS = 4
 sg.fit(model, optimizer, loss, train_dataset, epochs=EPOCHS, metrics=metrics, callbacks=callbacks, verbose=0)
 
-manager.restore(manager.latest)  # model.load_weights(tf.train.latest_checkpoint(checkpoint_dir))
-result = sg.evaluate(model, loss, eval_dataset, metrics=[sg.metrics.SparseCategoricalAccuracy(name="accuracy")])
+sg.train.load_weights(model, sg.train.latest_checkpoint(checkpoint_dir))  # model.load_weights(tf.train.latest_checkpoint(...))
+eval_loss, eval_acc = sg.evaluate(model, loss, eval_dataset, metrics=[sg.metrics.SparseCategoricalAccuracy(name="accuracy")])
 if chief:
-    print(f"Eval loss: {result['loss']:.4f}, Eval accuracy: {result['accuracy']:.4f}")
+    print(f"Eval loss: {eval_loss:.4f}, Eval accuracy: {eval_acc:.4f}")

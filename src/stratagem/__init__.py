@@ -1,6 +1,6 @@
 """stratagem: tf.distribute strategies, tf.data pipelines and GPipe pipelines for PyTorch."""
 
-from stratagem import callbacks, cluster_resolver, coordinator, data, metrics, partitioners
+from stratagem import callbacks, cluster_resolver, coordinator, data, losses, metrics, partitioners
 from stratagem._version import __version__
 from stratagem.cluster.spawn import LaunchError, LaunchTimeoutError, launch
 from stratagem.comm import (
@@ -111,6 +111,7 @@ __all__ = [
     "initialize_tpu_system",
     "is_chief",
     "launch",
+    "losses",
     "metrics",
     "mixed_precision",
     "partitioners",

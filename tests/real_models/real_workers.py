@@ -104,7 +104,8 @@ def under(strategy: Any, case: M.Case, how: str, ckpt: str | None = None) -> dic
     if how == "fit":
         history = stratagem.fit(model, opt, case.loss_fn, case.batches(), verbose=0, **case.fit_kwargs)
         got["epochs"] = len(history.history["loss"])
-        got["eval"] = stratagem.evaluate(model, case.loss_fn, case.batches(), metrics=case.fit_kwargs.get("metrics", ()))
+        got["eval"] = stratagem.evaluate(model, case.loss_fn, case.batches(), metrics=case.fit_kwargs.get("metrics", ()),
+                                         return_dict=True)
         want = LOGITS.get(case.name)
         if want is not None:  # predict of a ModelOutput: a dict of its per-example entries
             pred = stratagem.predict(model, [x for x, _ in case.batches()])

@@ -118,7 +118,7 @@ def two_processes(tmp: str) -> dict[str, Any]:
         fm = make_mlp()
         fo = make_adam(fm.parameters())
     hist = stratagem.fit(fm, fo, mse, data, epochs=2, metrics=["mae"], verbose=0)
-    ev = stratagem.evaluate(fm, mse, data, metrics=["mae"])
+    ev = stratagem.evaluate(fm, mse, data, metrics=["mae"], return_dict=True)
     pred = stratagem.predict(fm, [x for x, _ in data])
     torch.manual_seed(0)
     rm = make_mlp()
@@ -497,7 +497,7 @@ def tensor_parallel(tmp: str, steps: int) -> dict[str, Any]:
     stratagem.fit(model, opt, seq_mse, batches, verbose=0)
     want = train_reference(make_transformer, make_adam, seq_mse, batches, seed=0)
     out["adam_diff"] = max_diff(full_state(model), want)
-    ev = stratagem.evaluate(model, seq_mse, batches)
+    ev = stratagem.evaluate(model, seq_mse, batches, return_dict=True)
     out["eval_loss"] = ev["loss"]
     out["ckpt"] = stratagem.CheckpointManager(stratagem.Checkpoint(model=model, optimizer=opt), Path(tmp, "tp")).save(steps)
     return out

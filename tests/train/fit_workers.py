@@ -120,7 +120,8 @@ def parity_worker(ref_backup_dir: str) -> dict[str, Any]:
     ref_model, _ = train(one, data[:3], epochs=2)
     out["dataset"], out["dataloader"], out["ref3"] = params_of(ds_model), params_of(dl_model), params_of(ref_model)
     # evaluate and predict: global values, input order
-    out["evaluate"] = evaluate(m_model, nn.CrossEntropyLoss(), data, metrics=["sparse_categorical_accuracy"], strategy=mirrored)
+    out["evaluate"] = evaluate(m_model, nn.CrossEntropyLoss(), data, metrics=["sparse_categorical_accuracy"], strategy=mirrored,
+                               return_dict=True)
     out["predict"] = predict(m_model, data, strategy=mirrored)
     # a metric updated with this replica's slices (one empty, one with masked padding)
     logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [0.0, 2.0], [2.0, 0.0]])
@@ -159,7 +160,7 @@ def pipeline_worker() -> dict[str, Any]:
     local = {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
     out["scope"] = {"params": local, "history": _history(hist)}
     out["predict"] = predict(model, data, strategy=pipe_strategy)
-    out["evaluate"] = evaluate(model, nn.CrossEntropyLoss(), data, strategy=pipe_strategy)
+    out["evaluate"] = evaluate(model, nn.CrossEntropyLoss(), data, strategy=pipe_strategy, return_dict=True)
     # 2. the pipeline module's own recipe: the Pipe and an optimizer over its parameters
     torch.manual_seed(0)
     with pipe_strategy.scope():

@@ -27,7 +27,8 @@ def _fit(strategy: Any, batch: int, **kw: Any) -> dict[str, Any]:
     with strategy.scope():
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
         opt = torch.optim.SGD(model.parameters(), lr=0.3)
-    loss = kw.pop("loss", "sparse_categorical_crossentropy")
+    # the model ends in a Linear layer: logits, so Keras's from_logits=True
+    loss = kw.pop("loss", sg.losses.SparseCategoricalCrossentropy(from_logits=True))
     hist = sg.fit(model, opt, loss, Dataset.from_tensor_slices((x, y)).batch(batch), epochs=2, verbose=0,
                   metrics=["accuracy"], **kw)
     return {"params": _params(model), "history": dict(hist.history)}
@@ -93,8 +94,8 @@ def keras_worker() -> dict[str, Any]:
         with strategy.scope():
             model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
             opt = torch.optim.SGD(model.parameters(), lr=0.3)
-        sg.fit(model, opt, "sparse_categorical_crossentropy", Dataset.from_tensor_slices((x, y)).batch(8),
-               epochs=1, verbose=0, gradient_accumulation_steps=3)
+        sg.fit(model, opt, sg.losses.SparseCategoricalCrossentropy(from_logits=True),
+               Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0, gradient_accumulation_steps=3)
     finally:
         ProcessGroupCommunicator.all_reduce_async = original  # type: ignore[method-assign]
     out["bucket_reduces"] = len(calls)  # 48 / 8 = 6 batches -> 2 updates -> 2 bucket all-reduces

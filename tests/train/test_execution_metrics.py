@@ -193,5 +193,5 @@ def test_metric_copies_are_made_only_for_validation():
     h = sg.fit(model, opt, nn.CrossEntropyLoss(), data, metrics=[m], validation_data=data, verbose=0)
     assert set(h.history) == {"loss", "sparse_categorical_accuracy", "val_loss", "val_sparse_categorical_accuracy"}
     # the validation copy counted the validation data alone (16 examples), not the training's too
-    assert sg.evaluate(model, nn.CrossEntropyLoss(), data, metrics=["sparse_categorical_accuracy"]) == pytest.approx(
+    assert sg.evaluate(model, nn.CrossEntropyLoss(), data, metrics=["sparse_categorical_accuracy"], return_dict=True) == pytest.approx(
         {"loss": h.history["val_loss"][-1], "sparse_categorical_accuracy": h.history["val_sparse_categorical_accuracy"][-1]})

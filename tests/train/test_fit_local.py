@@ -77,7 +77,7 @@ def test_evaluate_and_predict_match_plain_pytorch():
     got = predict(model, data)
     torch.testing.assert_close(got, out)
     assert predict(model, [b[0] for b in data]).shape == (22, 3)
-    res = evaluate(model, nn.CrossEntropyLoss(), data, metrics=["sparse_categorical_accuracy"])
+    res = evaluate(model, nn.CrossEntropyLoss(), data, metrics=["sparse_categorical_accuracy"], return_dict=True)
     assert res["loss"] == pytest.approx(F.cross_entropy(out, y).item(), rel=1e-6)
     assert res["sparse_categorical_accuracy"] == (out.argmax(1) == y).sum().item() / 22
 

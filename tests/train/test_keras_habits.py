@@ -84,9 +84,11 @@ def test_model_checkpoint_takes_keras_filepath(tmp_path):
         model = nn.Linear(4, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cb = ModelCheckpoint(filepath=str(tmp_path / "ck" / "model-{epoch:02d}.keras"), monitor="loss", save_weights_only=True)
-    sg.fit(model, opt, "sparse_categorical_crossentropy", Dataset.from_tensor_slices((x, y)).batch(8),
+    sg.fit(model, opt, sg.losses.SparseCategoricalCrossentropy(from_logits=True), Dataset.from_tensor_slices((x, y)).batch(8),
            epochs=2, callbacks=[cb], verbose=0)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("ckpt-")) == ["ckpt-1", "ckpt-2"]
+    # Keras's filepath, formatted per save: exactly those paths (and TF's state file)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["checkpoint", "model-01.keras", "model-02.keras"]
+    assert cb.last_path == str(tmp_path / "ck" / "model-02.keras")
     weights = load_state_dict(cb.last_path, name="model")
     torch.testing.assert_close(weights["weight"], model.weight.detach())
     with pytest.raises(Exception, match="optimizer"):  # save_weights_only: no optimizer state kept

@@ -108,7 +108,7 @@ def test_fit_evaluate_predict_equal_cpu_training(strategy):
     with torch.no_grad():
         want = nn.functional.mse_loss(ref(x), y).item()
         pred = ref(x)
-    logs = sg.evaluate(model, nn.MSELoss(), ds)
+    logs = sg.evaluate(model, nn.MSELoss(), ds, return_dict=True)
     assert logs["loss"] == pytest.approx(want, abs=TOL)
     out = sg.predict(model, sg.data.Dataset.from_tensor_slices(x).batch(8))
     assert torch.allclose(torch.as_tensor(out).cpu(), pred, atol=TOL)

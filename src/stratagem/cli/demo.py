@@ -72,8 +72,8 @@ def run_demo(
         test_data = Dataset.from_tensor_slices((x_test, y_test)).batch(256)
         history = sg.fit(model, optimizer, nn.CrossEntropyLoss(), train_data, epochs=epochs,
                          validation_data=test_data, metrics=["sparse_categorical_accuracy"], strategy=strategy)
-        accuracy = sg.evaluate(model, nn.CrossEntropyLoss(), test_data, metrics=["sparse_categorical_accuracy"],
-                               strategy=strategy)["sparse_categorical_accuracy"]
+        _, accuracy = sg.evaluate(model, nn.CrossEntropyLoss(), test_data, metrics=["sparse_categorical_accuracy"],
+                                  strategy=strategy)  # [loss, *metrics], as Keras's evaluate
         if chief and plot:
             try:
                 print(f"wrote {history.plot(plot)}", flush=True)

@@ -3,6 +3,7 @@
 # --- fit, evaluate, predict (issue 6) ---
 from stratagem.train import callbacks, metrics
 from stratagem.train.callback import Callback, FitState
+from stratagem.train.callbacks import latest_checkpoint, load_weights
 
 # --- checkpoints (issue 5) ---
 from stratagem.train.checkpoint import (  # noqa: E402
@@ -27,6 +28,8 @@ __all__ = [
     "callbacks",
     "evaluate",
     "fit",
+    "latest_checkpoint",
+    "load_weights",
     "metrics",
     "predict",
 ]

@@ -2,10 +2,15 @@
 
 A callback is told about training through Keras's hooks, each receiving ``logs``: a dict of
 *global* values (loss and metrics summed over every replica), identical on every replica. It
-sees the run through ``self.state`` (a FitState): the model, optimizer, strategy, epoch and step,
-and ``stop_training``, which any callback may set to end training after the current epoch (fit
-agrees across replicas, so all stop at the same epoch). Hooks run on every replica; a callback
-that writes files writes only where ``self.is_chief`` (the replica that checkpoints).
+sees the run through ``self.state`` (a FitState): the model, optimizer, strategy, epoch and step.
+
+Stopping, as in Keras: ``self.model.stop_training = True`` (or ``self.state.stop_training =
+True``) in any hook ends training after the current batch when set in a batch hook, else after
+the current epoch (its validation and ``on_epoch_end`` still run). fit agrees on it across
+replicas, so every replica stops at the same batch even if only one asked. Hooks run on every
+replica; a callback that writes files writes only where ``self.is_chief`` (the replica that
+checkpoints). ``on_batch_begin``/``on_batch_end`` are Keras's aliases of
+``on_train_batch_begin``/``on_train_batch_end``: the train-batch hooks call them.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class FitState:
     iterations: int = 0
     #: Global examples trained on in the current epoch (for samples/s).
     samples: int = 0
-    #: Set True (on any replica) to end training after the current epoch.
+    #: Set True (on any replica) to end training after the current batch (in a batch hook) or
+    #: epoch; Keras's ``self.model.stop_training = True`` does the same.
     stop_training: bool = False
     #: Epoch and step to start from; set by a callback in ``on_train_begin`` to resume.
     initial_epoch: int = 0
@@ -59,6 +65,10 @@ class FitState:
 
 class Callback:
     """Base class for fit/evaluate/predict callbacks: override the hooks you need."""
+
+    #: Whether the batch hooks may set ``stop_training`` (then fit agrees on it after each batch
+    #: on more than one replica, one small collective). Built-in callbacks that never do say False.
+    may_stop_per_batch: bool = True
 
     def __init__(self) -> None:
         self._state: FitState | None = None
@@ -97,8 +107,18 @@ class Callback:
     def on_train_end(self, logs: Logs | None = None) -> None: ...
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None: ...
-    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
-    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        """Keras's alias of ``on_train_batch_begin`` (which calls it)."""
+
+    def on_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Keras's alias of ``on_train_batch_end`` (which calls it)."""
+
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        self.on_batch_begin(batch, logs=logs)  # as Keras: for backwards compatibility
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        self.on_batch_end(batch, logs=logs)
+
     def on_test_begin(self, logs: Logs | None = None) -> None: ...
     def on_test_end(self, logs: Logs | None = None) -> None: ...
     def on_test_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...

@@ -8,6 +8,7 @@ learning rate) are the same everywhere; files are written by the chief replica o
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import shutil
@@ -32,6 +33,8 @@ __all__ = [
     "ModelCheckpoint",
     "Progress",
     "TensorBoard",
+    "latest_checkpoint",
+    "load_weights",
 ]
 
 
@@ -66,8 +69,11 @@ class EarlyStopping(Callback):
 
     The monitored value is global (summed across replicas), so every replica decides alike and
     fit stops them all at the same epoch. ``restore_best_weights`` puts back the parameters of
-    the best epoch when it stops.
+    the best epoch when it stops. ``verbose=1`` prints Keras's messages (``Epoch 5: early
+    stopping``, and which epoch's weights were restored), on the chief.
     """
+
+    may_stop_per_batch = False
 
     def __init__(
         self,
@@ -75,6 +81,7 @@ class EarlyStopping(Callback):
         *,
         min_delta: float = 0.0,
         patience: int = 0,
+        verbose: int = 0,
         mode: str = "auto",
         baseline: float | None = None,
         restore_best_weights: bool = False,
@@ -88,6 +95,7 @@ class EarlyStopping(Callback):
         self.baseline = baseline
         self.restore_best_weights = restore_best_weights
         self.start_from_epoch = start_from_epoch
+        self.verbose = verbose
         self.on_train_begin()
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
@@ -120,8 +128,14 @@ class EarlyStopping(Callback):
             self.stopped_epoch = epoch
             self.state.stop_training = True
             if self.restore_best_weights and self.best_weights is not None:
+                if self.verbose > 0 and self._state is not None and self.is_chief:
+                    print(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.", flush=True)
                 with torch.no_grad():
                     self.model.load_state_dict(self.best_weights)
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self.stopped_epoch is not None and self.stopped_epoch > 0 and self.verbose > 0 and self.is_chief:
+            print(f"Epoch {self.stopped_epoch + 1}: early stopping", flush=True)
 
 
 def _check_save_freq(save_freq: str | int) -> None:
@@ -129,31 +143,110 @@ def _check_save_freq(save_freq: str | int) -> None:
         raise ValueError(f"save_freq must be 'epoch' or a positive number of steps; got {save_freq!r}")
 
 
-def _directory_of(filepath: str) -> Path:
-    """The checkpoint directory a Keras ``filepath`` stands for: before any ``{...}`` placeholder,
-    and without a file name that has a suffix (``.keras``, ``.h5``, ``.pt``, ...)."""
-    head = filepath.split("{", 1)[0]
-    path = Path(head)
-    if "{" in filepath or path.suffix:
-        path = path.parent if not head.endswith(os.sep) else path
-    return path if str(path) else Path(".")
+#: File suffixes that mark a positional ``ModelCheckpoint`` argument as Keras's ``filepath``.
+_KERAS_SUFFIXES = (".keras", ".h5")
+
+#: TensorFlow's checkpoint state file (``tf.train.latest_checkpoint`` reads it): the newest save.
+STATE_FILE = "checkpoint"
+
+#: Where ModelCheckpoint stages a save before renaming it to its formatted ``filepath``.
+_STAGING = ".stratagem-modelcheckpoint"
+
+
+def _is_template(path: str) -> bool:
+    """Whether a positional ModelCheckpoint argument is Keras's ``filepath`` (a ``{placeholder}``
+    or a Keras file suffix) rather than a directory of numbered checkpoints."""
+    return "{" in path or path.endswith(_KERAS_SUFFIXES)
+
+
+def _write_state_file(directory: Path, latest: Path, all_paths: list[Path]) -> None:
+    """TensorFlow's ``checkpoint`` state file: the newest save and every save kept, by name."""
+    lines = [f'model_checkpoint_path: "{latest.name}"']
+    lines += [f'all_model_checkpoint_paths: "{p.name}"' for p in all_paths if p.parent == directory]
+    tmp = directory / f".{STATE_FILE}.tmp-{os.getpid()}"
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, directory / STATE_FILE)
+
+
+def _read_state_file(directory: Path) -> str | None:
+    try:
+        text = (directory / STATE_FILE).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model_checkpoint_path":
+            return value.strip().strip('"')
+    return None
+
+
+def _saved_step(path: Path) -> int | None:
+    try:
+        return int(json.loads((path / "metadata.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> str | None:
+    """The newest checkpoint saved in ``checkpoint_dir`` (TensorFlow's ``tf.train.latest_checkpoint``),
+    or None when there is none.
+
+    The newest is the last one saved, as TensorFlow's state file records it (``ModelCheckpoint``
+    writes ``checkpoint_dir/checkpoint``), never the last by sorted name: ``ckpt_12`` is newer than
+    ``ckpt_9``. Without a state file (a ``CheckpointManager``'s ``ckpt-<step>`` directories), the
+    checkpoint with the highest saved step. Restore it with ``sg.train.load_weights(model, path)``
+    (or ``CheckpointManager.restore(path)`` for the optimizer too)."""
+    directory = Path(checkpoint_dir)
+    named = _read_state_file(directory)
+    if named is not None:
+        if (directory / named / "metadata.json").exists():
+            return os.path.join(os.fspath(checkpoint_dir), named)  # as TF: the directory as given
+    found = []
+    for p in directory.iterdir() if directory.is_dir() else []:
+        step = _saved_step(p) if p.is_dir() and not p.name.startswith(".") else None
+        if step is not None:
+            found.append((step, (p / "metadata.json").stat().st_mtime, p))
+    return str(max(found, key=lambda f: (f[0], f[1]))[2]) if found else None
+
+
+def load_weights(model: torch.nn.Module, filepath: str | os.PathLike[str]) -> torch.nn.Module:
+    """Keras's ``model.load_weights(filepath)`` for a torch module: load the weights saved as
+    ``"model"`` in the checkpoint at ``filepath`` (from ``ModelCheckpoint``, ``CheckpointManager``;
+    a manager's directory means its newest). Call it on every replica. Returns ``model``."""
+    from stratagem.train.checkpoint import load_state_dict
+
+    with torch.no_grad():
+        model.load_state_dict(load_state_dict(filepath, name="model"))
+    return model
 
 
 class ModelCheckpoint(Callback):
-    """Save the model (and optimizer) with a CheckpointManager in ``directory/ckpt-<step>``.
+    """Save the model (and optimizer) at each epoch end or every ``save_freq`` steps (Keras's
+    ModelCheckpoint), as stratagem checkpoints (a directory of safetensors and JSON files).
 
-    ``save_freq="epoch"`` saves at each epoch end (step = epochs done); an integer ``n`` every
-    ``n`` optimizer steps (step = steps done). With ``save_best_only`` it saves only when
-    ``monitor`` improves (``mode`` min/max/auto, as EarlyStopping). Every replica takes part (the
-    save is collective; the chief writes). ``max_to_keep`` bounds the checkpoints kept.
-    Restore with ``CheckpointManager(Checkpoint(model=..., optimizer=...), directory).restore(path)``.
+    Keras's form, ``ModelCheckpoint(filepath="ckpt/ckpt_{epoch:04d}", save_weights_only=True)``
+    (``filepath`` may also be given positionally when it has a ``{placeholder}`` or ends in
+    ``.keras``/``.h5``): each save goes to ``filepath.format(epoch=epoch + 1, **logs)`` (also
+    ``batch=`` with an integer ``save_freq``, as Keras; ``{val_loss:.2f}`` takes the logs),
+    exactly that path, relative to the working directory when relative (as in Keras), replacing
+    a checkpoint already there (``filepath="best.keras", save_best_only=True`` keeps the best).
+    The checkpoint there is stratagem's format whatever the suffix (not Keras's ``.keras`` zip
+    or ``.h5``); ``save_weights_only`` leaves the optimizer out. Each save also updates
+    TensorFlow's state file ``checkpoint`` in that directory, so ``latest_checkpoint(dir)``
+    (``tf.train.latest_checkpoint``) returns the newest save, and ``load_weights(model, path)``
+    (``model.load_weights``) restores it.
 
-    Keras's spellings work: ``ModelCheckpoint(filepath="ckpt/model-{epoch:02d}.keras",
-    monitor=..., save_best_only=..., save_weights_only=...)``. A stratagem checkpoint is a
-    directory of numbered checkpoints, so ``filepath`` names that directory: its part before
-    any ``{...}`` placeholder or file suffix (``ckpt/`` here); ``save_weights_only`` leaves out
-    the optimizer.
+    stratagem's form, ``ModelCheckpoint(directory)``: a CheckpointManager's numbered checkpoints
+    ``directory/ckpt-<step>`` (step = epochs done, or optimizer steps done with an integer
+    ``save_freq``), at most ``max_to_keep`` of them; restore with
+    ``CheckpointManager(Checkpoint(model=..., optimizer=...), directory).restore(path)``.
+
+    With ``save_best_only`` it saves only when ``monitor`` improves (``mode`` min/max/auto, as
+    EarlyStopping). ``verbose=1`` prints Keras's messages (on the chief). Every replica takes part
+    (the save is collective; the chief writes).
     """
+
+    may_stop_per_batch = False
 
     def __init__(
         self,
@@ -168,52 +261,140 @@ class ModelCheckpoint(Callback):
         save_weights_only: bool = False,
         max_to_keep: int | None = None,
         verbose: int = 0,
+        initial_value_threshold: float | None = None,
     ) -> None:
         super().__init__()
         _check_save_freq(save_freq)
         if (directory is None) == (filepath is None):
-            raise ValueError("ModelCheckpoint needs a directory (or Keras's filepath=), exactly one of them")
-        self.directory = Path(directory) if directory is not None else _directory_of(os.fspath(filepath or ""))
-        save_optimizer = save_optimizer and not save_weights_only
+            raise ValueError("ModelCheckpoint needs Keras's filepath= (or a directory), exactly one of them")
+        if directory is not None and _is_template(os.fspath(directory)):
+            filepath, directory = directory, None
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        self.filepath = os.fspath(filepath) if filepath is not None else None
+        self.directory = Path(directory) if directory is not None else None
         self.monitor = monitor
         self.save_best_only = save_best_only
         self.mode = _resolve_mode(mode, monitor)
         self.save_freq = save_freq
-        self.save_optimizer = save_optimizer
+        self.save_optimizer = save_optimizer and not save_weights_only
+        self.save_weights_only = save_weights_only
         self.max_to_keep = max_to_keep
-        self.best = math.inf if self.mode == "min" else -math.inf
+        self.verbose = verbose
+        self.best: float | None = initial_value_threshold
         self.last_path: str | None = None
-        self._manager: Any = None
+        self.saved: list[str] = []  # Keras-form saves, oldest first (distinct paths)
+        self._managers: dict[Path, Any] = {}
+        self._epoch = 0
 
-    def on_train_begin(self, logs: Logs | None = None) -> None:
-        from stratagem.train.checkpoint import Checkpoint, CheckpointManager
+    def _checkpoint(self) -> Any:
+        from stratagem.train.checkpoint import Checkpoint
 
         objects: dict[str, Any] = {"model": self.model}
         if self.save_optimizer and self.optimizer is not None:
             objects["optimizer"] = self.optimizer
-        self._manager = CheckpointManager(
-            Checkpoint(**objects), self.directory, self.max_to_keep, strategy=self.state.strategy
-        )
+        return Checkpoint(**objects)
 
-    def _save(self, step: int, logs: Logs | None) -> None:
-        if self.save_best_only:
-            current = _monitored(logs, self.monitor, "ModelCheckpoint")
-            if current is None or not _improved(self.mode, current, self.best, 0.0):
-                return
+    def _manager(self, directory: Path, max_to_keep: int | None) -> Any:
+        from stratagem.train.checkpoint import CheckpointManager
+
+        manager = self._managers.get(directory)
+        if manager is None:
+            manager = CheckpointManager(self._checkpoint(), directory, max_to_keep, strategy=self.state.strategy)
+            self._managers[directory] = manager
+        return manager
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._managers = {}
+        if self.directory is not None:
+            self._manager(self.directory, self.max_to_keep)
+
+    def _say(self, text: str) -> None:
+        if self.verbose and self.is_chief:
+            print(text, flush=True)
+
+    def _should_save(self, epoch: int, logs: Logs | None, where: str) -> bool:
+        if not self.save_best_only:
+            self._say(f"\nEpoch {epoch + 1}: saving model to {where}")
+            return True
+        current = _monitored(logs, self.monitor, "ModelCheckpoint")
+        if current is None:
+            return False
+        start = math.inf if self.mode == "min" else -math.inf  # Keras's best before any value
+        best = f"{self.best if self.best is not None else start:.5f}"
+        if self.best is None or _improved(self.mode, current, self.best, 0.0):
+            self._say(f"\nEpoch {epoch + 1}: {self.monitor} improved from {best} to {current:.5f}, saving model to {where}")
             self.best = current
-        self.last_path = self._manager.save(step)
+            return True
+        self._say(f"\nEpoch {epoch + 1}: {self.monitor} did not improve from {best}")
+        return False
+
+    def _format(self, epoch: int, batch: int | None, logs: Logs | None) -> str:
+        assert self.filepath is not None
+        values = dict(logs or {})
+        try:
+            if batch is None or "batch" in values:
+                return self.filepath.format(epoch=epoch + 1, **values)
+            return self.filepath.format(epoch=epoch + 1, batch=batch + 1, **values)
+        except KeyError as e:
+            raise KeyError(
+                f'Failed to format this callback filepath: "{self.filepath}". Reason: {e} (the logs '
+                f"are {sorted(values)}; pass validation_data for val_ logs)"
+            ) from e
+
+    def _save(self, epoch: int, batch: int | None, step: int, logs: Logs | None) -> None:
+        if self.directory is not None:
+            if self._should_save(epoch, logs, str(self.directory / f"ckpt-{step}")):
+                self.last_path = self._manager(self.directory, self.max_to_keep).save(step)
+                self._say(f"\nEpoch {epoch + 1}: finished saving model to {self.last_path}")
+            return
+        where = self._format(epoch, batch, logs)
+        target = Path(where)
+        if not self._should_save(epoch, logs, where):
+            return
+        staged = self._manager(target.parent / _STAGING, None).save(step)  # collective; rank 0 writes
+        if self.state.strategy.extended.world.rank == 0:  # the writer moves it into place
+            self._commit(Path(staged), target)
+        self.state.strategy.barrier()  # every replica sees the checkpoint at its path
+        self.last_path = where
+        self._say(f"\nEpoch {epoch + 1}: finished saving model to {where}")
+
+    def _commit(self, staged: Path, target: Path) -> None:
+        """On the writer: the staged checkpoint renamed to ``target`` (a previous one there moved
+        aside first, removed once replaced), the oldest saves beyond ``max_to_keep`` removed, and
+        TensorFlow's state file updated."""
+        old = None
+        if target.exists():
+            old = target.with_name(f".old-{target.name}-{os.getpid()}")
+            os.rename(target, old)
+        os.rename(staged, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        key = str(target)
+        self.saved = [p for p in self.saved if p != key] + [key]
+        if self.max_to_keep is not None:
+            for p in self.saved[: max(0, len(self.saved) - self.max_to_keep)]:
+                shutil.rmtree(p, ignore_errors=True)
+            self.saved = self.saved[-self.max_to_keep :]
+        _write_state_file(target.parent, target, [Path(p) for p in self.saved])
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._epoch = epoch
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if isinstance(self.save_freq, int) and self.state.iterations % self.save_freq == 0:
-            self._save(self.state.iterations, logs)
+            self._save(self._epoch, batch, self.state.iterations, logs)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.save_freq == "epoch":
-            self._save(epoch + 1, logs)
+            self._save(epoch, None, epoch + 1, logs)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        if self._manager is not None:
-            self._manager.close()  # training ended: the directory is no longer this run's
+        for directory, manager in self._managers.items():
+            manager.close()  # training ended: the directory is no longer this run's
+            if directory.name == _STAGING and self.state.strategy.extended.world.rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+        self._managers = {}
 
 
 class BackupAndRestore(Callback):
@@ -233,6 +414,8 @@ class BackupAndRestore(Callback):
     beyond the saved ones keep their own RNG streams). The state of other callbacks (e.g.
     EarlyStopping's patience counter) is not backed up.
     """
+
+    may_stop_per_batch = False
 
     def __init__(
         self,
@@ -400,6 +583,8 @@ class TensorBoard(Callback):
     writes the running training logs every ``n`` steps (``batch_loss``, ... against the step).
     Needs the ``tensorboard`` package; constructing it without raises an ImportError saying so.
     """
+
+    may_stop_per_batch = False
 
     def __init__(self, log_dir: str | os.PathLike[str] = "logs", update_freq: str | int = "epoch") -> None:
         super().__init__()

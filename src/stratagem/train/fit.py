@@ -10,8 +10,16 @@ on N replicas gives the parameters one device gives on the same global batches.
 
 Logs (the loss and metrics handed to callbacks, shown by the progress bar, kept in the History)
 are global: every replica's totals are summed after each step in one small collective, so they
-are identical on all replicas and callbacks decide alike everywhere. ``stop_training`` is agreed
-across replicas at the end of each epoch: all replicas stop at the same epoch.
+are identical on all replicas and callbacks decide alike everywhere. ``stop_training`` (Keras's
+``self.model.stop_training = True`` in a callback, or ``self.state.stop_training``) ends training
+after the current batch when a batch hook sets it, else after the current epoch, as in Keras;
+replicas agree on it, so all stop at the same batch even if only one replica's callback asked.
+
+Keras's array form for ``evaluate`` and ``predict``: ``predict(model, x, batch_size=32)`` on a
+tensor or numpy array (or a dict of them) reads it in batches of ``batch_size`` and concatenates
+the outputs; ``evaluate(model, loss, (x, y), batch_size=32)`` likewise. ``evaluate`` returns what
+Keras's does: the loss alone when there are no metrics, else ``[loss, *metrics]`` in the order
+given, and the dict with ``return_dict=True``.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ import copy
 import itertools
 import math
 import time
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Union, overload
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -100,11 +109,33 @@ AUTO_MAX_STEPS_PER_EXECUTION = 128
 AUTO_SYNC_SHARE = 0.01
 
 
+_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+
+
 def _acts_per_batch(cb: Callback) -> bool:
     if isinstance(cb, Progress):
         return False  # the progress bar is fine with a log per execution
     kind = type(cb)
-    return any(getattr(kind, hook) is not getattr(Callback, hook) for hook in ("on_train_batch_begin", "on_train_batch_end"))
+    return any(getattr(kind, hook) is not getattr(Callback, hook) for hook in _BATCH_HOOKS)
+
+
+def _may_stop_per_batch(cb: Callback) -> bool:
+    """Whether ``cb``'s batch hooks may set ``stop_training`` (fit then agrees after each batch)."""
+    return _acts_per_batch(cb) and bool(getattr(cb, "may_stop_per_batch", True))
+
+
+def _stop_asked(state: FitState) -> bool:
+    """Whether this replica's callbacks asked to stop: ``state.stop_training`` or Keras's
+    ``self.model.stop_training``."""
+    return bool(state.stop_training) or bool(getattr(state.model, "stop_training", False))
+
+
+def _set_model_flag(model: Any, value: bool) -> None:
+    """Keras's ``model.stop_training`` (False when fit starts, True once it stopped early)."""
+    try:
+        model.stop_training = value
+    except (AttributeError, TypeError):  # an object that takes no attributes: state.stop_training only
+        pass
 
 
 class _Cadence:
@@ -239,7 +270,10 @@ def fit(
     ``stratagem.mixed_precision.Policy``.
 
     Keras's options: ``loss_fn`` may be a Keras name (``"mse"``, ``"sparse_categorical_crossentropy"``,
-    ...; see ``stratagem.train.loss_names``: cross-entropies take logits), metrics too (``"accuracy"``
+    ...; see ``stratagem.train.loss_names``: as in Keras the cross-entropies take probabilities,
+    ``sg.losses.SparseCategoricalCrossentropy(from_logits=True)`` or ``nn.CrossEntropyLoss()``
+    take logits) or a Keras ``sg.losses.Loss`` (called ``(y_true, y_pred)``; a torch loss is
+    called ``(outputs, y)``), metrics too (``"accuracy"``
     picks binary/categorical/sparse by shapes); ``initial_epoch``; ``validation_steps``;
     ``class_weight`` ({class id: weight}, multiplied into the per-example weights);
     ``gradient_accumulation_steps=k`` (one optimizer update, and one gradient all-reduce, per k
@@ -339,6 +373,8 @@ def fit(
     state.restore = restore
 
     logs: Logs = {}
+    per_batch_stop = any(_may_stop_per_batch(cb) for cb in cbs)
+    _set_model_flag(state.model, False)  # as Keras: model.stop_training is reset by each fit
     with context.strategy_scope(strategy):
         cblist.call("on_train_begin", None)
         if state.initial_epoch == 0 and state.initial_step == 0:
@@ -366,15 +402,19 @@ def fit(
                 t1 = time.perf_counter()
                 state.step += len(group)
                 state.iterations += len(group)
-                # the sync also carries whether a callback asked to stop (TerminateOnNaN) after the
-                # previous execution: every replica stops at the same step, at no extra collective
+                # the sync also carries whether a callback asked to stop before this execution's
+                # end (on_epoch_begin, on_train_batch_begin): every replica stops after this batch,
+                # as Keras does, at no extra collective
                 proposal = cadence.proposal(t1 - t0, in_steps, len(group))
-                summed = _end_execution(strategy, tracked, state, cblist, [float(state.stop_training), *proposal])
+                summed = _end_execution(strategy, tracked, state, cblist, [float(_stop_asked(state)), *proposal])
                 if cadence.measuring:
                     cadence.timed(len(group), t1 - t0, in_steps, time.perf_counter() - t1)
                     cadence.agreed(summed[1:], strategy.num_replicas_in_sync)
-                if summed[0] > 0:
+                # asked in on_train_batch_end (Keras checks after each batch): agreed now, so every
+                # replica stops after this batch (one small collective, only with such callbacks)
+                if summed[0] > 0 or (per_batch_stop and steps.agree(_stop_asked(state))):
                     state.stop_training = True
+                    _set_model_flag(state.model, True)
                     break
             logs = _logs(tracked)
             if validation_data is not None:
@@ -385,51 +425,173 @@ def fit(
             history.record(epoch, logs)
             cblist.call("on_epoch_end", epoch, logs)  # callbacks may add logs (learning_rate)
             history.update_last(logs)
-            if steps.agree(state.stop_training):
+            if steps.agree(_stop_asked(state)):
                 state.stop_training = True
+                _set_model_flag(state.model, True)
                 break
         cblist.call("on_train_end", dict(logs))
     return history
 
 
+#: Keras's default ``batch_size`` for array inputs.
+DEFAULT_BATCH_SIZE = 32
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, np.ndarray))
+
+
+def _is_array_input(value: Any) -> bool:
+    """A tensor or numpy array, or a non-empty mapping of them (named inputs)."""
+    if _is_array(value):
+        return True
+    return isinstance(value, Mapping) and bool(value) and all(_is_array(v) for v in value.values())
+
+
+def _as_tensor(value: Any) -> Any:
+    """A numpy array as a tensor, floats as float32 (Keras's floatx); tensors as given."""
+    if isinstance(value, Mapping):
+        return {k: _as_tensor(v) for k, v in value.items()}
+    if isinstance(value, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(value))
+        return t.float() if t.is_floating_point() else t
+    return value
+
+
+def _rows_of(value: Any) -> int:
+    leaves = list(value.values()) if isinstance(value, Mapping) else [value]
+    sizes = {int(v.shape[0]) if v.dim() else -1 for v in leaves}
+    if len(sizes) != 1 or -1 in sizes:
+        raise ValueError(
+            f"the arrays of an input must have the same leading (batch) dimension; got shapes "
+            f"{[tuple(v.shape) for v in leaves]}"
+        )
+    return sizes.pop()
+
+
+def _slice(value: Any, a: int, b: int) -> Any:
+    if isinstance(value, Mapping):
+        return {k: v[a:b] for k, v in value.items()}
+    return value[a:b]
+
+
+def _array_batches(data: Any, batch_size: int | None, what: str, *, with_y: bool) -> Any:
+    """Keras's array form: ``data`` (``x``, or a tuple ``(x, y)`` / ``(x, y, sample_weight)`` of
+    tensors or numpy arrays) as a list of global batches of ``batch_size`` rows (32 when None),
+    the last one partial; any other ``data`` as it is (it already yields batches)."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    parts: tuple[Any, ...] | None = None
+    if _is_array_input(data):
+        if with_y:
+            raise ValueError(
+                f"{what} got one array ({_describe(data)}) but needs labels: pass (x, y) (Keras's "
+                f"{what}(x, y, batch_size=...)), or a dataset yielding (x, y) batches"
+            )
+        parts = (data,)
+    elif isinstance(data, tuple) and not hasattr(data, "_fields") and len(data) in ((2, 3) if with_y else (1,)):
+        if all(_is_array_input(v) for v in data):
+            parts = data
+    if parts is None:
+        if batch_size is not None:
+            raise ValueError(
+                f"{what}: batch_size is for array inputs (a tensor or numpy array, or a tuple (x, y) "
+                f"of them); this data ({type(data).__name__}) already yields batches, so leave "
+                "batch_size unset (as Keras requires for a dataset)"
+            )
+        return data
+    tensors = [_as_tensor(p) for p in parts]
+    rows = {_rows_of(t) for t in tensors}
+    if len(rows) != 1:
+        raise ValueError(f"{what}: x, y (and sample_weight) must have the same number of rows; got {sorted(rows)}")
+    n, size = rows.pop(), batch_size or DEFAULT_BATCH_SIZE
+    return [tuple(_slice(t, a, min(a + size, n)) for t in tensors) for a in range(0, n, size)]
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: shape {tuple(v.shape)}" for k, v in value.items()) + "}"
+    return f"shape {tuple(value.shape)}"
+
+
+@overload
+def evaluate(
+    model: Model, loss_fn: LossFn | str | None, data: Iterable[Any] | Any, *, metrics: Sequence[Metric | str] = ...,
+    batch_size: int | None = ..., steps: int | None = ..., strategy: Strategy | None = ...,
+    return_dict: Literal[False] = ...,
+) -> Any: ...  # a float (the loss alone) or [loss, *metrics]
+
+
+@overload
+def evaluate(
+    model: Model, loss_fn: LossFn | str | None, data: Iterable[Any] | Any, *, metrics: Sequence[Metric | str] = ...,
+    batch_size: int | None = ..., steps: int | None = ..., strategy: Strategy | None = ...,
+    return_dict: Literal[True],
+) -> dict[str, float]: ...
+
+
 def evaluate(
     model: Model,
-    loss_fn: LossFn | None,
-    data: Iterable[Any],
+    loss_fn: LossFn | str | None,
+    data: Iterable[Any] | Any,
     *,
     metrics: Sequence[Metric | str] = (),
+    batch_size: int | None = None,
     steps: int | None = None,
     strategy: Strategy | None = None,
-) -> dict[str, float]:
-    """The mean loss and the metrics of ``model`` over ``data`` (global values, on every replica);
-    ``steps`` limits the number of batches read (needed for an infinite dataset)."""
+    return_dict: bool = False,
+) -> Any:
+    """The mean loss and the metrics of ``model`` over ``data`` (global values, on every replica),
+    as Keras's ``evaluate`` returns them: the loss (a float) when there are no metrics, else the
+    list ``[loss, *metrics]`` in the order given (so ``loss, acc = evaluate(...)`` works), and the
+    dict ``{"loss": ..., name: ...}`` with ``return_dict=True``.
+
+    ``data`` yields global batches ``(x, y)`` or ``(x, y, sample_weight)``, or is Keras's array
+    form: a tuple ``(x, y)`` / ``(x, y, sample_weight)`` of tensors or numpy arrays, read in
+    batches of ``batch_size`` (32 when None; numpy floats as float32). ``steps`` limits the number
+    of batches read (needed for an infinite dataset)."""
     strategy = _strategy(model, None, strategy, "evaluate")
-    loss_fn = loss_names.resolve(loss_fn)
-    if loss_fn is not None:
-        check_loss_fn(loss_fn)
+    resolved: LossFn | None = loss_names.resolve(loss_fn)
+    if resolved is not None:
+        check_loss_fn(resolved)
+    data = _array_batches(data, batch_size, "evaluate", with_y=resolved is not None)
     check_iterable(data, "data")
     check_finite(data, steps, "data", "steps")
     tracked = [Mean("loss"), *get_all(metrics)]
-    runner = _make_steps(strategy, model, None, loss_fn)
+    runner = _make_steps(strategy, model, None, resolved)
     was_training = runner.module.training
     runner.set_training(False)
     try:
         with context.strategy_scope(strategy):
-            return _run_test(strategy, runner, data, tracked, None, steps)
+            logs = _run_test(strategy, runner, data, tracked, None, steps)
     finally:
         runner.set_training(was_training)
+    if return_dict:
+        return logs
+    values = [logs[m.name] for m in tracked]
+    return values[0] if len(values) == 1 else values
 
 
 def predict(
-    model: Model, data: Iterable[Any], *, steps: int | None = None, strategy: Strategy | None = None
+    model: Model,
+    data: Iterable[Any] | Any,
+    *,
+    batch_size: int | None = None,
+    steps: int | None = None,
+    strategy: Strategy | None = None,
 ) -> Any:
     """The model's outputs for every example of ``data``, in input order, on every replica.
 
-    ``data`` yields global batches ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``;
-    outputs are concatenated along the batch dimension (nested outputs leaf by leaf). Returns
-    None when ``data`` is empty. ``steps`` limits the number of batches read.
+    ``data`` is Keras's ``x``: a tensor or numpy array (or a dict of them, named inputs), read in
+    batches of ``batch_size`` rows (32 when None, as Keras; numpy floats as float32), so
+    ``predict(model, x)`` on ``[32, 20]`` inputs gives ``[32, classes]``; or something that yields
+    global batches ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)`` (a Dataset, a
+    DataLoader, a list of batches; then leave ``batch_size`` unset). Outputs are concatenated
+    along the batch dimension (nested outputs leaf by leaf), as tensors. Returns None when
+    ``data`` is empty. ``steps`` limits the number of batches read.
     """
     strategy = _strategy(model, None, strategy, "predict")
+    data = _array_batches(data, batch_size, "predict", with_y=False)
     check_iterable(data, "data")
     check_finite(data, steps, "data", "steps")
     runner = _make_steps(strategy, model, None, None)
@@ -443,4 +605,3 @@ def predict(
     finally:
         runner.set_training(was_training)
     return concat(parts)
-

@@ -1,4 +1,12 @@
-"""per_example_loss: any ``loss_fn(outputs, y)`` turned into one loss per example of the batch.
+"""per_example_loss: any ``loss_fn(outputs, y)`` turned into one loss per example of the batch;
+and Keras's loss classes (``Loss``, ``SparseCategoricalCrossentropy(from_logits=...)``, ...).
+
+Which argument order: a Keras loss (an instance of ``Loss`` here, or a Keras name such as
+``"sparse_categorical_crossentropy"``, which stands for one) is called as Keras calls it,
+``call(y_true, y_pred)``; a torch loss (an ``nn.Module`` such as ``nn.CrossEntropyLoss()``, or any
+other callable) as torch calls it, ``loss_fn(outputs, y)``. Likewise ``from_logits``: a Keras
+cross-entropy takes probabilities unless ``from_logits=True`` (Keras's default), a torch one
+takes logits; the Keras cross-entropies check their first batch and raise on a contradiction.
 
 ``fit`` minimizes the mean loss over the *global* batch. Under data parallelism it needs each
 replica's per-example losses (their sum divided by the global batch size, whose gradients summed
@@ -39,6 +47,14 @@ def check_loss_fn(loss_fn: LossFn) -> None:
     """Refuse loss modules whose reduction fit cannot reproduce exactly across replicas."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(outputs, y); got {type(loss_fn).__name__}")
+    if isinstance(loss_fn, Loss):
+        if loss_fn.reduction in ("sum", "mean_with_sample_weight"):
+            raise ValueError(
+                f"fit minimizes the mean loss over the global batch (Keras's reduction="
+                f"'sum_over_batch_size') but got {loss_fn!r}; {loss_fn.reduction!r} would give another "
+                "objective on each number of replicas. Use reduction='sum_over_batch_size' (the default)"
+            )
+        return
     reduction = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, nn.Module) else None
     name = type(loss_fn).__name__
     if reduction == "sum":
@@ -139,6 +155,18 @@ def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
     n = batch_size(y, outputs)
     if n == 0:
         return _zero_connected(outputs, 0)
+    if isinstance(loss_fn, Loss):  # Keras's order: labels first
+        loss = loss_fn.per_example(y, outputs)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"{type(loss_fn).__name__}.call returned {type(loss).__name__}; it must return a tensor")
+        if loss.dim() == 0:
+            return loss.expand(n)
+        if loss.shape[0] != n:
+            raise ValueError(
+                f"{type(loss_fn).__name__}.call returned a loss of shape {tuple(loss.shape)} for a batch of {n} "
+                "examples; return one loss per example (or per element, [batch, ...])"
+            )
+        return loss.flatten(1).mean(dim=1) if loss.dim() > 1 else loss
     loss = _unreduced(loss_fn)(outputs, y)
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss_fn returned {type(loss).__name__}; it must return a tensor")
@@ -151,3 +179,383 @@ def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
             "return one loss per example (reduction='none') or their mean (a scalar)"
         )
     return loss.flatten(1).mean(dim=1) if loss.dim() > 1 else loss
+
+
+# --- Keras's loss classes: call(y_true, y_pred), reduction, from_logits ----------------------------
+#
+# A Keras loss is called as Keras calls it, ``loss(y_true, y_pred, sample_weight=None)``, and a
+# subclass implements ``call(self, y_true, y_pred)``: the labels come first. A torch loss (an
+# ``nn.Module`` such as ``nn.CrossEntropyLoss()``, or a plain function) is called as torch calls it,
+# ``loss_fn(outputs, y)``. fit decides by type: an instance of ``Loss`` below (and a Keras name
+# such as ``"sparse_categorical_crossentropy"``, which stands for one) gets ``(y, outputs)``;
+# anything else gets ``(outputs, y)``.
+
+#: Keras's epsilon: probabilities are clipped to ``[EPSILON, 1 - EPSILON]`` before the log.
+EPSILON = 1e-7
+
+_REDUCTIONS = ("sum_over_batch_size", "sum", "mean", "mean_with_sample_weight", "none", None)
+
+
+class Reduction:
+    """TF 2's ``tf.keras.losses.Reduction`` names (Keras 3 takes the strings themselves)."""
+
+    NONE = "none"
+    SUM = "sum"
+    SUM_OVER_BATCH_SIZE = "sum_over_batch_size"
+    AUTO = "sum_over_batch_size"
+
+
+class Loss:
+    """Keras's loss base class: subclass it and implement ``call(self, y_true, y_pred)``, returning
+    one loss per example (or per element; they are averaged per example).
+
+    Called directly, ``loss(y_true, y_pred, sample_weight=None)`` reduces as Keras does:
+    ``"sum_over_batch_size"`` (the default; also ``"mean"``) is ``sum(w * loss) / n`` over the
+    ``n`` loss values, ``"sum"`` the sum, ``"mean_with_sample_weight"`` divides by ``sum(w)``,
+    ``"none"``/``None`` returns the values. Passed to ``fit``/``evaluate``, its ``call`` gives the
+    per-example losses and fit minimizes their mean over the global batch, which is Keras's
+    ``"sum_over_batch_size"``; ``"sum"`` and ``"mean_with_sample_weight"`` are refused there (they
+    would give another objective on each number of replicas).
+    """
+
+    def __init__(self, name: str | None = None, reduction: str | None = "sum_over_batch_size", dtype: Any = None) -> None:
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"Invalid value for argument `reduction`. Expected one of {_REDUCTIONS}. Received: reduction={reduction!r}")
+        self.name = name or _snake(type(self).__name__)
+        self.reduction = reduction
+        self.dtype = dtype if dtype is not None else torch.float32
+
+    def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement call(self, y_true, y_pred)")
+
+    def per_example(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        """``call``'s values in the loss's dtype (what fit reduces per example)."""
+        return self.call(_as_float(y_true, self.dtype, like=y_pred), _as_float(y_pred, self.dtype))
+
+    def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
+        values = self.per_example(y_true, y_pred)
+        return _reduce(values, sample_weight, self.reduction)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.name, "reduction": self.reduction}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Loss:
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")
+        return f"{type(self).__name__}({args})"
+
+
+def _snake(name: str) -> str:
+    out = "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+    return out
+
+
+def _as_float(value: Any, dtype: torch.dtype, like: Any = None) -> Any:
+    """``value`` as a tensor; floating tensors of lower precision in ``dtype`` (Keras computes
+    losses in float32); labels keep their integer type (sparse labels are class ids)."""
+    t = torch.as_tensor(value, device=like.device if isinstance(like, torch.Tensor) else None) if not isinstance(value, torch.Tensor) else value
+    if t.is_floating_point() and t.dtype != dtype and t.dtype != torch.float64:
+        t = t.to(dtype)
+    return t
+
+
+def _reduce(values: torch.Tensor, sample_weight: Any, reduction: str | None) -> torch.Tensor:
+    """Keras's ``reduce_weighted_values``: weights broadcast against the values, then reduced."""
+    if sample_weight is not None:
+        w = torch.as_tensor(sample_weight, dtype=values.dtype, device=values.device)
+        while w.dim() < values.dim():
+            w = w.unsqueeze(-1)
+        while w.dim() > values.dim() and w.shape[-1] == 1:
+            w = w.squeeze(-1)
+        values = values * w
+    if reduction in (None, "none") or values.dim() == 0:
+        return values
+    total = values.sum()
+    if reduction == "sum":
+        return total
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        divisor = torch.as_tensor(sample_weight, dtype=values.dtype, device=values.device).sum()
+    else:
+        divisor = torch.tensor(float(values.numel()), dtype=values.dtype, device=values.device)
+    return torch.where(divisor != 0, total / divisor, torch.zeros_like(total))
+
+
+def _same_rank(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keras's ``squeeze_or_expand_to_same_rank(y_true, y_pred)``: ``[B]`` labels against
+    ``[B, 1]`` predictions become ``[B, 1]`` (and the reverse), never broadcast to ``[B, B]``."""
+    if y_pred.dim() == y_true.dim() + 1 and y_pred.shape[-1] == 1:
+        y_true = y_true.unsqueeze(-1) if y_true.dim() == 1 else y_true
+        if y_true.dim() != y_pred.dim():
+            y_pred = y_pred.squeeze(-1)
+    elif y_true.dim() == y_pred.dim() + 1 and y_true.shape[-1] == 1:
+        y_pred = y_pred.unsqueeze(-1) if y_pred.dim() == 1 else y_pred
+        if y_true.dim() != y_pred.dim():
+            y_true = y_true.squeeze(-1)
+    return y_true, y_pred
+
+
+# --- Keras's loss functions (y_true, y_pred): per-example values, as keras.losses.* ----------------
+def mean_squared_error(y_true: Any, y_pred: Any) -> torch.Tensor:
+    """Keras's ``mean_squared_error``: the mean over the last axis of ``(y_pred - y_true)**2``."""
+    y_pred = torch.as_tensor(y_pred)
+    y_true, y_pred = _same_rank(torch.as_tensor(y_true, device=y_pred.device).to(y_pred.dtype), y_pred)
+    return ((y_pred - y_true) ** 2).mean(dim=-1)
+
+
+def mean_absolute_error(y_true: Any, y_pred: Any) -> torch.Tensor:
+    """Keras's ``mean_absolute_error``: the mean over the last axis of ``|y_pred - y_true|``."""
+    y_pred = torch.as_tensor(y_pred)
+    y_true, y_pred = _same_rank(torch.as_tensor(y_true, device=y_pred.device).to(y_pred.dtype), y_pred)
+    return (y_pred - y_true).abs().mean(dim=-1)
+
+
+def huber(y_true: Any, y_pred: Any, delta: float = 1.0) -> torch.Tensor:
+    """Keras's ``huber``: the mean over the last axis of the Huber loss."""
+    y_pred = torch.as_tensor(y_pred)
+    y_true, y_pred = _same_rank(torch.as_tensor(y_true, device=y_pred.device).to(y_pred.dtype), y_pred)
+    return torch.nn.functional.huber_loss(y_pred, y_true, reduction="none", delta=delta).mean(dim=-1)
+
+
+def _probability_check(loss: str, y_pred: torch.Tensor, from_logits: bool, binary: bool) -> None:
+    """The contradictions a first batch shows: probabilities expected and not given (a model
+    without a softmax/sigmoid), or logits expected and exact probability rows given."""
+    with torch.no_grad():
+        p = y_pred.detach()
+        if p.numel() == 0 or not p.is_floating_point():
+            return
+        p = p.float()
+        lo, hi = float(p.min()), float(p.max())
+        fix_logits = (
+            f"pass from_logits=True (loss=sg.losses.{loss}(from_logits=True)) or use a torch loss, "
+            + ("nn.BCEWithLogitsLoss()" if binary else "nn.CrossEntropyLoss()")
+            + f", which takes logits; or end the model in {'nn.Sigmoid()' if binary else 'nn.Softmax(dim=-1)'}"
+        )
+        if binary:
+            if not from_logits and (lo < 0.0 or hi > 1.0):
+                raise ValueError(
+                    f"{loss}(from_logits=False), Keras's default and what the name 'binary_crossentropy' "
+                    f"means, expects probabilities in [0, 1]; the model's outputs on the first batch "
+                    f"range over [{lo:.4g}, {hi:.4g}], so they are logits. To train on logits, {fix_logits}"
+                )
+            return
+        if p.dim() == 0 or p.shape[-1] < 2:
+            return
+        sums = p.sum(dim=-1)
+        off = float((sums - 1.0).abs().max())
+        tol = 1e-3 if y_pred.dtype in (torch.float32, torch.float64) else 2e-2
+        if not from_logits and (lo < 0.0 or off > tol):
+            name = "sparse_categorical_crossentropy" if loss.startswith("Sparse") else "categorical_crossentropy"
+            raise ValueError(
+                f"{loss}(from_logits=False), Keras's default and what the name {name!r} means, "
+                f"expects probabilities (each row of the model's outputs a distribution over the "
+                f"classes); on the first batch the outputs range over [{lo:.4g}, {hi:.4g}] and their "
+                f"rows sum to {float(sums.min()):.4g}..{float(sums.max()):.4g}, so they are logits. To "
+                f"train on logits, {fix_logits}"
+            )
+        if from_logits and lo >= 0.0 and hi <= 1.0 and off <= 1e-4:
+            raise ValueError(
+                f"{loss}(from_logits=True) expects logits, but every row of the model's outputs on "
+                "the first batch is a probability distribution (non-negative, summing to 1): the "
+                "model ends in a softmax, and from_logits=True would apply another one. Pass "
+                f"from_logits=False (sg.losses.{loss}(), Keras's default), or drop the model's final "
+                "softmax"
+            )
+
+
+def categorical_crossentropy(
+    y_true: Any, y_pred: Any, from_logits: bool = False, label_smoothing: float = 0.0, axis: int = -1
+) -> torch.Tensor:
+    """Keras's ``categorical_crossentropy`` (one-hot ``y_true``): probabilities by default
+    (normalized over ``axis``, clipped to ``[1e-7, 1 - 1e-7]``), logits with ``from_logits=True``."""
+    y_pred = torch.as_tensor(y_pred)
+    y_true = torch.as_tensor(y_true, device=y_pred.device).to(y_pred.dtype)
+    if y_true.shape != y_pred.shape:
+        raise ValueError(
+            f"Arguments `target` and `output` must have the same shape. Received: target.shape={tuple(y_true.shape)}, "
+            f"output.shape={tuple(y_pred.shape)} (one-hot labels; use sparse_categorical_crossentropy for class ids)"
+        )
+    if label_smoothing:
+        y_true = y_true * (1.0 - label_smoothing) + label_smoothing / y_pred.shape[axis]
+    if from_logits:
+        log_prob = torch.log_softmax(y_pred, dim=axis)
+    else:
+        out = y_pred / y_pred.sum(dim=axis, keepdim=True)
+        log_prob = torch.log(out.clamp(EPSILON, 1.0 - EPSILON))
+    return -(y_true * log_prob).sum(dim=axis)
+
+
+def sparse_categorical_crossentropy(
+    y_true: Any, y_pred: Any, from_logits: bool = False, ignore_class: int | None = None, axis: int = -1
+) -> torch.Tensor:
+    """Keras's ``sparse_categorical_crossentropy`` (class ids ``y_true``, classes on ``axis``, the
+    last by default): probabilities by default, logits with ``from_logits=True``; examples
+    labelled ``ignore_class`` give 0."""
+    y_pred = torch.as_tensor(y_pred)
+    target = torch.as_tensor(y_true, device=y_pred.device)
+    if target.dim() == y_pred.dim() and target.shape[axis] == 1:
+        target = target.squeeze(axis)
+    target = target.long()
+    out = y_pred.movedim(axis, 1) if y_pred.dim() > 1 else y_pred.unsqueeze(0)
+    t = target if y_pred.dim() > 1 else target.reshape(1)
+    valid = None
+    if ignore_class is not None:
+        valid = t != ignore_class
+        t = torch.where(valid, t, torch.zeros_like(t))
+    if tuple(t.shape) != (out.shape[0], *out.shape[2:]):
+        raise ValueError(
+            "Arguments `target` and `output` must have the same shape up until the last dimension: "
+            f"target.shape={tuple(target.shape)}, output.shape={tuple(y_pred.shape)}"
+        )
+    if from_logits:
+        result = torch.nn.functional.cross_entropy(out, t, reduction="none")
+    else:
+        probs = out / out.sum(dim=1, keepdim=True)
+        result = torch.nn.functional.nll_loss(torch.log(probs.clamp(EPSILON, 1.0 - EPSILON)), t, reduction="none")
+    if valid is not None:
+        result = torch.where(valid, result, torch.zeros_like(result))
+    return result if y_pred.dim() > 1 else result.squeeze(0)
+
+
+def binary_crossentropy(
+    y_true: Any, y_pred: Any, from_logits: bool = False, label_smoothing: float = 0.0, axis: int = -1
+) -> torch.Tensor:
+    """Keras's ``binary_crossentropy``: the mean over ``axis`` of the element-wise binary
+    cross-entropy of probabilities (clipped to ``[1e-7, 1 - 1e-7]``), or of logits with
+    ``from_logits=True``."""
+    y_pred = torch.as_tensor(y_pred)
+    y_true, y_pred = _same_rank(torch.as_tensor(y_true, device=y_pred.device).to(y_pred.dtype), y_pred)
+    if label_smoothing:
+        y_true = y_true * (1.0 - label_smoothing) + 0.5 * label_smoothing
+    if from_logits:
+        values = torch.nn.functional.binary_cross_entropy_with_logits(y_pred, y_true, reduction="none")
+    else:
+        values = torch.nn.functional.binary_cross_entropy(y_pred.clamp(EPSILON, 1.0 - EPSILON), y_true, reduction="none")
+    return values.mean(dim=axis)
+
+
+for _fn in (mean_squared_error, mean_absolute_error, huber, categorical_crossentropy,
+            sparse_categorical_crossentropy, binary_crossentropy):  # fmt: skip
+    _fn.keras_order = True  # type: ignore[attr-defined]  # called (y_true, y_pred), see resolve below
+del _fn
+
+
+class LossFunctionWrapper(Loss):
+    """A Keras-order function ``fn(y_true, y_pred, **kwargs)`` as a Loss (Keras's class)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], reduction: str | None = "sum_over_batch_size",
+                 name: str | None = None, dtype: Any = None, **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(name=name or getattr(fn, "__name__", None), reduction=reduction, dtype=dtype)
+        self.fn = fn
+        self._fn_kwargs = kwargs
+
+    def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        return self.fn(y_true, y_pred, **self._fn_kwargs)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **self._fn_kwargs}
+
+
+class MeanSquaredError(LossFunctionWrapper):
+    def __init__(self, reduction: str | None = "sum_over_batch_size", name: str = "mean_squared_error", dtype: Any = None) -> None:
+        super().__init__(mean_squared_error, reduction=reduction, name=name, dtype=dtype)
+
+    def get_config(self) -> dict[str, Any]:
+        return Loss.get_config(self)
+
+
+class MeanAbsoluteError(LossFunctionWrapper):
+    def __init__(self, reduction: str | None = "sum_over_batch_size", name: str = "mean_absolute_error", dtype: Any = None) -> None:
+        super().__init__(mean_absolute_error, reduction=reduction, name=name, dtype=dtype)
+
+    def get_config(self) -> dict[str, Any]:
+        return Loss.get_config(self)
+
+
+class Huber(LossFunctionWrapper):
+    def __init__(self, delta: float = 1.0, reduction: str | None = "sum_over_batch_size", name: str = "huber_loss", dtype: Any = None) -> None:
+        super().__init__(huber, reduction=reduction, name=name, dtype=dtype, delta=delta)
+
+
+class _Crossentropy(LossFunctionWrapper):
+    """The cross-entropies: on the first batch they have values for, the outputs are checked
+    against ``from_logits`` (probabilities for False, Keras's default; not exact probability
+    rows for True), and a contradiction is a ValueError saying what to write."""
+
+    _binary = False
+
+    def __init__(self, fn: Callable[..., torch.Tensor], from_logits: bool, reduction: str | None, name: str,
+                 dtype: Any, **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(fn, reduction=reduction, name=name, dtype=dtype, from_logits=from_logits, **kwargs)
+        self.from_logits = from_logits
+        self._checked = False
+
+    def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        if not self._checked and isinstance(y_pred, torch.Tensor) and y_pred.numel():
+            _probability_check(type(self).__name__, y_pred, self.from_logits, self._binary)
+            self._checked = True
+        return super().call(y_true, y_pred)
+
+
+class SparseCategoricalCrossentropy(_Crossentropy):
+    """Keras's ``SparseCategoricalCrossentropy(from_logits=False, ignore_class=None)``: class-id
+    labels, probabilities by default (``from_logits=True`` for logits)."""
+
+    def __init__(self, from_logits: bool = False, ignore_class: int | None = None, reduction: str | None = "sum_over_batch_size",
+                 name: str = "sparse_categorical_crossentropy", dtype: Any = None) -> None:  # fmt: skip
+        super().__init__(sparse_categorical_crossentropy, from_logits, reduction, name, dtype, ignore_class=ignore_class)
+
+
+class CategoricalCrossentropy(_Crossentropy):
+    """Keras's ``CategoricalCrossentropy(from_logits=False, label_smoothing=0.0, axis=-1)``: one-hot
+    labels, probabilities by default (``from_logits=True`` for logits)."""
+
+    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, axis: int = -1,
+                 reduction: str | None = "sum_over_batch_size", name: str = "categorical_crossentropy",
+                 dtype: Any = None) -> None:  # fmt: skip
+        super().__init__(categorical_crossentropy, from_logits, reduction, name, dtype, label_smoothing=label_smoothing, axis=axis)
+
+
+class BinaryCrossentropy(_Crossentropy):
+    """Keras's ``BinaryCrossentropy(from_logits=False, label_smoothing=0.0, axis=-1)``:
+    probabilities by default (``from_logits=True`` for logits)."""
+
+    _binary = True
+
+    def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, axis: int = -1,
+                 reduction: str | None = "sum_over_batch_size", name: str = "binary_crossentropy",
+                 dtype: Any = None) -> None:  # fmt: skip
+        super().__init__(binary_crossentropy, from_logits, reduction, name, dtype, label_smoothing=label_smoothing, axis=axis)
+
+
+#: Keras's loss names (``loss="..."``): each stands for a new instance of its class, so a name
+#: means what it means in Keras (the cross-entropies take probabilities: ``from_logits=False``).
+KERAS_NAMES: dict[str, Callable[[], Loss]] = {
+    "mse": MeanSquaredError,
+    "mean_squared_error": MeanSquaredError,
+    "mae": MeanAbsoluteError,
+    "mean_absolute_error": MeanAbsoluteError,
+    "huber": Huber,
+    "huber_loss": Huber,
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "binary_crossentropy": BinaryCrossentropy,
+}
+
+
+def get(identifier: Any) -> Any:
+    """Keras's ``losses.get``: a Keras name as its Loss (a new instance), a Keras-order function of
+    this module as a ``LossFunctionWrapper``, anything else (a Loss, a torch loss) as given."""
+    if isinstance(identifier, str):
+        make = KERAS_NAMES.get(identifier.lower())
+        if make is None:
+            raise ValueError(
+                f"unknown loss {identifier!r}; pass a callable (outputs, y) -> loss (a torch loss), a "
+                f"stratagem.losses.Loss, or one of {sorted(KERAS_NAMES)}"
+            )
+        return make()
+    if getattr(identifier, "keras_order", False) and not isinstance(identifier, Loss):
+        return LossFunctionWrapper(identifier)
+    return identifier
