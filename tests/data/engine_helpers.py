@@ -45,6 +45,7 @@ def images_unbatched() -> Dataset:
 
 
 def ragged(x: int) -> np.ndarray:
+    x = int(x)  # range() yields int64 tensors, as tf.data's does
     return np.arange(x % 5, dtype=np.int32) + x
 
 
@@ -77,10 +78,12 @@ def sleepy(x: int) -> int:
 
 def fresh_tensor(x: int) -> tuple:
     """Elements made after the workers were forked (they travel through a shared arena)."""
+    x = int(x)  # range() yields int64 tensors, as tf.data's does
     return torch.full((2, 3), float(x)), np.arange(4, dtype=np.int16) * x, np.arange(x % 3), x
 
 
 def combine(t: torch.Tensor, a: np.ndarray, ragged: np.ndarray, x: int,
             rng: np.random.Generator) -> dict:
-    return {"t": t * float(rng.random()), "a": torch.from_numpy(a + 1), "n": int(ragged.sum()),
+    # the map before returned numpy arrays: tf.data (and stratagem) hand tensors on
+    return {"t": t * float(rng.random()), "a": torch.as_tensor(a) + 1, "n": int(ragged.sum()),
             "x": x}

@@ -186,11 +186,18 @@ def test_a_killed_worker_is_an_error_naming_the_stage():
 
 @pytest.mark.timeout(60)
 def test_autotune_picks_processes_for_python_and_threads_for_gil_free(caplog):
+    """The engine is measured on the first epoch's own elements (no separate probe): pure
+    Python moves to processes during it, and the next epoch builds whole batches in them."""
     with caplog.at_level(logging.INFO, logger="stratagem.data"):
-        held = D.range(40).map(eh.py_work, num_parallel_calls=AUTOTUNE).batch(8)
+        # filter: an unknown cardinality, so moving to processes is always worth it
+        held = (D.range(60).filter(lambda x: True)
+                .map(eh.py_work, num_parallel_calls=AUTOTUNE).batch(8))
+        assert not _uses_batch_workers(held)  # not measured yet: starts sequential
+        assert [int(x) for b in held for x in b] == [eh.py_work(i) for i in range(60)]
         assert _uses_batch_workers(held)
-        assert [int(x) for b in held for x in b] == [eh.py_work(i) for i in range(40)]
+        assert [int(x) for b in held for x in b] == [eh.py_work(i) for i in range(60)]
         free = D.range(40).map(eh.sleepy, num_parallel_calls=AUTOTUNE).batch(8)
+        assert [int(x) for b in free for x in b] == list(range(40))
         assert not _uses_batch_workers(free)
     lines = [r.getMessage() for r in caplog.records if "AUTOTUNE" in r.getMessage()]
     assert len(lines) == 2, lines  # once per map, not per iterator

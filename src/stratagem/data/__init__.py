@@ -15,7 +15,12 @@ from stratagem.data.example import (
 )
 from stratagem.data.fixed_length import FixedLengthRecordDataset
 from stratagem.data.functions import MapFunctionError, element_rng
-from stratagem.data.iterator import DatasetIterator
+from stratagem.data.iterator import (
+    DatasetIterator,
+    InvalidArgumentError,
+    Optional,
+    OutOfRangeError,
+)
 from stratagem.data.mixtures import choose_from_datasets, sample_from_datasets
 from stratagem.data.options import (
     AUTOTUNE,
@@ -38,7 +43,7 @@ from stratagem.data.sharding import (
     shards_by_files,
 )
 from stratagem.data.sources import TextLineDataset
-from stratagem.data.spec import RaggedSpec, TensorSpec
+from stratagem.data.spec import DatasetSpec, RaggedSpec, TensorSpec
 from stratagem.data.testing import assert_resumes_exactly
 from stratagem.data.tfrecord import (
     CorruptRecordError,
@@ -63,14 +68,18 @@ __all__ = [
     "CsvParseError",
     "DataLoaderView",
     "Dataset",
+    "DatasetSpec",
     "DatasetIterator",
     "DistributeOptions",
     "ExampleParseError",
     "FixedLenFeature",
     "FixedLenSequenceFeature",
     "FixedLengthRecordDataset",
+    "InvalidArgumentError",
     "MapFunctionError",
+    "Optional",
     "Options",
+    "OutOfRangeError",
     "PipelineClosed",
     "Ragged",
     "RaggedSpec",

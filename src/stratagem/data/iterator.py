@@ -70,6 +70,85 @@ class StatefulIterator:
             child.close()
 
 
+class OutOfRangeError(Exception):
+    """``iterator.get_next()`` past the end (tf.errors.OutOfRangeError). A ``for`` loop and
+    ``next()`` end with StopIteration as usual."""
+
+
+class InvalidArgumentError(ValueError):
+    """``Optional.get_value()`` of an empty Optional (tf.errors.InvalidArgumentError)."""
+
+
+class Optional:
+    """A value that may be absent (``tf.experimental.Optional``): what
+    ``iterator.get_next_as_optional()`` returns. ``has_value()`` is a Python bool (tf: a bool
+    tensor, which ``if`` reads the same way)."""
+
+    __slots__ = ("_value", "_has", "_spec")
+
+    def __init__(self, value: Any = None, has_value: bool = False, element_spec: Any = None
+                 ) -> None:
+        self._value, self._has, self._spec = value, bool(has_value), element_spec
+
+    @staticmethod
+    def from_value(value: Any) -> Optional:
+        from stratagem.data.spec import spec_of
+        from stratagem.data.structure import normalize
+
+        value = normalize(value)
+        return Optional(value, True, spec_of(value))
+
+    @staticmethod
+    def empty(element_spec: Any) -> Optional:
+        return Optional(None, False, element_spec)
+
+    def has_value(self) -> bool:
+        return self._has
+
+    def get_value(self) -> Any:
+        if not self._has:
+            raise InvalidArgumentError(
+                "get_value() of an empty Optional (the iterator had ended); check has_value() "
+                "first"
+            )
+        return self._value
+
+    @property
+    def element_spec(self) -> Any:
+        return self._spec
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            "the truth value of an Optional is ambiguous; use optional.has_value()"
+        )
+
+    def __repr__(self) -> str:
+        return f"Optional(has_value={self._has}, element_spec={self._spec!r})"
+
+
+def get_next(iterator: Any) -> Any:
+    """``next(iterator)``, raising OutOfRangeError at the end as tf's ``get_next()`` does."""
+    try:
+        return next(iterator)
+    except StopIteration:
+        raise OutOfRangeError("End of sequence") from None
+
+
+def get_next_as_optional(iterator: Any, element_spec: Any = None) -> Optional:
+    """The next element as an Optional (empty at the end), as tf's ``get_next_as_optional``."""
+    try:
+        value = next(iterator)
+    except StopIteration:
+        return Optional.empty(element_spec)
+    from stratagem.data.spec import spec_of
+
+    try:
+        spec = element_spec if element_spec is not None else spec_of(value)
+    except TypeError:
+        spec = None
+    return Optional(value, True, spec)
+
+
 def _failing_node(exc: BaseException) -> str:
     """The innermost StatefulIterator whose load_state_dict was running when exc was raised."""
     node = ""
@@ -131,6 +210,7 @@ class DatasetIterator:
         self._holder: list[StatefulIterator | None] = [None]
         self._finalizer = weakref.finalize(self, interrupt_safe(_close_root), self._holder)
         self._final_state: dict[str, Any] | None = None
+        self._spec: Any = None
         self._build(epoch, seed)
 
     def _build(self, epoch: int, seed: int | None) -> None:
@@ -160,6 +240,27 @@ class DatasetIterator:
         except BaseException:
             _close_root(self._holder)
             raise
+
+    def get_next(self) -> Any:
+        """The next element; OutOfRangeError at the end (tf's ``iterator.get_next()``)."""
+        return get_next(self)
+
+    def get_next_as_optional(self) -> Optional:
+        """The next element as an :class:`Optional`, empty at the end (tf's
+        ``iterator.get_next_as_optional()``)."""
+        if self._spec is None:
+            from stratagem.data.spec import static_spec
+
+            self._spec = static_spec(self._dataset)
+        out = get_next_as_optional(self, self._spec)
+        if self._spec is None:
+            self._spec = out.element_spec  # the spec of the first element
+        return out
+
+    @property
+    def element_spec(self) -> Any:
+        """The dataset's ``element_spec`` (tf's ``iterator.element_spec``)."""
+        return self._dataset.element_spec
 
     def state_dict(self) -> dict[str, Any]:
         """Where this iterator stands, as plain JSON-serializable values."""

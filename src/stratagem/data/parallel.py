@@ -1,9 +1,10 @@
 """Parallel map on a thread pool or a process pool, resumable and in tf order.
 
 Which engine: ``use_processes=True/False`` decides; by default (``num_parallel_calls=AUTOTUNE``,
-``use_processes`` unset) :func:`stratagem.data.autotune.choose_engine` measures whether the
-function scales on threads (GIL-free work) or needs processes (small torch ops, pure Python),
-once per map, and logs the choice. A map on processes that feeds ``batch``/``padded_batch``
+``use_processes`` unset) the map's first iterator computes its first elements sequentially,
+then measures on its real elements whether the function waits or scales on threads (GIL-free
+work) or needs processes (small torch ops, pure Python), records the choice on the map and logs
+it (see :mod:`stratagem.data.autotune`; there is no separate probe). A map on processes that feeds ``batch``/``padded_batch``
 (through 1:1 maps only) runs with the batch in batch-building workers
 (:mod:`stratagem.data.batch_workers`); otherwise elements go through the process pool here.
 
@@ -32,18 +33,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from stratagem.data import procs
-from stratagem.data.autotune import Tuner, choose_engine
+from stratagem.data import autotune, procs
+from stratagem.data.autotune import Tuner, logger
 from stratagem.data.dataset import Dataset
 from stratagem.data.functions import call, element_rng, failure, function_name
 from stratagem.data.iterator import Context, StatefulIterator
 from stratagem.data.options import AUTOTUNE
-from stratagem.data.structure import flatten, map_structure, nbytes, pack_as
+from stratagem.data.structure import flatten, map_structure, nbytes, normalize_output, pack_as
 
 CHUNK_SECONDS = 0.02  # target work per process-pool task
 MAX_CHUNK = 64  # most elements per process-pool task
 _engine_lock = threading.RLock()  # one AUTOTUNE measurement at a time (they nest)
 SNAP_EVERY = 16  # input state saved before every 16th element (a restore replays <= 15)
+
+
+def _picklable(fn: Callable[..., Any]) -> bool:
+    try:
+        pickle.dumps(fn)
+    except Exception:
+        return False
+    return True
 
 
 def usable_cpus() -> int:
@@ -92,23 +101,31 @@ class ParallelMapDataset(Dataset):
             else "processes" if use_processes else "threads"
         )
 
-    def engine(self, ctx: Context) -> str:
-        """"threads" or "processes": as asked, else measured once (AUTOTUNE) and logged."""
-        with _engine_lock:  # not an attribute: the plan stays picklable
-            if self._engine is None:
-                self._engine = choose_engine(self, ctx)
-            return self._engine
+    def engine(self, ctx: Context) -> str | None:
+        """"threads" or "processes": as asked, or as an earlier iterator of this AUTOTUNE map
+        measured on its real elements (see :mod:`stratagem.data.autotune`); None while not
+        yet measured (the iterator then starts sequential and measures)."""
+        return self._engine
 
-    def workers(self, ctx: Context) -> int:
+    def decided(self, engine: str, reason: str) -> None:
+        """Record an AUTOTUNE map's engine, measured by its first iterator (logged once)."""
+        with _engine_lock:
+            if self._engine is None:
+                self._engine = engine
+                logger.info("%s(%s): AUTOTUNE runs it on %s (%s; use_processes=True/False "
+                            "overrides)", self._name, function_name(self._fn), engine, reason)
+
+    def workers(self, ctx: Context, engine: str | None = None) -> int:
         """Threads or processes this map uses (AUTOTUNE: the CPU budget, for processes
         also at most the usable cores)."""
         cap = ctx.options.resolved_cpu_budget
-        if self.engine(ctx) == "processes":
+        if (engine or self.engine(ctx)) == "processes":
             cap = min(cap, usable_cpus())
         return cap if self._n == AUTOTUNE else self._n
 
     def batch_workers(self, ctx: Context) -> int:
-        """Processes for batch-building workers (0: this map does not run on them)."""
+        """Processes for batch-building workers (0: this map does not run on them; an AUTOTUNE
+        map not yet measured does not, its first iterator measures it)."""
         if self.engine(ctx) != "processes" or not procs.forks():
             return 0
         return self.workers(ctx)
@@ -123,7 +140,14 @@ class ParallelMapDataset(Dataset):
 def _timed_call(fn: Callable[..., Any], element: Any, seed: Any) -> tuple[Any, float]:
     start = time.perf_counter()
     rng = element_rng(seed) if seed is not None else None
-    return call(fn, element, rng), time.perf_counter() - start
+    return normalize_output(call(fn, element, rng)), time.perf_counter() - start
+
+
+def _measured_call(fn: Callable[..., Any], element: Any, seed: Any) -> tuple[Any, float, float]:
+    """:func:`_timed_call` plus the CPU seconds the calling thread spent in it."""
+    cpu = time.thread_time()
+    value, seconds = _timed_call(fn, element, seed)
+    return value, seconds, time.thread_time() - cpu
 
 
 # -- worker process side -----------------------------------------------------------------
@@ -217,9 +241,15 @@ class _ParallelMapIterator(StatefulIterator):
         self.deterministic = (
             options.resolved_deterministic if ds._deterministic is None else ds._deterministic
         )
-        self.processes = ds.engine(ctx) == "processes"
-        self.max_workers = ds.workers(ctx)
+        engine = ds.engine(ctx)
+        # an AUTOTUNE map not yet measured starts sequential ("inline"): see autotune's doc
+        self.mode = engine or "inline"
+        self.processes = engine == "processes"
+        self.max_workers = ds.workers(ctx, "threads" if engine is None else engine)
         self.tuner = Tuner(self.max_workers, options.resolved_ram_budget)
+        self.samples: list[tuple[float, float]] = []  # (seconds, busy share) being measured
+        self.switch_to_processes = False
+        self.trial_start = 0.0
         self.pool: cf.Executor | None = None
         self.inflight: collections.deque[_Entry] = collections.deque()
         self.npending = 0  # entries in self.inflight not yet yielded
@@ -261,6 +291,74 @@ class _ParallelMapIterator(StatefulIterator):
         chunk = max(1, min(chunk, self.tuner.memory_cap() // (2 * p)))
         return 2 * p * chunk, chunk
 
+    def _start_processes(self) -> None:
+        self.switch_to_processes = False
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        self.mode, self.processes = "processes", True
+        self.max_workers = self.ds.workers(self.ctx, "processes")
+        self.tuner.max_parallelism = max(1, self.max_workers)
+
+    def _inline_next(self) -> Any:
+        """One element computed in the consumer's thread (the sequential map's way), timed."""
+        while True:
+            x = next(self.child)
+            pos = self.pos
+            self.pos += 1
+            if pos in self.skip:
+                self.skip.discard(pos)
+                continue
+            break
+        seed = self.ctx.seed_sequence(self.ds._seed, pos) if self.ds._with_rng else None
+        queued = autotune.run_queue_wait()
+        try:
+            value, seconds, cpu = _measured_call(self.ds._fn, x, seed)
+        except Exception as e:
+            self.close()
+            raise failure(self.ds._name, self.ds._fn, pos, e) from e
+        queued = autotune.run_queue_wait() - queued
+        self.samples.append((seconds, cpu / max(seconds - queued, cpu, 1e-9)))
+        if len(self.samples) >= autotune.INLINE_ELEMENTS:
+            self._choose_first()
+        return value
+
+    def _choose_first(self) -> None:
+        per = min(t for t, _ in self.samples)
+        busy = max(b for _, b in self.samples)
+        choice = autotune.first_choice(per, busy, usable_cpus())
+        self.samples = []
+        if choice == "inline":
+            self.mode = "sequential"  # this iterator stays sequential; the next one measures
+            return
+        self.mode = "threads" if choice == "threads" else "trial"
+        self.trial_start = time.perf_counter()
+        if choice == "threads":
+            why = ("one core" if usable_cpus() < 2 else
+                   f"it waits: its thread ran {busy:.0%} of {per * 1e3:.2f} ms per element")
+            self.ds.decided("threads", why)
+
+    def _trial_sample(self, seconds: float, cpu: float) -> None:
+        self.samples.append((seconds, cpu))
+        if len(self.samples) < autotune.THREAD_TRIAL:
+            return
+        span = time.perf_counter() - self.trial_start
+        cores = sum(c for _, c in self.samples) / max(span, 1e-9)
+        per = sorted(c for _, c in self.samples)[len(self.samples) // 2]
+        self.samples = []
+        n = self.ds._inputs[0].cardinality()
+        remaining = max(0, n - self.pos) if n >= 0 else None
+        workers = min(self.ctx.options.resolved_cpu_budget, usable_cpus())
+        choice = autotune.after_trial(cores, self.max_workers, per, self.tuner.consume.value,
+                                      remaining, workers)
+        if choice == "processes" and not (procs.forks() or _picklable(self.ds._fn)):
+            choice = "threads"
+        self.mode = "threads"
+        self.ds.decided(choice, f"{self.max_workers} threads kept {cores:.2f} cores busy, "
+                        f"{per * 1e3:.2f} ms of CPU per element")
+        if choice == "processes":
+            self.switch_to_processes = True
+
     def _submit(self, batch: list[tuple[_Entry, Any]]) -> None:
         fn, pool = self.ds._fn, self._pool()
         seeds = [
@@ -273,10 +371,17 @@ class _ParallelMapIterator(StatefulIterator):
             for i, (entry, _) in enumerate(batch):
                 entry.future, entry.index = future, i
         else:
+            call_fn = _measured_call if self.mode == "trial" else _timed_call
             for (entry, x), seed in zip(batch, seeds):
-                entry.future = pool.submit(_timed_call, fn, x, seed)
+                entry.future = pool.submit(call_fn, fn, x, seed)
 
     def _fill(self) -> None:
+        if self.mode == "inline":
+            return
+        if self.switch_to_processes:
+            if self.npending:
+                return  # the thread trial's elements finish first
+            self._start_processes()
         target, chunk = self._plan()
         if self.npending > target - chunk:
             return  # refill only a whole chunk at a time
@@ -327,7 +432,9 @@ class _ParallelMapIterator(StatefulIterator):
         except Exception as e:
             raise self._fail(entry, e) from e
         if not self.processes:
-            return result  # type: ignore[no-any-return]
+            if len(result) == 3:  # measured during the thread trial
+                self._trial_sample(result[1], result[2])
+            return result[0], result[1]
         results, error = result
         if entry.index < len(results):
             skeleton, leaves, kinds, seconds = results[entry.index]
@@ -339,10 +446,28 @@ class _ParallelMapIterator(StatefulIterator):
         raise self._fail(entry, exc) from exc
 
     def __next__(self) -> Any:
+        if self.mode == "sequential" and not self.skip and not self.closed:
+            # a cheap function: exactly the sequential map's work
+            x = next(self.child)
+            pos = self.pos
+            self.pos = pos + 1
+            ds = self.ds
+            rng = element_rng(self.ctx.seed_sequence(ds._seed, pos)) if ds._with_rng else None
+            try:
+                return normalize_output(call(ds._fn, x, rng))
+            except Exception as error:
+                self.close()
+                raise failure(ds._name, ds._fn, pos, error) from error
+        if self.mode == "sequential":
+            return self._sequential_next()
         if self.closed:
             raise StopIteration
         if self.last_return is not None:
             self.tuner.consume.add(time.perf_counter() - self.last_return)
+        if self.mode == "inline":
+            value = self._inline_next()
+            self.last_return = time.perf_counter()
+            return value
         self._purge()
         self._fill()
         if not self.npending:
@@ -366,6 +491,23 @@ class _ParallelMapIterator(StatefulIterator):
         self._fill()  # start the next elements before handing this one out
         self.last_return = time.perf_counter()
         return value
+
+    def _sequential_next(self) -> Any:
+        if self.closed:
+            raise StopIteration
+        while True:
+            x = next(self.child)
+            pos = self.pos
+            self.pos += 1
+            if pos not in self.skip:
+                break
+            self.skip.discard(pos)
+        rng = element_rng(self.ctx.seed_sequence(self.ds._seed, pos)) if self.ds._with_rng else None
+        try:
+            return normalize_output(call(self.ds._fn, x, rng))
+        except Exception as e:
+            self.close()
+            raise failure(self.ds._name, self.ds._fn, pos, e) from e
 
     # -- state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

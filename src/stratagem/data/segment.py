@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from stratagem.data import sharedmem
 from stratagem.data.functions import call, element_rng, function_name
 from stratagem.data.iterator import Context
+from stratagem.data.structure import normalize_output
 from stratagem.data.transforms import MapDataset, ShardDataset
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ class Stage:
 
     def __call__(self, x: Any, pos: int) -> Any:
         rng = element_rng(self.ctx.seed_sequence(self.seed, pos)) if self.with_rng else None
-        return call(self.fn, x, rng)
+        return normalize_output(call(self.fn, x, rng))
 
 
 @dataclasses.dataclass(frozen=True)

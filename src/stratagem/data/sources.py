@@ -12,11 +12,16 @@ import torch
 
 from stratagem.data.dataset import Dataset
 from stratagem.data.iterator import Context, StatefulIterator
-from stratagem.data.structure import flatten, pack_as
+from stratagem.data.structure import flatten, normalize, pack_as, to_tensor
+
+
+def _int64(value: int) -> torch.Tensor:
+    """A scalar as tf.data's range/counter/random/enumerate yield it: an int64 tensor."""
+    return torch.tensor(value, dtype=torch.int64)
 
 
 class RangeDataset(Dataset):
-    """``range(stop)`` / ``range(start, stop[, step])`` of Python ints."""
+    """``range(stop)`` / ``range(start, stop[, step])`` as int64 scalar tensors (tf.data's)."""
 
     def __init__(self, *args: int) -> None:
         if not 1 <= len(args) <= 3:
@@ -39,11 +44,11 @@ class _RangeIterator(StatefulIterator):
     def __init__(self, r: range) -> None:
         self.r, self.i = r, 0
 
-    def __next__(self) -> int:
+    def __next__(self) -> torch.Tensor:
         if self.i >= len(self.r):
             raise StopIteration
         self.i += 1
-        return self.r[self.i - 1]
+        return _int64(self.r[self.i - 1])
 
     def state_dict(self) -> dict[str, Any]:
         return {"index": self.i}
@@ -52,22 +57,11 @@ class _RangeIterator(StatefulIterator):
         self.i = int(state["index"])
 
 
-def _to_storage(leaf: Any) -> tuple[Any, bool]:
-    """Convert a leaf to array storage; Python lists become numpy arrays (no Python objects)."""
-    if isinstance(leaf, torch.Tensor | np.ndarray):
-        return leaf, False
-    if isinstance(leaf, list):
-        if leaf and all(isinstance(x, bytes) for x in leaf):
-            arr = np.empty(len(leaf), dtype=object)  # an "S" array would drop trailing NULs
-            arr[:] = leaf
-            return arr, True
-        arr = np.asarray(leaf)
-        if arr.dtype == object:
-            raise TypeError(
-                "from_tensor_slices got a list that does not form a regular array "
-                f"(first items: {leaf[:3]!r}); use equal-length items or padded_batch later"
-            )
-        return arr, True
+def _to_storage(leaf: Any) -> Any:
+    """A leaf as tf.data holds it (see :func:`~stratagem.data.structure.to_tensor`): numbers
+    as torch tensors (Python lists with tf's dtypes: float32, int32), text as numpy arrays."""
+    if isinstance(leaf, list | np.ndarray | torch.Tensor):
+        return to_tensor(leaf)
     raise TypeError(
         f"from_tensor_slices expects tensors, numpy arrays or lists as leaves, got "
         f"{type(leaf).__name__}; use from_tensors for a single element"
@@ -78,10 +72,8 @@ class TensorSlicesDataset(Dataset):
     """Slices of nested tensors/arrays/lists along their first dimension."""
 
     def __init__(self, tensors: Any) -> None:
-        converted = [_to_storage(leaf) for leaf in flatten(tensors)]
         self._template = tensors
-        self._leaves = [c[0] for c in converted]
-        self._as_python = [c[1] for c in converted]
+        self._leaves = [_to_storage(leaf) for leaf in flatten(tensors)]
         sizes = {len(leaf) if leaf.ndim else -1 for leaf in self._leaves}
         if -1 in sizes:
             raise ValueError("from_tensor_slices cannot slice a 0-d value; use from_tensors")
@@ -99,7 +91,7 @@ class TensorSlicesDataset(Dataset):
         from stratagem.data.spec import STRING, TensorSpec, as_dtype
 
         specs = [
-            TensorSpec(tuple(leaf.shape[1:]), STRING if np.asarray(leaf[:0]).dtype.kind in "OSU"
+            TensorSpec(tuple(leaf.shape[1:]), STRING if isinstance(leaf, np.ndarray)
                        else as_dtype(leaf.dtype))
             for leaf in self._leaves
         ]
@@ -107,9 +99,9 @@ class TensorSlicesDataset(Dataset):
 
     def _element(self, i: int) -> Any:
         leaves = []
-        for leaf, as_py in zip(self._leaves, self._as_python):
+        for leaf in self._leaves:
             x = leaf[i]
-            if as_py and isinstance(x, np.ndarray | np.generic) and np.ndim(x) == 0:
+            if isinstance(x, np.generic):  # one text item: str or bytes
                 x = x.item()
             leaves.append(x)
         return pack_as(self._template, leaves)
@@ -136,10 +128,11 @@ class _IndexIterator(StatefulIterator):
 
 
 class TensorsDataset(Dataset):
-    """A single element."""
+    """A single element (leaves converted as tf converts them: lists and Python numbers
+    become tensors, tuples and dicts stay structure)."""
 
     def __init__(self, tensors: Any) -> None:
-        self._value = tensors
+        self._value = normalize(tensors)
 
     def _cardinality(self) -> int:
         return 1
@@ -181,7 +174,7 @@ class GeneratorDataset(Dataset):
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         make = lambda: iter(self._generator(*self._args))  # noqa: E731
         if self._signature is None:
-            return _GeneratorIterator(make)
+            return _GeneratorIterator(lambda: (normalize(x) for x in make()))
         from stratagem.data.spec import convert
 
         signature = self._signature
@@ -230,9 +223,9 @@ class _CounterIterator(StatefulIterator):
     def __init__(self, start: int, step: int) -> None:
         self.start, self.step, self.i = start, step, 0
 
-    def __next__(self) -> int:
+    def __next__(self) -> Any:
         self.i += 1
-        return self.start + (self.i - 1) * self.step
+        return _int64(self.start + (self.i - 1) * self.step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"index": self.i}
@@ -270,10 +263,10 @@ class _RandomIterator(_CounterIterator):
         super().__init__(0, 1)
         self.ctx, self.seed = ctx, seed
 
-    def __next__(self) -> int:  # type: ignore[override]
-        i = super().__next__()
+    def __next__(self) -> Any:
+        i = int(super().__next__())
         state = self.ctx.seed_sequence(self.seed, i).generate_state(2, np.uint32)
-        return int(np.int64((int(state[0]) << 32 | int(state[1])) - (1 << 63)))
+        return _int64(int(np.int64((int(state[0]) << 32 | int(state[1])) - (1 << 63))))
 
 
 class _GeneratorIterator(StatefulIterator):

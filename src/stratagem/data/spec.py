@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from stratagem.data.ragged import Ragged
-from stratagem.data.structure import describe, flatten, pack_as
+from stratagem.data.structure import describe, flatten, pack_as, to_tensor
 
 STRING = "string"
 """The dtype of text leaves (``str``/``bytes``, tf.string)."""
@@ -98,6 +98,28 @@ class RaggedSpec:
         return f"RaggedSpec(shape={self.shape}, dtype={_dtype_name(self.dtype)})"
 
 
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """A leaf that is itself a dataset (``window``'s elements), like ``tf.data.DatasetSpec``:
+    ``element_spec`` is the spec of its elements."""
+
+    element_spec: Any
+
+    def is_compatible_with(self, other: Any) -> bool:
+        from stratagem.data.dataset import Dataset
+
+        if isinstance(other, Dataset):
+            other = DatasetSpec(static_spec(other) or self.element_spec)
+        if not isinstance(other, DatasetSpec):
+            return False
+        mine, theirs = flatten(self.element_spec), flatten(other.element_spec)
+        return len(mine) == len(theirs) and all(
+            a.is_compatible_with(b) for a, b in zip(mine, theirs))
+
+    def __repr__(self) -> str:
+        return f"DatasetSpec({self.element_spec!r})"
+
+
 def _shapes_compatible(a: tuple[int | None, ...] | None, b: tuple[int | None, ...] | None
                        ) -> bool:
     if a is None or b is None:
@@ -105,7 +127,11 @@ def _shapes_compatible(a: tuple[int | None, ...] | None, b: tuple[int | None, ..
     return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
 
 
-def leaf_spec(leaf: Any) -> TensorSpec | RaggedSpec:
+def leaf_spec(leaf: Any) -> TensorSpec | RaggedSpec | DatasetSpec:
+    from stratagem.data.dataset import Dataset
+
+    if isinstance(leaf, Dataset):
+        return DatasetSpec(leaf.element_spec)
     if isinstance(leaf, Ragged):
         dtype = STRING if isinstance(leaf.values, np.ndarray) else leaf.values.dtype
         return RaggedSpec(leaf.shape, dtype)
@@ -115,12 +141,10 @@ def leaf_spec(leaf: Any) -> TensorSpec | RaggedSpec:
         return TensorSpec(tuple(np.shape(leaf)), as_dtype(leaf.dtype))
     if isinstance(leaf, str | bytes):
         return TensorSpec((), STRING)
-    if isinstance(leaf, bool):
-        return TensorSpec((), torch.bool)
-    if isinstance(leaf, int):
-        return TensorSpec((), torch.int64)
-    if isinstance(leaf, float):
-        return TensorSpec((), torch.float32)
+    if isinstance(leaf, bool | int | float | complex | list):
+        converted = to_tensor(leaf)  # as tf would hold it (int32, float32, ...)
+        if not isinstance(converted, list):
+            return leaf_spec(converted)
     raise TypeError(f"no TensorSpec for a {type(leaf).__name__} leaf")
 
 
@@ -156,6 +180,31 @@ def batched(spec: Any, batch_size: int | None) -> Any:
     return pack_as(spec, out)
 
 
+def padded(spec: Any, batch_size: int | None, padded_shapes: Any) -> Any:
+    """``spec`` as padded_batch gives it: a leading batch dimension, and each dimension the
+    padded shape fixes (else unknown: elements of different sizes pad to each batch's
+    longest)."""
+    from stratagem.data.structure import flatten_up_to
+
+    flat = flatten(spec)
+    shapes = ([None] * len(flat) if padded_shapes is None
+              else flatten_up_to(spec, padded_shapes, "padded_batch: padded_shapes"))
+    out: list[Any] = []
+    for s, want in zip(flat, shapes):
+        if isinstance(s, RaggedSpec):
+            raise ValueError("padded_batch of Ragged elements is not supported")
+        if s.shape is None:
+            out.append(TensorSpec(None, s.dtype))
+            continue
+        given = [want] if isinstance(want, int) else list(want) if want is not None else None
+        dims = tuple(
+            None if given is None or given[d] is None or int(given[d]) < 0 else int(given[d])
+            for d in range(len(s.shape))
+        )
+        out.append(TensorSpec((batch_size, *dims), s.dtype))
+    return pack_as(spec, out)
+
+
 def unbatched(spec: Any) -> Any:
     """``spec`` without its leading dimension (a Ragged's rows are tensors)."""
     return pack_as(spec, [
@@ -169,9 +218,13 @@ def element_spec(ds: Any) -> Any:
     """The static spec of ``ds`` where the plan knows it (sources with known values or an
     ``output_signature``, and the transformations that keep or batch it); otherwise the spec of
     the first element (shapes as in that element)."""
-    static = static_spec(ds)
+    static = static_spec(ds, _first_element_spec)
     if static is not None:
         return static
+    return _first_element_spec(ds)
+
+
+def _first_element_spec(ds: Any) -> Any:
     it = ds.iterator(epoch=0, seed=0)
     try:
         first = next(iter(it), _EMPTY)
@@ -189,8 +242,11 @@ def element_spec(ds: Any) -> Any:
 _EMPTY = object()
 
 
-def static_spec(ds: Any) -> Any:
-    """The spec known from the plan alone, or None."""
+def static_spec(ds: Any, fallback: Any = None) -> Any:
+    """The spec known from the plan alone, or None. With ``fallback`` (a function of a
+    dataset), the nodes whose spec the plan does not know (a map, a generator without
+    signature) are asked ``fallback(node)`` and the transformations above them still apply
+    (a batch's dimension, padding, concatenation), so the spec holds for every element."""
     from stratagem.data.batching import BatchDataset, UnbatchDataset
     from stratagem.data.prefetch import PrefetchDataset
     from stratagem.data.shuffle import ShuffleDataset
@@ -212,31 +268,41 @@ def static_spec(ds: Any) -> Any:
     keep = (FilterDataset, OptionsDataset, PrefetchDataset, RepeatDataset, ShardDataset,
             ShuffleDataset, SkipDataset, TakeDataset)
     if isinstance(ds, keep) or type(ds).__name__ == "CacheDataset":
-        return static_spec(ds._inputs[0])
+        return static_spec(ds._inputs[0], fallback)
     if isinstance(ds, ConcatenateDataset):
-        a, b = (static_spec(d) for d in ds._inputs)
+        a, b = (static_spec(d, fallback) for d in ds._inputs)
         return None if a is None or b is None else generalize(a, b)
     if isinstance(ds, EnumerateDataset):
-        inner = static_spec(ds._inputs[0])
+        inner = static_spec(ds._inputs[0], fallback)
         return None if inner is None else (TensorSpec((), torch.int64), inner)
     if isinstance(ds, ZipDataset):
-        parts = [static_spec(d) for d in ds._inputs]
+        parts = [static_spec(d, fallback) for d in ds._inputs]
         return None if any(p is None for p in parts) else pack_as(ds._structure, parts)
-    if isinstance(ds, BatchDataset) and not ds._padded:
-        inner = static_spec(ds._inputs[0])
+    if isinstance(ds, BatchDataset):
+        inner = static_spec(ds._inputs[0], fallback)
         if inner is None:
             return None
-        return batched(inner, ds.batch_size if ds.drop_remainder else None)
+        size = ds.batch_size if ds.drop_remainder else None
+        if ds._padded:
+            return padded(inner, size, ds._padded_shapes)
+        return batched(inner, size)
     if isinstance(ds, UnbatchDataset):
-        inner = static_spec(ds._inputs[0])
+        inner = static_spec(ds._inputs[0], fallback)
         return None if inner is None else unbatched(inner)
-    return None
+    if type(ds).__name__ == "WindowDataset":
+        inner = static_spec(ds._inputs[0], fallback)
+        return None if inner is None else pack_as(inner, [DatasetSpec(s) for s in flatten(inner)])
+    return None if fallback is None else fallback(ds)
 
 
 def convert(value: Any, spec: Any, what: str, position: int) -> Any:
     """``value`` converted to the structure and dtypes of ``spec``; a ValueError naming the
     element when its structure or shapes do not match."""
     flat_spec = flatten(spec)
+    if isinstance(spec, TensorSpec | RaggedSpec):
+        # one component: the whole value is its tensor (tf's flatten_up_to), so the guide's
+        # ``yield (sample_idx,)`` under TensorSpec(shape=(1,)) is a tensor of shape (1,)
+        return pack_as(spec, _convert_leaves([value], flat_spec, spec, what, position))
     if isinstance(spec, tuple) and isinstance(value, list):
         value = tuple(value)
     leaves = flatten(value)
@@ -250,6 +316,11 @@ def convert(value: Any, spec: Any, what: str, position: int) -> Any:
             f"{what}: element {position} has keys {sorted(value)}, but output_signature has "
             f"keys {sorted(spec)}"
         )
+    return pack_as(spec, _convert_leaves(leaves, flat_spec, spec, what, position))
+
+
+def _convert_leaves(leaves: list[Any], flat_spec: list[Any], spec: Any, what: str,
+                    position: int) -> list[Any]:
     out = []
     for leaf, s in zip(leaves, flat_spec):
         if isinstance(s, RaggedSpec):
@@ -271,10 +342,11 @@ def convert(value: Any, spec: Any, what: str, position: int) -> Any:
                     f"{what}: element {position}: cannot convert {leaf!r} to {s}: {e}"
                 ) from e
         got = leaf_spec(converted)
+        assert not isinstance(got, DatasetSpec)  # converted leaves are tensors or text
         if not _shapes_compatible(s.shape, got.shape):
             raise ValueError(
                 f"{what}: element {position} has a leaf of shape {got.shape}, which is not "
                 f"compatible with {s} of output_signature {spec!r}"
             )
         out.append(converted)
-    return pack_as(spec, out)
+    return out

@@ -183,3 +183,115 @@ def text_array(leaves: list[Any]) -> np.ndarray:
         out[:] = items
         return out
     return np.asarray(items)
+
+
+# -- tf's conversion of Python values to tensors (tf.convert_to_tensor / normalize_element) --
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def _pure_python(value: Any) -> bool:
+    """Whether a (nested) list holds only Python numbers (tf then picks its Python defaults:
+    float32, int32; numpy or torch values inside keep their dtype)."""
+    if isinstance(value, list | tuple):
+        return all(_pure_python(v) for v in value)
+    return isinstance(value, bool | int | float | complex) and not isinstance(value, np.generic)
+
+
+def _is_text_list(value: Any) -> bool:
+    if isinstance(value, list | tuple):
+        return bool(value) and all(_is_text_list(v) for v in value)
+    return isinstance(value, str | bytes | np.str_ | np.bytes_)
+
+
+def to_tensor(leaf: Any) -> Any:
+    """One leaf as tf.data holds it (``tf.convert_to_tensor``): a torch tensor for numbers
+    (Python ``int`` -> int32, or int64 when a value does not fit int32; ``float`` -> float32;
+    ``bool`` -> bool; a list -> one tensor; numpy values keep their dtype, float64 included);
+    text stays ``str``/``bytes`` (a list of text: a numpy array, ``bytes`` as objects);
+    tensors and other objects (Ragged, sparse, images) are returned as they are."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf
+    if isinstance(leaf, np.generic):  # before float: np.float64 is a float
+        if leaf.dtype.kind in "SUO":
+            return leaf.item()
+        return torch.from_numpy(np.asarray(leaf).copy())
+    if isinstance(leaf, bool):
+        return torch.tensor(leaf)
+    if isinstance(leaf, int):
+        dtype = torch.int32 if _INT32[0] <= leaf <= _INT32[1] else torch.int64
+        return torch.tensor(leaf, dtype=dtype)
+    if isinstance(leaf, float):
+        return torch.tensor(leaf, dtype=torch.float32)
+    if isinstance(leaf, complex):
+        return torch.tensor(leaf, dtype=torch.complex128)
+    if isinstance(leaf, np.ndarray):
+        return _from_numpy(leaf)
+    if isinstance(leaf, list):
+        return _list_to_tensor(leaf)
+    return leaf
+
+
+def _from_numpy(arr: np.ndarray) -> Any:
+    if arr.dtype.kind not in "biufc":
+        return arr  # text and object arrays stay numpy (tf.string)
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def _list_to_tensor(value: list) -> Any:
+    if _is_text_list(value):
+        return text_array(value) if np.ndim(np.asarray(value, dtype=object)) == 1 else (
+            np.asarray(value))
+    if value and all(isinstance(v, torch.Tensor) for v in value):
+        shapes = {tuple(v.shape) for v in value}
+        if len(shapes) == 1:
+            return torch.stack(list(value))
+    try:
+        arr = np.asarray([v.numpy() if isinstance(v, torch.Tensor) else v for v in value])
+    except ValueError as e:  # numpy >= 1.24 refuses ragged lists
+        raise ValueError(
+            f"cannot convert a non-rectangular Python list to a tensor (as tf.convert_to_tensor "
+            f"cannot): {_short(value)}; use a tuple for a structure of separate components, "
+            "equal-length rows, or padded_batch/ragged_batch later"
+        ) from e
+    if arr.dtype == object:
+        raise ValueError(
+            f"cannot convert a non-rectangular Python list to a tensor (as tf.convert_to_tensor "
+            f"cannot): {_short(value)}; use a tuple for a structure of separate components, "
+            "equal-length rows, or padded_batch/ragged_batch later"
+        )
+    if _pure_python(value):
+        if arr.dtype.kind == "f":
+            arr = arr.astype(np.float32)
+        elif arr.dtype.kind in "iu" and (arr.size == 0 or (
+                arr.min() >= _INT32[0] and arr.max() <= _INT32[1])):
+            arr = arr.astype(np.int32)
+        elif arr.dtype.kind == "c":
+            arr = arr.astype(np.complex128)
+    return _from_numpy(arr)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def normalize(element: Any) -> Any:
+    """An element as tf.data holds it (``structure.normalize_element``): tuples, namedtuples
+    and dicts stay structure, every leaf goes through :func:`to_tensor` (a Python list is one
+    tensor, not a structure)."""
+    if isinstance(element, tuple):
+        items = [normalize(e) for e in element]
+        return type(element)(*items) if hasattr(element, "_fields") else tuple(items)
+    if isinstance(element, dict):
+        return {k: normalize(v) for k, v in element.items()}
+    return to_tensor(element)
+
+
+def normalize_output(value: Any) -> Any:
+    """What a ``map`` function returned, as tf.data takes it: a top-level list is a tuple (tf
+    treats it as separate components, not one stacked tensor), then :func:`normalize`."""
+    if isinstance(value, list):
+        value = tuple(value)
+    return normalize(value)

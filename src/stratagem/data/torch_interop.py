@@ -15,10 +15,22 @@ from stratagem.data.structure import map_structure
 
 
 def _tuplify(x: Any) -> Any:
+    """A torch dataset's sample with torch's ``default_collate`` conventions: lists are
+    structure (tuples), Python ``int`` -> int64, ``float`` -> float64, ``bool`` -> bool tensors
+    (what a torch loss expects of labels; tf's own int32/float32 apply to tf-style sources)."""
     if isinstance(x, list):
         return tuple(_tuplify(v) for v in x)
+    if isinstance(x, tuple):
+        items = [_tuplify(v) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
     if isinstance(x, dict):
         return {k: _tuplify(v) for k, v in x.items()}
+    if isinstance(x, bool):
+        return torch.tensor(x)
+    if isinstance(x, int):
+        return torch.tensor(x, dtype=torch.int64)
+    if isinstance(x, float):
+        return torch.tensor(x, dtype=torch.float64)
     return x
 
 
@@ -84,7 +96,22 @@ class DataLoaderView:
 
 
 def to_numpy(element: Any) -> Any:
-    """Tensors in an element as numpy arrays."""
-    return map_structure(
-        lambda x: x.numpy() if isinstance(x, torch.Tensor) else x, element
-    ) if not isinstance(element, np.ndarray) else element
+    """An element as tf's ``as_numpy_iterator`` yields it: tensors as numpy arrays (a scalar
+    as a numpy scalar, e.g. ``np.int64``), text as ``bytes`` (``str`` encoded as UTF-8; a text
+    array as an object array of ``bytes``)."""
+    return map_structure(_leaf_to_numpy, element)
+
+
+def _leaf_to_numpy(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        arr = x.detach().cpu().numpy()
+        return arr[()] if arr.ndim == 0 else arr
+    if isinstance(x, str):
+        return x.encode()
+    if isinstance(x, np.str_):
+        return str(x).encode()
+    if isinstance(x, np.ndarray) and x.dtype.kind in "UO":
+        out = np.empty(x.shape, dtype=object)
+        out.reshape(-1)[:] = [v.encode() if isinstance(v, str) else v for v in x.reshape(-1)]
+        return out
+    return x

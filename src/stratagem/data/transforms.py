@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from stratagem.data.dataset import Dataset
 from stratagem.data.functions import call_checked, element_rng
 from stratagem.data.iterator import Context, StatefulIterator
 from stratagem.data.options import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Options
-from stratagem.data.structure import flatten, pack_as
+from stratagem.data.structure import flatten, normalize_output, pack_as
 
 
 class _Unary(StatefulIterator):
@@ -58,7 +60,7 @@ class _MapIterator(_Unary):
         pos = self.pos
         self.pos += 1
         rng = element_rng(self.ctx.seed_sequence(self.ds._seed, pos)) if self.ds._with_rng else None
-        return call_checked(self.ds._fn, x, pos, self.ds._name, rng)
+        return normalize_output(call_checked(self.ds._fn, x, pos, self.ds._name, rng))
 
 
 class FilterDataset(Dataset):
@@ -252,7 +254,7 @@ class _EnumerateIterator(_Unary):
     def __next__(self) -> Any:
         x = next(self.child)
         self.pos += 1
-        return (self.start + self.pos - 1, x)
+        return (torch.tensor(self.start + self.pos - 1, dtype=torch.int64), x)
 
 
 class ZipDataset(Dataset):

@@ -19,6 +19,7 @@ import torch
 from stratagem.comm import Communicator
 from stratagem.core import tree
 from stratagem.core.batches import batch_size_of, place, slice_batch, split_sizes, to_tensors
+from stratagem.data.iterator import Optional, get_next, get_next_as_optional
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,72 @@ def _signature(batch: Any) -> int:
     return zlib.crc32(tree.signature(batch).encode()) & 0x7FFFFFFF
 
 
+def _dataset_spec(dataset: Any) -> Any:
+    """The ``element_spec`` of the dataset a distributed dataset reads, or a clear error."""
+    from stratagem.data.dataset import Dataset
+
+    if not isinstance(dataset, Dataset):
+        raise TypeError(
+            f"element_spec needs a stratagem.data Dataset, but this distributed dataset reads a "
+            f"{type(dataset).__name__}, which has no static element structure; build the input "
+            "with stratagem.data.Dataset (e.g. Dataset.from_tensor_slices((x, y)).batch(b))"
+        )
+    return dataset.element_spec
+
+
+def _per_replica_spec(spec: Any, replicas: int) -> Any:
+    """A global batch's spec as one replica's share of it (tf's per-replica element_spec): a
+    known batch dimension divided by the replicas when it divides evenly, else unknown."""
+    from stratagem.data.spec import TensorSpec
+    from stratagem.data.structure import flatten, pack_as
+
+    if replicas == 1:
+        return spec
+    out = []
+    for s in flatten(spec):
+        if isinstance(s, TensorSpec) and s.shape:
+            first = s.shape[0]
+            size = first // replicas if first is not None and first % replicas == 0 else None
+            s = TensorSpec((size, *s.shape[1:]), s.dtype)
+        out.append(s)
+    return pack_as(spec, out)
+
+
+class _IteratorApi:
+    """tf's iterator methods on the distributed iterators: ``get_next()`` (OutOfRangeError at
+    the end), ``get_next_as_optional()`` and ``element_spec`` (asked of the distributed
+    dataset only when read: a dataset without a static spec runs to its first element)."""
+
+    _spec_owner: Any = None
+
+    def get_next(self) -> Any:
+        return get_next(self)
+
+    def get_next_as_optional(self) -> Optional:
+        return get_next_as_optional(self)
+
+    @property
+    def element_spec(self) -> Any:
+        if self._spec_owner is None:
+            raise TypeError(
+                "this iterator was not made by a distributed dataset, so it has no "
+                "element_spec; use strategy.experimental_distribute_dataset(dataset)"
+            )
+        return self._spec_owner.element_spec
+
+
+def _with_spec(it: Any, owner: Any) -> Any:
+    it._spec_owner = owner
+    return it
+
+
 class DistributedDataset:
     """Global batches from ``dataset``; each replica iterates over its slices of them."""
+
+    @property
+    def element_spec(self) -> Any:
+        """One replica's share of the dataset's spec (tf's per-replica element_spec)."""
+        return _per_replica_spec(_dataset_spec(self.dataset), self.comm.world_size)
 
     def __init__(self, dataset: Iterable[Any], comm: Communicator, device: torch.device | None) -> None:
         self.dataset = dataset
@@ -123,20 +188,22 @@ class DistributedDataset:
         return hasattr(self.dataset, "iterator_from_state")
 
     def __iter__(self) -> Iterator[Any]:
-        return DistributedIterator(iter(self.dataset), self.comm, self.device)
+        return _with_spec(DistributedIterator(iter(self.dataset), self.comm, self.device), self)
 
     def iterator(self, epoch: int | None = None, seed: int | None = None) -> DistributedIterator:
         """An iterator over pass ``epoch`` of the dataset."""
-        return DistributedIterator(_source(self.dataset, epoch, seed), self.comm, self.device)
+        return _with_spec(
+            DistributedIterator(_source(self.dataset, epoch, seed), self.comm, self.device), self
+        )
 
     def iterator_from_state(self, state: dict[str, Any]) -> DistributedIterator:
         """An iterator resumed from ``DistributedIterator.state_dict()``."""
         it = DistributedIterator(_restored(self.dataset, state), self.comm, self.device)
         it._checked = bool(state.get("checked", False))
-        return it
+        return _with_spec(it, self)
 
 
-class DistributedIterator:
+class DistributedIterator(_IteratorApi):
     """Splits each global batch. Every step's vote also compares the global batch's structure,
     shapes and dtypes across replicas (no extra collective); the first batch's values are
     compared once."""
@@ -241,17 +308,26 @@ class PerReplicaDatasets:
         self.dataset = dataset_fn(ctx)
 
     @property
+    def element_spec(self) -> Any:
+        """The spec of this replica's dataset (what ``dataset_fn`` built)."""
+        return _dataset_spec(self.dataset)
+
+    @property
     def resumable(self) -> bool:
         return hasattr(self.dataset, "iterator_from_state")
 
     def __iter__(self) -> Iterator[Any]:
-        return PerReplicaIterator(iter(self.dataset), self.comm, self.device)
+        return _with_spec(PerReplicaIterator(iter(self.dataset), self.comm, self.device), self)
 
     def iterator(self, epoch: int | None = None, seed: int | None = None) -> PerReplicaIterator:
-        return PerReplicaIterator(_source(self.dataset, epoch, seed), self.comm, self.device)
+        return _with_spec(
+            PerReplicaIterator(_source(self.dataset, epoch, seed), self.comm, self.device), self
+        )
 
     def iterator_from_state(self, state: dict[str, Any]) -> PerReplicaIterator:
-        return PerReplicaIterator(_restored(self.dataset, state), self.comm, self.device)
+        return _with_spec(
+            PerReplicaIterator(_restored(self.dataset, state), self.comm, self.device), self
+        )
 
 
 class ShardedDataset:
@@ -269,6 +345,11 @@ class ShardedDataset:
         self.drop_remainder = drop_remainder
 
     @property
+    def element_spec(self) -> Any:
+        """The spec of this replica's share (its rebatched, auto-sharded dataset)."""
+        return _dataset_spec(self.dataset)
+
+    @property
     def resumable(self) -> bool:
         return hasattr(self.dataset, "iterator_from_state")
 
@@ -276,17 +357,17 @@ class ShardedDataset:
         return self.iterator()
 
     def iterator(self, epoch: int | None = None, seed: int | None = None) -> PerReplicaIterator:
-        return PerReplicaIterator(
+        return _with_spec(PerReplicaIterator(
             _source(self.dataset, epoch, seed), self.comm, self.device, stop_when_uneven=self.drop_remainder
-        )
+        ), self)
 
     def iterator_from_state(self, state: dict[str, Any]) -> PerReplicaIterator:
-        return PerReplicaIterator(
+        return _with_spec(PerReplicaIterator(
             _restored(self.dataset, state), self.comm, self.device, stop_when_uneven=self.drop_remainder
-        )
+        ), self)
 
 
-class PerReplicaIterator:
+class PerReplicaIterator(_IteratorApi):
     """Yields this replica's batches; once its pipeline ends while others go on, zero-size ones."""
 
     def __init__(
