@@ -120,3 +120,9 @@ __all__ = [
     "print",
     "strategy_of",
 ]
+
+# --- Keras's habits on the model (issue 30): compile, fit, evaluate, predict, save ---
+from stratagem import optimizers  # noqa: E402
+from stratagem.train.keras_model import Model, Sequential, keras_model, load_model  # noqa: E402
+
+__all__ += ["Model", "Sequential", "keras_model", "load_model", "optimizers"]

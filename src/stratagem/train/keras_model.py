@@ -34,6 +34,7 @@ in code (a class with Keras's ``get_config`` / ``from_config`` is rebuilt withou
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -575,24 +576,61 @@ def _base_class(model: nn.Module) -> str | None:
     return None
 
 
+#: a compile argument that cannot be saved by name or config (a torch optimizer, a function)
+_UNSAVED = {"unsaved": True}
+
+
+def _serialize(value: Any) -> Any:
+    """A compile argument as JSON: names and numbers as they are, objects with Keras's
+    ``get_config`` as their class and config (rebuilt by ``_deserialize``), others unsaved."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_serialize(v) for v in value]
+    if isinstance(value, Mapping):
+        return {"dict": {str(k): _serialize(v) for k, v in value.items()}}
+    get_config: Any = getattr(value, "get_config", None)
+    cls = type(value)
+    if callable(get_config) and "<locals>" not in cls.__qualname__:
+        return {"class": f"{cls.__module__}:{cls.__qualname__}", "config": _serialize(get_config())["dict"]}
+    return dict(_UNSAVED)
+
+
+def _unsaved(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_unsaved(v) for v in value)
+    if isinstance(value, dict):
+        return value == _UNSAVED or any(_unsaved(v) for v in value.values())
+    return False
+
+
+def _deserialize(value: Any) -> Any:
+    import importlib
+
+    if isinstance(value, list):
+        return [_deserialize(v) for v in value]
+    if isinstance(value, dict) and "dict" in value:
+        return {k: _deserialize(v) for k, v in value["dict"].items()}
+    if isinstance(value, dict) and "class" in value:
+        module_name, _, qualname = value["class"].partition(":")
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        config = {k: _deserialize(v) for k, v in value["config"].items()}
+        if hasattr(obj, "from_config"):
+            return obj.from_config(config)
+        return obj(**config)
+    return value
+
+
 def _compile_config(compiled: _Compiled | None) -> dict[str, Any] | None:
     if compiled is None:
         return None
-
-    def simple(value: Any) -> Any:
-        if value is None or isinstance(value, (str, int, float, bool)):
-            return value
-        if isinstance(value, (list, tuple)):
-            return [simple(v) for v in value]
-        if isinstance(value, Mapping):
-            return {str(k): simple(v) for k, v in value.items()}
-        return None  # an object: not restorable by name
-
     return {
-        "optimizer": simple(compiled.optimizer_arg),
-        "loss": simple(compiled.loss_arg),
-        "metrics": simple(compiled.metrics),
-        "loss_weights": simple(compiled.loss_weights),
+        "optimizer": _serialize(compiled.optimizer_arg),
+        "loss": _serialize(compiled.loss_arg),
+        "metrics": _serialize(compiled.metrics),
+        "loss_weights": _serialize(compiled.loss_weights),
         "steps_per_execution": compiled.steps_per_execution,
     }
 
@@ -682,14 +720,26 @@ def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None,
     keras.load_weights(path / _WEIGHTS)
     spec = saved.get("compile")
     if compile and spec is not None:
-        if spec.get("optimizer") is None or (spec.get("loss") is None and saved["compile"].get("loss") is not None):
+        unsaved = [k for k in ("optimizer", "loss", "metrics", "loss_weights") if _unsaved(spec.get(k))]
+        if unsaved:
             raise ValueError(
-                f"load_model: {path} was compiled with objects that cannot be restored by name "
-                f"(optimizer or loss); pass compile=False and call model.compile(...) yourself"
+                f"load_model: {path} was compiled with {' and '.join(unsaved)} that cannot be saved (a torch "
+                "optimizer, a function, or an object without get_config); load with compile=False and "
+                "call model.compile(...) again"
             )
-        keras.compile(optimizer=spec["optimizer"], loss=spec["loss"], metrics=spec.get("metrics") or None,
-                      loss_weights=spec.get("loss_weights"), steps_per_execution=spec.get("steps_per_execution", 1))
+        from stratagem.distribute.ownership import strategy_of
+
+        args = {k: _deserialize(spec.get(k)) for k in ("optimizer", "loss", "metrics", "loss_weights")}
+        strategy = strategy_of(keras)
+        with strategy.scope() if strategy is not None else _nothing():
+            keras.compile(optimizer=args["optimizer"], loss=args["loss"], metrics=args["metrics"] or None,
+                          loss_weights=args["loss_weights"], steps_per_execution=spec.get("steps_per_execution", 1))
     return keras
+
+
+@contextlib.contextmanager
+def _nothing() -> Any:
+    yield
 
 
 def _rebuild(saved: Mapping[str, Any], path: Path) -> nn.Module:
@@ -703,6 +753,11 @@ def _rebuild(saved: Mapping[str, Any], path: Path) -> nn.Module:
             "model=MyModel(...)); or give the class Keras's get_config() so save records its arguments"
         )
     module_name, _, qualname = str(name).partition(":")
+    if "<locals>" in qualname:
+        raise ValueError(
+            f"load_model: {path} holds a {qualname}, a class defined inside a function, which cannot be "
+            "imported to rebuild it; pass the model: load_model(path, model=...)"
+        )
     obj: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         obj = getattr(obj, part)

@@ -80,6 +80,10 @@ class Metric(abc.ABC):
         self._global: torch.Tensor | None = None
         self._strategy: Strategy | None = None  # the strategy the last update ran under
 
+    def get_config(self) -> dict[str, Any]:
+        """Keras's ``get_config``: the arguments that make this metric again (``cls(**config)``)."""
+        return {"name": self.name}
+
     def __getstate__(self) -> dict[str, Any]:
         """A metric shipped elsewhere (a function a parameter-server worker runs) leaves behind
         the strategy it was last updated under (it is that process's business)."""
@@ -325,6 +329,9 @@ class TopKCategoricalAccuracy(_PerExample):
         self.k = k
         super().__init__(name)
 
+    def get_config(self) -> dict[str, Any]:
+        return {"k": self.k, "name": self.name}
+
     def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         if y_true.shape == y_pred.shape:  # one-hot (or probability) labels
             labels = y_true.argmax(dim=-1)
@@ -368,6 +375,9 @@ class BinaryAccuracy(_PerExample):
     def __init__(self, threshold: float = 0.5, name: str | None = None) -> None:
         self.threshold = threshold
         super().__init__(name)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "name": self.name}
 
     def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         yt, yp = _squeeze_like(y_true, y_pred)

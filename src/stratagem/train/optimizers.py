@@ -10,9 +10,11 @@ optimizer (``Model.compile`` calls it), with Keras's defaults and Keras's update
   torch's ``SGD``/``RMSprop`` do not (``RMSprop`` there adds epsilon after the root, ``alpha=0.99``).
 - ``Adam``, ``AdamW`` and ``Adagrad`` are torch's classes with Keras's defaults
   (``epsilon=1e-7``; AdamW's ``weight_decay=0.004``; Adagrad's ``initial_accumulator_value=0.1``).
-  Keras adds Adam's epsilon before the bias correction and torch after: the two differ only in
-  how epsilon scales (by ``sqrt(1 - beta_2**t)``), far below float tolerance unless gradients are
-  ~1e-7.
+  Keras adds Adam's epsilon to ``sqrt(v)`` before the bias correction and torch after it, so
+  before each update torch's ``eps`` is set to ``epsilon / sqrt(1 - beta_2 ** t)``: the same
+  update as Keras's (with torch's ``eps=1e-7`` the first updates of small gradients would differ by
+  up to ~1e-4 relative). Adagrad's epsilon enters as in Keras up to ``sqrt(acc + eps)`` against
+  ``sqrt(acc) + eps``, below float tolerance with the accumulator starting at 0.1.
 
 ``learning_rate`` may be a number or a ``LearningRateSchedule`` (``ExponentialDecay``,
 ``PiecewiseConstantDecay``, ``InverseTimeDecay``, ``PolynomialDecay``, ``CosineDecay``): as in Keras
@@ -56,6 +58,7 @@ class LearningRateSchedule:
         raise NotImplementedError
 
     def get_config(self) -> dict[str, Any]:
+        """Keras's ``get_config``: ``type(self)(**config)`` makes the same schedule."""
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
     def __repr__(self) -> str:
@@ -205,6 +208,8 @@ class _KerasSteps:
 
     param_groups: list[dict[str, Any]]
     _schedule: Callable[[int], float] | None
+    #: Adam's epsilon as Keras applies it (None: the optimizer's own eps)
+    _keras_epsilon: float | None = None
 
     @property
     def iterations(self) -> int:
@@ -222,6 +227,12 @@ class _KerasSteps:
             lr = float(self._schedule(self.iterations))
             for group in self.param_groups:
                 group["lr"] = lr
+        if self._keras_epsilon is not None:
+            # Keras adds Adam's epsilon to sqrt(v) before the bias correction, torch after it: the
+            # same update when torch's eps is Keras's over sqrt(1 - beta_2 ** t)
+            t = self.iterations + 1
+            for group in self.param_groups:
+                group["eps"] = self._keras_epsilon / math.sqrt(1.0 - group["betas"][1] ** t)
 
     def _after_step(self) -> None:
         self.param_groups[0]["iterations"] = self.iterations + 1
@@ -367,8 +378,8 @@ class Optimizer:
         return cls(params, schedule, lr=start, **kwargs)  # type: ignore[no-any-return]
 
     def get_config(self) -> dict[str, Any]:
-        lr = self.learning_rate
-        return {"learning_rate": lr if isinstance(lr, (int, float)) else repr(lr), **self.config}
+        """Keras's ``get_config``: ``type(self)(**config)`` makes the same recipe."""
+        return {"learning_rate": self.learning_rate, **self.config}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(learning_rate={self.learning_rate!r}, " + ", ".join(
@@ -408,8 +419,10 @@ class Adam(Optimizer):
         start = float(lr) if schedule is None else float(schedule(0))  # type: ignore[arg-type]
         extra = {"weight_decay": c.pop("weight_decay")} if "weight_decay" in c else {}
         cls = _scheduled(self.torch_class)
-        return cls(params, schedule, lr=start, betas=betas, eps=c.pop("epsilon"),  # type: ignore[no-any-return]
-                   amsgrad=c.pop("amsgrad"), **extra)
+        epsilon = float(c.pop("epsilon"))
+        opt = cls(params, schedule, lr=start, betas=betas, eps=epsilon, amsgrad=c.pop("amsgrad"), **extra)
+        opt._keras_epsilon = epsilon
+        return opt  # type: ignore[no-any-return]
 
 
 class AdamW(Adam):
