@@ -397,3 +397,19 @@ def test_autotune_first_epoch_resumes_exactly_across_the_switch():
 
     assert_resumes_exactly(make, [0, 1, 2, 3, 9, 39])
 
+
+
+def test_device_fed_dataset_keeps_element_spec_and_get_next():
+    # on a GPU, experimental_distribute_dataset hands out a DeviceFedDataset: same spec, same API
+    from stratagem.distribute.engines.device_feed import DeviceFedDataset
+
+    strategy = sg.OneDeviceStrategy("cpu")
+    dist = strategy.experimental_distribute_dataset(Dataset.range(3).batch(2))
+    fed = DeviceFedDataset(dist, torch.device("cpu"), depth=1)
+    assert fed.element_spec == TensorSpec((None,), torch.int64)
+    iterator = iter(fed)
+    assert iterator.element_spec == TensorSpec((None,), torch.int64)
+    assert iterator.get_next().tolist() == [0, 1]
+    assert iterator.get_next_as_optional().get_value().tolist() == [2]
+    with pytest.raises(sgd.OutOfRangeError):
+        iterator.get_next()

@@ -42,6 +42,22 @@ class DeviceFeed:
     def __iter__(self) -> DeviceFeed:
         return self
 
+    def get_next(self) -> Any:
+        """tf's ``iterator.get_next()``: OutOfRangeError at the end."""
+        from stratagem.data.iterator import get_next
+
+        return get_next(self)
+
+    def get_next_as_optional(self) -> Any:
+        """tf's ``iterator.get_next_as_optional()``."""
+        from stratagem.data.iterator import get_next_as_optional
+
+        return get_next_as_optional(self)
+
+    @property
+    def element_spec(self) -> Any:
+        return self.source.element_spec  # type: ignore[attr-defined]
+
     def _position(self) -> Any:
         if not hasattr(self.source, "state_dict"):
             return None
@@ -116,6 +132,11 @@ class DeviceFedDataset:
     @property
     def resumable(self) -> bool:
         return bool(self.inner.resumable)
+
+    @property
+    def element_spec(self) -> Any:
+        """The distributed dataset's per-replica spec (tf's ``element_spec``)."""
+        return self.inner.element_spec
 
     def __iter__(self) -> DeviceFeed:
         return DeviceFeed(iter(self.inner), self.device, self.depth, self.place)
