@@ -366,7 +366,7 @@ def rejection_resample(
             dataset.map(_ClassOf(class_func)).batch(32).scan(counts, _Estimate(k)).unbatch()
         )
         pairs = estimate.map(lambda d: acceptance_probs(d.double().numpy(), target))
-        accept_ds = pairs.map(lambda a, m: torch.tensor(a))
+        accept_ds = pairs.map(lambda a, m: torch.as_tensor(a))
         original_ds = pairs.map(lambda a, m: m)
     from stratagem.data.transforms import MapDataset, ZipDataset
 
