@@ -4,9 +4,9 @@ Which engine: ``use_processes=True/False`` decides; by default (``num_parallel_c
 ``use_processes`` unset) the map's first iterator computes its first elements sequentially,
 then measures on its real elements whether the function waits or scales on threads (GIL-free
 work) or needs processes (small torch ops, pure Python), records the choice on the map and logs
-it (see :mod:`stratagem.data.autotune`; there is no separate probe). A map on processes that feeds ``batch``/``padded_batch``
-(through 1:1 maps only) runs with the batch in batch-building workers
-(:mod:`stratagem.data.batch_workers`); otherwise elements go through the process pool here.
+it (see :mod:`stratagem.data.autotune`; there is no separate probe). A map on processes that
+feeds ``batch``/``padded_batch`` (through 1:1 maps only) runs with the batch in
+batch-building workers (:mod:`stratagem.data.batch_workers`); otherwise elements go through the process pool here.
 
 Process pool: workers are started by :mod:`stratagem.data.procs` (forked on Linux, like
 DataLoader's; one torch thread; a watchdog ends them when the parent is gone). ``fn`` reaches
