@@ -12,6 +12,7 @@ slow"` runs them all.)
 
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +22,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 #: what a module calls when its tests start processes
 _STARTS_PROCESSES = re.compile(r"\b(run_workers|run_script|subprocess|Popen|launch)\(|\bsubprocess\.")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Started in the background by a non-interactive shell (`bash scripts/test.sh &`, nohup), pytest
+    # inherits SIGINT ignored, and so would every job a test starts and then interrupts (Python
+    # installs its KeyboardInterrupt handler only where SIGINT is at its default): the Ctrl-C tests
+    # need the job to start as it would from a terminal. A handled signal is reset to its default
+    # in a child at exec; an ignored one stays ignored.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, lambda *_: None)  # a handler, so children start at the default
 
 
 @pytest.fixture(autouse=True)

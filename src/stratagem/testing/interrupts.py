@@ -83,6 +83,15 @@ class JobProcesses:
                 if pid in table and table[pid][1] == start and table[pid][2] != "Z"]
 
 
+def as_from_a_terminal() -> None:
+    """For ``Popen(preexec_fn=...)``: the stop signals at their defaults in the job, as in a command
+    typed at a terminal. A process started in the background by a non-interactive shell (``cmd &``
+    in a script, ``nohup``) inherits SIGINT and SIGQUIT *ignored*, and so would every process it
+    starts: Python then installs no KeyboardInterrupt handler and a Ctrl-C test could only fail."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def interrupt_job(
     argv: Sequence[str], how: str, delay: float, bound: float, *, env: Mapping[str, str] | None = None,
 ) -> Interrupted:
@@ -91,7 +100,8 @@ def interrupt_job(
     to end. Whatever is left is then killed (after a ``py-spy dump`` of each, where installed)."""
     sig, group = STOPS[how]
     proc = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ if env is None else env))
+                            start_new_session=True, env=dict(os.environ if env is None else env),
+                            preexec_fn=as_from_a_terminal)
     job = JobProcesses(proc.pid)
     try:
         deadline = time.monotonic() + delay
