@@ -172,15 +172,15 @@ def _with_spec(it: Any, owner: Any) -> Any:
 class DistributedDataset:
     """Global batches from ``dataset``; each replica iterates over its slices of them."""
 
-    @property
-    def element_spec(self) -> Any:
-        """One replica's share of the dataset's spec (tf's per-replica element_spec)."""
-        return _per_replica_spec(_dataset_spec(self.dataset), self.comm.world_size)
-
     def __init__(self, dataset: Iterable[Any], comm: Communicator, device: torch.device | None) -> None:
         self.dataset = dataset
         self.comm = comm
         self.device = device
+
+    @property
+    def element_spec(self) -> Any:
+        """One replica's share of the dataset's spec (tf's per-replica element_spec)."""
+        return _per_replica_spec(_dataset_spec(self.dataset), self.comm.world_size)
 
     @property
     def resumable(self) -> bool:
