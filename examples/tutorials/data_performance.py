@@ -58,7 +58,7 @@ results["parallel interleave"] = benchmark(
 )
 # sequential mapping vs parallel mapping
 results["sequential map"] = benchmark(ArtificialDataset().map(mapped_function))
-results["parallel map"] = benchmark(ArtificialDataset().map(mapped_function, num_parallel_calls=4, use_processes=False))
+results["parallel map"] = benchmark(ArtificialDataset().map(mapped_function, num_parallel_calls=sgd.AUTOTUNE))
 # caching: the second epoch reads the cache, not the file and the map
 results["cache"] = benchmark(ArtificialDataset().map(mapped_function).cache(), 5)
 results["no cache"] = benchmark(ArtificialDataset().map(mapped_function), 5)

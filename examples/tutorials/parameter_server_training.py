@@ -104,7 +104,7 @@ class Model(nn.Module):
 
     def forward(self, features):
         emb_output = self.emb_layer(features).mean(1)
-        return torch.sigmoid(self.dense(emb_output)).squeeze(1)
+        return torch.sigmoid(self.dense(emb_output))  # Dense(1, activation="sigmoid"): [batch, 1]
 
 
 with strategy.scope():
@@ -118,19 +118,20 @@ with strategy.scope():
 # --- define the training step -------------------------------------------------------------------
 def step_fn(iterator):
     def replica_fn(batch_data, labels):
-        optimizer.zero_grad()
+        optimizer.zero_grad()  # tf.GradientTape
         pred = model(batch_data)
-        per_example_loss = nn.functional.binary_cross_entropy(pred, labels.float(), reduction="none")
+        per_example_loss = sg.losses.BinaryCrossentropy(reduction=sg.losses.Reduction.NONE)(labels.float(), pred)
         loss = sg.compute_average_loss(per_example_loss)
         loss.backward()
-        optimizer.step()
+        optimizer.step()  # optimizer.apply_gradients
         actual_pred = (pred > 0.5).long()
-        return loss.detach(), actual_pred
+        # a metric made in scope and updated here reaches the chief's `accuracy`
+        accuracy.update_state(labels, actual_pred)
+        return loss.detach()
 
     batch_data, labels = next(iterator)
-    losses, actual_pred = strategy.run(replica_fn, args=(batch_data, labels))
-    # the labels and predictions go back to the coordinator, whose metric counts each step once
-    return strategy.reduce("SUM", losses, axis=None), (labels, actual_pred)
+    losses = strategy.run(replica_fn, args=(batch_data, labels))
+    return strategy.reduce(sg.ReduceOp.SUM, losses, axis=None)
 
 
 # --- dispatch training steps to remote workers --------------------------------------------------
@@ -142,16 +143,15 @@ per_worker_iterator = iter(per_worker_dataset)
 num_epochs = 4
 steps_per_epoch = 5
 for i in range(num_epochs):
-    accuracy.reset_state()
-    results = [coordinator.schedule(step_fn, args=(per_worker_iterator,)) for _ in range(steps_per_epoch)]
+    accuracy.reset_state()  # reset_states() in TF 2's Keras
+    for _ in range(steps_per_epoch):
+        coordinator.schedule(step_fn, args=(per_worker_iterator,))
+    # Wait at epoch boundaries.
     coordinator.join()
-    for result in results:  # each step's result is delivered exactly once
-        _, (labels, actual_pred) = result.fetch()
-        accuracy.update_state(labels, actual_pred)
-    print(f"Finished epoch {i}, accuracy is {float(accuracy.result()):f}.")
+    print("Finished epoch %d, accuracy is %f." % (i, float(accuracy.result())))
 
 loss = coordinator.schedule(step_fn, args=(per_worker_iterator,))
-print(f"Final loss is {float(loss.fetch()[0]):f}")
+print("Final loss is %f" % float(loss.fetch()))
 
 
 # --- evaluation: inline, on the chief -----------------------------------------------------------
