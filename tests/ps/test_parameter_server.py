@@ -195,7 +195,7 @@ def test_fit_needs_steps_per_epoch_and_then_equals_fit_in_one_process():
     assert_clean_run(r, what="fit under ParameterServerStrategy")
     assert "ERROR fit under ParameterServerStrategy needs steps_per_epoch (got None)" in r.stdout
     assert result(r.stdout) == (
-        "RESULT history_diff=0 param_diff=0 keys=['loss', 'mean_absolute_error', 'val_loss', 'val_mean_absolute_error']"
+        "RESULT history_diff=0 param_diff=0 keys=['loss', 'mae', 'val_loss', 'val_mae']"
     )
 
 

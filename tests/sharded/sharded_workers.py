@@ -132,7 +132,7 @@ def two_processes(tmp: str) -> dict[str, Any]:
         xs = torch.cat([x for x, _ in data])
         ys = torch.cat([y for _, y in data])
         rout = rm(xs)
-        out["fit_eval"] = (ev["loss"], float(mse(rout, ys).mean()), ev["mean_absolute_error"], float((rout - ys).abs().mean()))
+        out["fit_eval"] = (ev["loss"], float(mse(rout, ys).mean()), ev["mae"], float((rout - ys).abs().mean()))
         out["fit_pred_diff"] = float((pred - rout).abs().max())
     out["fit_diff"] = max(max_diff(full_state(fm), rm.state_dict()).values())
     out["fit_epochs"] = len(hist.history["loss"])

@@ -182,8 +182,9 @@ def test_multi_output_losses_are_weighted_and_summed():
     got = model.evaluate(x, y, batch_size=16, verbose=0)
     with torch.no_grad():
         out = model(x)
-    want = nn.functional.cross_entropy(out["cls"], y["cls"]) + 0.5 * nn.functional.mse_loss(out["reg"], y["reg"])
-    assert got == pytest.approx(want.item(), rel=1e-5)
+    cls, reg = nn.functional.cross_entropy(out["cls"], y["cls"]), nn.functional.mse_loss(out["reg"], y["reg"])
+    # Keras's evaluate: the weighted total, then each output's loss (before its loss_weight)
+    assert got == pytest.approx([(cls + 0.5 * reg).item(), cls.item(), reg.item()], rel=1e-5)
 
 
 def test_keras_model_gives_any_module_the_methods_and_keeps_its_keys(tmp_path):

@@ -29,6 +29,7 @@ __all__ = [
     "Callback",
     "EarlyStopping",
     "FitState",
+    "LambdaCallback",
     "LearningRateScheduler",
     "ModelCheckpoint",
     "Progress",
@@ -473,6 +474,38 @@ class BackupAndRestore(Callback):
                 shutil.rmtree(path, ignore_errors=True)
             self._manager.close()
         self.state.strategy.barrier()
+
+
+class LambdaCallback(Callback):
+    """Keras's ``LambdaCallback``: hooks given as functions, ``on_epoch_begin(epoch, logs)``,
+    ``on_epoch_end(epoch, logs)``, ``on_train_begin(logs)``, ``on_train_end(logs)``,
+    ``on_train_batch_begin(batch, logs)``, ``on_train_batch_end(batch, logs)``, and any other
+    hook by its name (``on_test_batch_end=...``). A batch hook given makes fit log every batch
+    (``steps_per_execution="auto"`` keeps one step per execution), as any callback's."""
+
+    def __init__(
+        self,
+        on_epoch_begin: Callable[..., Any] | None = None,
+        on_epoch_end: Callable[..., Any] | None = None,
+        on_train_begin: Callable[..., Any] | None = None,
+        on_train_end: Callable[..., Any] | None = None,
+        on_train_batch_begin: Callable[..., Any] | None = None,
+        on_train_batch_end: Callable[..., Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        hooks = dict(kwargs, on_epoch_begin=on_epoch_begin, on_epoch_end=on_epoch_end, on_train_begin=on_train_begin,
+                     on_train_end=on_train_end, on_train_batch_begin=on_train_batch_begin,
+                     on_train_batch_end=on_train_batch_end)
+        for name, fn in hooks.items():
+            if fn is None:
+                continue
+            if not (name.startswith("on_") and callable(getattr(Callback, name, None))):
+                raise ValueError(
+                    f"LambdaCallback: {name!r} is not a callback hook; hooks are on_epoch_begin/end, "
+                    "on_train_begin/end, on_(train|test|predict)_batch_begin/end, on_test_begin/end, ..."
+                )
+            setattr(self, name, fn)
 
 
 class LearningRateScheduler(Callback):

@@ -140,9 +140,9 @@ def fit_coordinated(
                         m.add_totals(totals)
                     state.step += 1
                     state.iterations += 1
-                    cblist.call("on_train_batch_end", state.step - 1, {m.name: float(m.result()) for m in tracked})
+                    cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
                 coordinator.join()
-                logs = {m.name: float(m.result()) for m in tracked}
+                logs = _logs(tracked)
                 if validate is not None:
                     logs.update({f"val_{k}": v for k, v in validate().items()})
                 history.record(epoch, logs)
@@ -157,6 +157,11 @@ def fit_coordinated(
         coordinator._abandon(values)
         raise
     return history
+
+
+def _logs(tracked: Sequence[Metric]) -> Logs:
+    """The logs, named and sorted as fit's (Keras's order)."""
+    return dict(sorted((m.name, float(m.result())) for m in tracked))
 
 
 def unsupported(options: dict[str, Any]) -> None:

@@ -44,7 +44,7 @@ from stratagem.train.callback import Callback, CallbackList, FitState, Logs
 from stratagem.train.history import History
 from stratagem.train.inputs import GlobalBatches, check_finite, check_iterable, distributed
 from stratagem.train.losses import LossFn, check_loss_fn
-from stratagem.train.metrics import Mean, Metric, get_all, sync_metrics
+from stratagem.train.metrics import FitMetric, Mean, Metric, compile_metrics, sync_metrics
 from stratagem.train.progress import Progress, resolve_mode
 from stratagem.train.resume import FitProgress
 from stratagem.train.steps import DataParallelSteps, TrainOptions
@@ -115,8 +115,8 @@ _BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", 
 def _acts_per_batch(cb: Callback) -> bool:
     if isinstance(cb, Progress):
         return False  # the progress bar is fine with a log per execution
-    kind = type(cb)
-    return any(getattr(kind, hook) is not getattr(Callback, hook) for hook in _BATCH_HOOKS)
+    kind = type(cb)  # a hook set on the instance (LambdaCallback) counts too
+    return any(getattr(kind, hook) is not getattr(Callback, hook) or hook in getattr(cb, "__dict__", {}) for hook in _BATCH_HOOKS)
 
 
 def _may_stop_per_batch(cb: Callback) -> bool:
@@ -198,7 +198,58 @@ def _batches(strategy: Strategy, data: Iterable[Any], steps: int | None) -> Iter
 
 
 def _logs(metrics: Sequence[Metric], prefix: str = "") -> Logs:
-    return {prefix + m.name: float(m.result()) for m in metrics}
+    logs: Logs = {}
+    for m in metrics:
+        value = m.result()
+        if isinstance(value, Mapping):  # a metric whose result is a dict logs each entry (Keras)
+            logs.update({prefix + str(k): float(v) for k, v in value.items()})
+        else:
+            logs[prefix + m.name] = float(value)
+    return dict(sorted(logs.items()))  # Keras 3's logs come in sorted order (its history, its bar)
+
+
+def _tracked_metrics(model: Any, loss_fn: Any, metrics: Any, weighted_metrics: Any) -> list[Metric]:
+    """What fit / evaluate log beside the loss, in Keras's order: the compiled metrics
+    (``metrics=`` unweighted, then ``weighted_metrics=`` weighted), then each output's loss when
+    the loss has several outputs (Keras's ``{output}_loss``)."""
+    names = getattr(model, "output_names", None)
+    out: list[Metric] = list(compile_metrics(metrics, weighted_metrics, names if isinstance(names, (list, tuple)) else None))
+    output_metrics = getattr(type(loss_fn), "output_metrics", None)
+    if output_metrics is not None:
+        out += list(output_metrics(loss_fn, names if isinstance(names, (list, tuple)) else None))
+    return out
+
+
+def _in_keras_order(logs: Logs, tracked: Sequence[Metric]) -> list[float]:
+    """Keras's ``evaluate`` list: the loss, then each metric found in the logs under its own
+    name (a compiled metric's own ``name``, which a per-output or renamed metric's log key is
+    not), then every other log in sorted order (Keras's ``_flatten_metrics_in_order``)."""
+    names = ["loss", *((m.metric.name if isinstance(m, FitMetric) else m.name) for m in tracked[1:])]
+    values = [logs[n] for n in names if n in logs]
+    values += [logs[k] for k in sorted(logs) if k not in names]
+    return values
+
+
+def _check_scheduler(scheduler: Any, interval: str, strategy: Strategy, optimizer: torch.optim.Optimizer) -> None:
+    if interval not in ("step", "epoch"):
+        raise ValueError(f"lr_scheduler_interval must be 'step' (after every optimizer update) or 'epoch', got {interval!r}")
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            "lr_scheduler=torch's ReduceLROnPlateau needs a monitored value: use "
+            "callbacks=[stratagem.callbacks.ReduceLROnPlateau(monitor='val_loss', ...)] (Keras's)"
+        )
+    if not hasattr(scheduler, "step") or getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError(
+            "lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler over the optimizer fit steps; "
+            f"got {type(scheduler).__name__}" + (" over another optimizer" if hasattr(scheduler, "step") else "")
+        )
+    if strategy.extended.is_pipeline and interval == "step":
+        raise ValueError(
+            "lr_scheduler_interval='step' is not supported under PipelineStrategy yet; use 'epoch', or a "
+            "Keras schedule as the optimizer's learning_rate (stratagem.optimizers)"
+        )
 
 
 def _reset(metrics: Sequence[Metric]) -> None:
@@ -240,7 +291,8 @@ def fit(
     *,
     epochs: int = 1,
     validation_data: Iterable[Any] | None = None,
-    metrics: Sequence[Metric | str] = (),
+    metrics: Any = (),
+    weighted_metrics: Any = (),
     callbacks: Sequence[Callback] = (),
     steps_per_epoch: int | None = None,
     strategy: Strategy | None = None,
@@ -254,6 +306,8 @@ def fit(
     clipnorm: float | None = None,
     clipvalue: float | None = None,
     global_clipnorm: float | None = None,
+    lr_scheduler: Any = None,
+    lr_scheduler_interval: str = "epoch",
 ) -> History:
     """Train ``model`` for ``epochs`` epochs over ``data``; returns the History of global logs.
 
@@ -280,6 +334,18 @@ def fit(
     batches, equal to one step on the k-times larger batch); ``clipnorm`` (each gradient's norm),
     ``clipvalue``, ``global_clipnorm`` applied to the reduced gradients, alike on every replica.
 
+    Metrics as Keras's ``compile`` takes them (``stratagem.train.metrics.compile_metrics``):
+    ``metrics=`` are updated *without* sample weights or class weights, ``weighted_metrics=``
+    with them; a metric given by name logs under that name; a dict ``{output: [metrics]}`` or a
+    list of lists gives metrics per output of a model with several (logged
+    ``"{output}_{name}"``). A Keras-style ``Metric`` subclass (``add_weight`` / ``update_state``
+    / ``result``) works as is, its variables summed across replicas.
+
+    ``lr_scheduler``: a torch ``LRScheduler`` over ``optimizer``, stepped after every optimizer
+    update with ``lr_scheduler_interval="step"`` (Lightning's ``interval``; nanoGPT's warmup +
+    cosine per iteration), or after each epoch's ``on_epoch_end`` with ``"epoch"`` (the default,
+    as Lightning's).
+
     Models as Hugging Face writes them (``stratagem.train.outputs``): an ``x`` that is a mapping is
     passed as keyword arguments when ``forward`` takes its keys; a model returning a mapping (a
     ``ModelOutput``) hands its ``"logits"`` to ``loss_fn`` and the metrics, and ``loss_fn=None``
@@ -298,7 +364,13 @@ def fit(
         raise ValueError(f"epochs must be >= 0, got {epochs}")
     if loss_fn is not None:
         check_loss_fn(loss_fn)
-    train_metrics = get_all(metrics)
+    _check_scheduler(lr_scheduler, lr_scheduler_interval, strategy, optimizer)
+    train_metrics = _tracked_metrics(model, loss_fn, metrics, weighted_metrics)
+    if weighted_metrics and strategy.extended.is_pipeline:
+        raise ValueError(
+            "weighted_metrics is not supported under PipelineStrategy yet (its steps pass no sample weights "
+            "to metrics); give the metrics in metrics= (unweighted, as Keras's)"
+        )
     tracked = [Mean("loss"), *train_metrics]
     val_tracked = [Mean("loss"), *(copy.deepcopy(m) for m in train_metrics)] if validation_data is not None else []
     if validation_data is not None:
@@ -310,7 +382,7 @@ def fit(
         coordinated_fit.unsupported({
             "precision": policy.name != "32", "gradient_accumulation_steps": gradient_accumulation_steps != 1,
             "clipnorm": clipnorm, "clipvalue": clipvalue, "global_clipnorm": global_clipnorm,
-            "class_weight": class_weight,
+            "class_weight": class_weight, "lr_scheduler": lr_scheduler,
         })  # fmt: skip
 
         def validate() -> Logs:
@@ -328,6 +400,8 @@ def fit(
                     "num_replicas": strategy.num_replicas_in_sync},
         )  # fmt: skip
     steps = _make_steps(strategy, model, optimizer, loss_fn, policy, options)
+    if lr_scheduler is not None and lr_scheduler_interval == "step":
+        steps.after_update = lr_scheduler.step
     batches = GlobalBatches(strategy, data, steps_per_epoch)
     names = [m.name for m in tracked]
     params: dict[str, Any] = {
@@ -425,6 +499,8 @@ def fit(
             history.record(epoch, logs)
             cblist.call("on_epoch_end", epoch, logs)  # callbacks may add logs (learning_rate)
             history.update_last(logs)
+            if lr_scheduler is not None and lr_scheduler_interval == "epoch":
+                lr_scheduler.step()
             if steps.agree(_stop_asked(state)):
                 state.stop_training = True
                 _set_model_flag(state.model, True)
@@ -516,17 +592,17 @@ def _describe(value: Any) -> str:
 
 @overload
 def evaluate(
-    model: Model, loss_fn: LossFn | str | None, data: Iterable[Any] | Any, *, metrics: Sequence[Metric | str] = ...,
-    batch_size: int | None = ..., steps: int | None = ..., strategy: Strategy | None = ...,
-    return_dict: Literal[False] = ...,
+    model: Model, loss_fn: LossFn | str | None, data: Iterable[Any] | Any, *, metrics: Any = ...,
+    weighted_metrics: Any = ..., batch_size: int | None = ..., steps: int | None = ...,
+    strategy: Strategy | None = ..., return_dict: Literal[False] = ...,
 ) -> Any: ...  # a float (the loss alone) or [loss, *metrics]
 
 
 @overload
 def evaluate(
-    model: Model, loss_fn: LossFn | str | None, data: Iterable[Any] | Any, *, metrics: Sequence[Metric | str] = ...,
-    batch_size: int | None = ..., steps: int | None = ..., strategy: Strategy | None = ...,
-    return_dict: Literal[True],
+    model: Model, loss_fn: LossFn | str | None, data: Iterable[Any] | Any, *, metrics: Any = ...,
+    weighted_metrics: Any = ..., batch_size: int | None = ..., steps: int | None = ...,
+    strategy: Strategy | None = ..., return_dict: Literal[True],
 ) -> dict[str, float]: ...
 
 
@@ -535,7 +611,8 @@ def evaluate(
     loss_fn: LossFn | str | None,
     data: Iterable[Any] | Any,
     *,
-    metrics: Sequence[Metric | str] = (),
+    metrics: Any = (),
+    weighted_metrics: Any = (),
     batch_size: int | None = None,
     steps: int | None = None,
     strategy: Strategy | None = None,
@@ -543,13 +620,29 @@ def evaluate(
 ) -> Any:
     """The mean loss and the metrics of ``model`` over ``data`` (global values, on every replica),
     as Keras's ``evaluate`` returns them: the loss (a float) when there are no metrics, else the
-    list ``[loss, *metrics]`` in the order given (so ``loss, acc = evaluate(...)`` works), and the
-    dict ``{"loss": ..., name: ...}`` with ``return_dict=True``.
+    list ``[loss, *metrics]`` in Keras's order (the metrics as given, unweighted then weighted;
+    per-output ones, logged under another name, after them in sorted order), so
+    ``loss, acc = evaluate(...)`` works, and the dict ``{"loss": ..., name: ...}`` with
+    ``return_dict=True``. ``metrics=`` ignore the batches' sample weights and
+    ``weighted_metrics=`` use them, as in Keras (see ``fit``).
 
     ``data`` yields global batches ``(x, y)`` or ``(x, y, sample_weight)``, or is Keras's array
     form: a tuple ``(x, y)`` / ``(x, y, sample_weight)`` of tensors or numpy arrays, read in
     batches of ``batch_size`` (32 when None; numpy floats as float32). ``steps`` limits the number
     of batches read (needed for an infinite dataset)."""
+    logs, values = evaluate_logs(model, loss_fn, data, metrics=metrics, weighted_metrics=weighted_metrics,
+                                 batch_size=batch_size, steps=steps, strategy=strategy)
+    if return_dict:
+        return logs
+    return values[0] if len(values) == 1 else values
+
+
+def evaluate_logs(
+    model: Model, loss_fn: LossFn | str | None, data: Iterable[Any] | Any, *, metrics: Any = (),
+    weighted_metrics: Any = (), batch_size: int | None = None, steps: int | None = None,
+    strategy: Strategy | None = None,
+) -> tuple[Logs, list[float]]:
+    """``evaluate``'s logs, and its values in Keras's order (``Model.evaluate`` uses both)."""
     strategy = _strategy(model, None, strategy, "evaluate")
     resolved: LossFn | None = loss_names.resolve(loss_fn)
     if resolved is not None:
@@ -557,7 +650,12 @@ def evaluate(
     data = _array_batches(data, batch_size, "evaluate", with_y=resolved is not None)
     check_iterable(data, "data")
     check_finite(data, steps, "data", "steps")
-    tracked = [Mean("loss"), *get_all(metrics)]
+    tracked = [Mean("loss"), *_tracked_metrics(model, resolved, metrics, weighted_metrics)]
+    if weighted_metrics and strategy.extended.is_pipeline:
+        raise ValueError(
+            "weighted_metrics is not supported under PipelineStrategy yet (its steps pass no sample weights "
+            "to metrics); give the metrics in metrics= (unweighted, as Keras's)"
+        )
     runner = _make_steps(strategy, model, None, resolved)
     was_training = runner.module.training
     runner.set_training(False)
@@ -566,10 +664,7 @@ def evaluate(
             logs = _run_test(strategy, runner, data, tracked, None, steps)
     finally:
         runner.set_training(was_training)
-    if return_dict:
-        return logs
-    values = [logs[m.name] for m in tracked]
-    return values[0] if len(values) == 1 else values
+    return logs, _in_keras_order(logs, tracked)
 
 
 def predict(

@@ -50,12 +50,13 @@ from torch import nn
 
 from stratagem.train import optimizers as optimizers_mod
 from stratagem.train.callback import Callback
-from stratagem.train.fit import evaluate as evaluate_fn
+from stratagem.train.fit import evaluate_logs
 from stratagem.train.fit import fit as fit_fn
 from stratagem.train.fit import predict as predict_fn
 from stratagem.train.history import History
 from stratagem.train.losses import Loss, per_example_loss
 from stratagem.train.losses import get as get_loss
+from stratagem.train.metrics import Metric
 
 __all__ = ["Model", "Sequential", "keras_model", "load_model"]
 
@@ -69,12 +70,13 @@ class _Compiled:
     """What ``compile`` was given, resolved."""
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, optimizer_arg: Any, loss: Any, loss_arg: Any,
-                 metrics: list[Any], loss_weights: Any, steps_per_execution: int | str) -> None:
+                 metrics: Any, loss_weights: Any, steps_per_execution: int | str, weighted_metrics: Any = None) -> None:
         self.optimizer = optimizer
         self.optimizer_arg = optimizer_arg
         self.loss = loss
         self.loss_arg = loss_arg
         self.metrics = metrics
+        self.weighted_metrics = weighted_metrics
         self.loss_weights = loss_weights
         self.steps_per_execution = steps_per_execution
 
@@ -83,10 +85,33 @@ class _OutputsLoss(Loss):
     """One loss per output of a model with several (a dict or a tuple of outputs), weighted and
     summed as Keras sums them: ``sum_k w_k * loss_k``, each ``loss_k`` the mean over the batch."""
 
-    def __init__(self, losses: Mapping[Any, Any], weights: Mapping[Any, float]) -> None:
+    def __init__(self, losses: Mapping[Any, Any], weights: Mapping[Any, float],
+                 names: Mapping[Any, str] | None = None) -> None:
         super().__init__(name="loss")
         self.losses = dict(losses)
         self.weights = dict(weights)
+        self.names = dict(names or {k: str(k) for k in self.losses})
+
+    def output_metrics(self, output_names: Sequence[str] | None = None) -> list[Metric]:
+        """Keras's per-output loss logs (``"{output}_loss"``, only with several losses): each
+        output's loss with the sample weights, before ``loss_weights`` (Keras records them
+        unweighted by ``loss_weights``). A tuple's outputs are named by ``output_names`` (the
+        model's), else by their loss's name, as Keras names a subclassed model's."""
+        if len(self.losses) < 2:
+            return []
+        out: list[Metric] = []
+        taken: set[str] = set()
+        for key, loss in self.losses.items():
+            name = self.names[key]
+            if isinstance(key, int) and output_names is not None and key < len(output_names):
+                name = str(output_names[key])
+            log = f"{name}_loss"
+            index = 1
+            while log in taken:  # Keras would log one of two same-named losses; both kept here
+                log, index = f"{name}_loss_{index}", index + 1
+            taken.add(log)
+            out.append(_OutputLossMetric(key, loss, log))
+        return out
 
     def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
         return self.per_example(y_true, y_pred)
@@ -105,6 +130,43 @@ class _OutputsLoss(Loss):
             total = term if total is None else total + term
         assert total is not None
         return total
+
+
+class _OutputLossMetric(Metric):
+    """One output's loss, weighted by the sample weights (Keras's per-output loss tracker: the
+    mean over the examples of ``w * loss``)."""
+
+    def __init__(self, key: Any, loss: Any, name: str) -> None:
+        super().__init__(name)
+        self.key, self.loss = key, loss
+
+    def batch_totals(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
+        losses = per_example_loss(self.loss, y_pred[self.key], y_true[self.key]).detach().to(torch.float64)
+        if isinstance(sample_weight, (Mapping, tuple, list)):
+            sample_weight = sample_weight[self.key]
+        if sample_weight is not None:
+            losses = losses * torch.as_tensor(sample_weight, dtype=losses.dtype, device=losses.device).reshape(-1)
+        total = losses.sum()  # sum(w * l) over the batch's examples, and their count
+        return torch.stack((total, total.new_full((), float(losses.shape[0]))))
+
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+def _loss_name(identifier: Any, resolved: Any) -> str:
+    if isinstance(identifier, str):
+        return identifier
+    name = getattr(resolved, "name", None)
+    if isinstance(name, str) and name != "loss":
+        return name
+    return _snake(type(resolved).__name__)
+
+
+def _snake(name: str) -> str:
+    import re
+
+    s = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", s).lower()
 
 
 def _describe(value: Any) -> str:
@@ -132,7 +194,8 @@ def _resolve_loss(loss: Any, loss_weights: Any) -> Any:
             if len(loss_weights) != len(keys):
                 raise ValueError(f"loss_weights has {len(loss_weights)} entries for {len(keys)} losses")
             weights = {k: float(w) for k, w in zip(keys, loss_weights)}
-        return _OutputsLoss(losses, weights)
+        names = {k: (str(k) if isinstance(loss, Mapping) else _loss_name(loss[k], losses[k])) for k in keys}
+        return _OutputsLoss(losses, weights, names)
     if loss_weights is not None:
         w = loss_weights if isinstance(loss_weights, (int, float)) else None
         if w is None:
@@ -341,11 +404,6 @@ class Model(nn.Module):
         auto_scale_loss: bool = True,
     ) -> None:
         """Configure the model for training (Keras's ``compile``; see the module's docstring)."""
-        if weighted_metrics:
-            raise ValueError(
-                "compile(weighted_metrics=...) is not offered: fit passes sample weights to every metric "
-                "in metrics=, so give them there (Keras's metrics= ignore sample weights)"
-            )
         if jit_compile is True:
             raise ValueError(
                 "compile(jit_compile=True) is not offered: compile the step with @stratagem.function on a "
@@ -361,8 +419,15 @@ class Model(nn.Module):
             )
         built = self._build_optimizer(optimizer)
         resolved = _resolve_loss(loss, loss_weights)
+        for argument, value in (("metrics", metrics), ("weighted_metrics", weighted_metrics)):
+            if value is not None and not isinstance(value, (list, tuple, Mapping)):
+                raise ValueError(
+                    f"Expected `{argument}` argument to be a list, tuple, or dict. Received instead: "
+                    f"{argument}={value!r} of type {type(value)}"
+                )
         self._keras()["compiled"] = _Compiled(
-            built, optimizer, resolved, loss, list(metrics or []), loss_weights, steps_per_execution
+            built, optimizer, resolved, loss, metrics if metrics is not None else [], loss_weights,
+            steps_per_execution, weighted_metrics if weighted_metrics is not None else [],
         )
 
     def _build_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
@@ -393,9 +458,16 @@ class Model(nn.Module):
         validation_steps: int | None = None,
         validation_batch_size: int | None = None,
         validation_freq: int = 1,
+        *,
+        lr_scheduler: Any = None,
+        lr_scheduler_interval: str = "epoch",
     ) -> History:
         """Train the model (Keras's ``fit``): ``x``/``y`` arrays or tensors, or ``x`` a dataset of
-        ``(x, y)`` / ``(x, y, sample_weight)`` batches. Returns the History (also ``model.history``)."""
+        ``(x, y)`` / ``(x, y, sample_weight)`` batches. Returns the History (also ``model.history``).
+
+        stratagem's addition: ``lr_scheduler`` (a torch ``LRScheduler`` over the compiled
+        optimizer) stepped after every update with ``lr_scheduler_interval="step"``, or after
+        every epoch (``"epoch"``); see ``stratagem.fit``."""
         compiled = self._compiled("fit")
         if validation_freq != 1:
             raise ValueError(
@@ -442,12 +514,14 @@ class Model(nn.Module):
             val = self._validation(val, arrays, validation_batch_size or batch_size)
         history = fit_fn(
             self, compiled.optimizer, compiled.loss, data,  # type: ignore[arg-type]
-            epochs=epochs, validation_data=val, metrics=compiled.metrics, callbacks=list(callbacks or []),
+            epochs=epochs, validation_data=val, metrics=compiled.metrics,
+            weighted_metrics=compiled.weighted_metrics, callbacks=list(callbacks or []),
+            lr_scheduler=lr_scheduler, lr_scheduler_interval=lr_scheduler_interval,
             steps_per_epoch=steps_per_epoch, verbose=verbose, steps_per_execution=compiled.steps_per_execution,
             initial_epoch=initial_epoch, validation_steps=validation_steps, class_weight=class_weight,
         )
         self.__dict__["history"] = history
-        self._keras()["metrics_names"] = ["loss", *_metric_names(compiled.metrics, history)]
+        self._keras()["metrics_names"] = [n for n in history.params.get("metrics", ["loss"]) if not n.startswith("val_")]
         return history
 
     def _validation(self, val: Any, train: tuple[Any, ...] | None, batch_size: int | None) -> Any:
@@ -496,12 +570,13 @@ class Model(nn.Module):
             if batch_size is not None:
                 raise ValueError("evaluate: batch_size is for array inputs; a dataset already yields batches")
             data = x
-        metrics = [copy.deepcopy(m) if not isinstance(m, str) else m for m in compiled.metrics]
-        logs = evaluate_fn(self, compiled.loss, data, metrics=metrics, steps=steps, return_dict=True)
+        logs, values = evaluate_logs(
+            self, compiled.loss, data, metrics=copy.deepcopy(compiled.metrics),
+            weighted_metrics=copy.deepcopy(compiled.weighted_metrics), steps=steps,
+        )
         self._keras()["metrics_names"] = list(logs)
         if return_dict:
             return logs
-        values = list(logs.values())
         return values[0] if len(values) == 1 else values
 
     def predict(
@@ -630,14 +705,10 @@ def _compile_config(compiled: _Compiled | None) -> dict[str, Any] | None:
         "optimizer": _serialize(compiled.optimizer_arg),
         "loss": _serialize(compiled.loss_arg),
         "metrics": _serialize(compiled.metrics),
+        "weighted_metrics": _serialize(compiled.weighted_metrics),
         "loss_weights": _serialize(compiled.loss_weights),
         "steps_per_execution": compiled.steps_per_execution,
     }
-
-
-def _metric_names(metrics: Sequence[Any], history: History) -> list[str]:
-    names = [k for k in history.history if k != "loss" and not k.startswith("val_") and k != "learning_rate"]
-    return names[: len(metrics)] if metrics else []
 
 
 def _save_checkpoint(model: nn.Module, target: Path, overwrite: bool) -> None:
@@ -720,7 +791,7 @@ def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None,
     keras.load_weights(path / _WEIGHTS)
     spec = saved.get("compile")
     if compile and spec is not None:
-        unsaved = [k for k in ("optimizer", "loss", "metrics", "loss_weights") if _unsaved(spec.get(k))]
+        unsaved = [k for k in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights") if _unsaved(spec.get(k))]
         if unsaved:
             raise ValueError(
                 f"load_model: {path} was compiled with {' and '.join(unsaved)} that cannot be saved (a torch "
@@ -729,10 +800,11 @@ def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None,
             )
         from stratagem.distribute.ownership import strategy_of
 
-        args = {k: _deserialize(spec.get(k)) for k in ("optimizer", "loss", "metrics", "loss_weights")}
+        args = {k: _deserialize(spec.get(k)) for k in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights")}
         strategy = strategy_of(keras)
         with strategy.scope() if strategy is not None else _nothing():
             keras.compile(optimizer=args["optimizer"], loss=args["loss"], metrics=args["metrics"] or None,
+                          weighted_metrics=args["weighted_metrics"] or None,
                           loss_weights=args["loss_weights"], steps_per_execution=spec.get("steps_per_execution", 1))
     return keras
 

@@ -11,12 +11,27 @@ outside ``run``, it all-reduces through ``strategy.reduce``; outside any strateg
 ``sync_metrics(strategy, metrics)`` does the all-reduce for many metrics in one collective and
 caches the global totals, so that afterwards ``result()`` needs no communication (``fit`` does
 this, so a progress bar on replica 0 alone can read results without hanging the others).
+
+Keras-style metrics: a subclass that defines ``update_state`` and ``result`` (not
+``batch_totals``) and keeps its state in ``self.add_weight(...)`` / ``self.add_variable(...)``
+variables, as the Keras guides write it, works too. Its variables *are* its totals: they are
+summed across replicas (Keras 3's metric variables have ``aggregation="sum"``; ``"mean"`` divides
+the sum by the number of replicas), and ``result()`` runs the subclass's ``result`` with each
+variable reading its global value, as a Keras metric variable (``synchronization="on_read"``)
+reads under a tf.distribute strategy. Its ``update_state`` runs after every step (it is not
+assumed additive).
+
+In ``fit`` / ``evaluate``, as in Keras, ``metrics=`` are updated *without* sample weights (nor
+class weights) and ``weighted_metrics=`` with them (``compile_metrics``).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +41,7 @@ from stratagem.distribute.strategy import Strategy
 
 __all__ = [
     "Accuracy",
+    "MetricVariable",
     "BinaryAccuracy",
     "CategoricalAccuracy",
     "KerasAccuracy",
@@ -36,6 +52,7 @@ __all__ = [
     "SparseCategoricalAccuracy",
     "Sum",
     "TopKCategoricalAccuracy",
+    "compile_metrics",
     "get",
     "sync_metrics",
 ]
@@ -61,8 +78,12 @@ def _weights(sample_weight: Any, batch: int, like: torch.Tensor) -> torch.Tensor
     return w.flatten(1).mean(dim=1) if w.dim() > 1 else w
 
 
-class Metric(abc.ABC):
-    """A streaming metric: ``update_state`` per batch, ``result`` for all replicas, ``reset_state``."""
+class Metric(abc.ABC):  # noqa: B024 (Keras-style subclasses define update_state/result instead of batch_totals)
+    """A streaming metric: ``update_state`` per batch, ``result`` for all replicas, ``reset_state``.
+
+    Two ways to write one: stratagem's (``batch_totals`` returning a batch's float64 totals, and
+    ``compute`` from totals), or Keras's (``add_weight`` variables in ``__init__``,
+    ``update_state`` assigning to them, ``result`` reading them; see the module docstring)."""
 
     #: How many float64 totals the state holds.
     num_totals: int = 2
@@ -72,13 +93,104 @@ class Metric(abc.ABC):
     #: metric), so that one update with several batches concatenated along the batch dimension
     #: gives the totals of one update per batch: ``fit`` then updates it once per execution.
     additive: bool = False
+    #: Whether the class is written as Keras writes metrics (``update_state`` / ``result`` over
+    #: ``add_weight`` variables, no ``batch_totals``); set for each subclass when it is defined.
+    _keras_style: bool = False
 
-    def __init__(self, name: str | None = None) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._keras_style = cls.batch_totals is Metric.batch_totals
+        if not cls._keras_style:
+            return
+        if "default_name" not in cls.__dict__:
+            cls.default_name = _snake_case(cls.__name__)  # Keras's auto_name
+        for name in ("update_state", "result", "reset_state"):
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "_sg_wrapped", False):
+                setattr(cls, name, _KERAS_WRAPPERS[name](fn))
+
+    def __init__(self, name: str | None = None, dtype: Any = None) -> None:
         self.name = name if name is not None else self.default_name
+        self.dtype: torch.dtype = _dtype(dtype)
         self._totals = torch.zeros(self.num_totals, dtype=torch.float64)
         self._pending: torch.Tensor | None = None  # totals added on the batch's device, not read yet
         self._global: torch.Tensor | None = None
         self._strategy: Strategy | None = None  # the strategy the last update ran under
+        self._variables: list[MetricVariable] = []
+
+    # --- Keras's metric variables ---------------------------------------------------------------
+    def add_variable(
+        self, shape: Any = (), initializer: Any = "zeros", dtype: Any = None, aggregation: str = "sum",
+        name: str | None = None,
+    ) -> MetricVariable:
+        """A state variable (Keras's ``add_variable``): summed across replicas when read by
+        ``result()`` (``aggregation="sum"``, Keras's default; ``"mean"``: the sum over the
+        replicas divided by their number)."""
+        if "_variables" not in self.__dict__:
+            raise RuntimeError("You forgot to call `super().__init__()` in the `__init__()` method. Go add it!")
+        if not self._keras_style:
+            raise TypeError(
+                f"{type(self).__name__} defines batch_totals (stratagem's form of a metric): its state is "
+                "its totals; add_weight is for metrics written as Keras writes them (update_state and "
+                "result over add_weight variables, no batch_totals)"
+            )
+        if aggregation not in ("sum", "mean"):
+            raise ValueError(
+                f"add_variable(aggregation={aggregation!r}) is not supported: a metric variable is summed "
+                "across replicas ('sum', Keras's default) or averaged ('mean')"
+            )
+        shape = (shape,) if isinstance(shape, int) else tuple(shape or ())
+        var = MetricVariable(_initial(initializer, shape, _dtype(dtype) if dtype is not None else self.dtype),
+                             name or f"variable_{len(self._variables)}", aggregation)
+        self._variables.append(var)
+        self.num_totals = sum(v._value.numel() for v in self._variables)
+        return var
+
+    def add_weight(self, shape: Any = (), initializer: Any = "zeros", dtype: Any = None, name: str | None = None,
+                   aggregation: str = "sum") -> MetricVariable:
+        """Keras's ``add_weight`` (an alias of ``add_variable``)."""
+        return self.add_variable(shape=shape, initializer=initializer, dtype=dtype, aggregation=aggregation, name=name)
+
+    @property
+    def variables(self) -> list[MetricVariable]:
+        """The Keras-style state variables (empty for a metric that keeps stratagem's totals)."""
+        return list(self._variables)
+
+    def _flat(self, *, scaled: bool) -> torch.Tensor:
+        """The variables as float64 totals (``scaled``: a ``"mean"`` variable's share of the sum)."""
+        if not self._variables:
+            return torch.zeros(0, dtype=torch.float64)
+        parts = []
+        for v in self._variables:
+            t = v._value.detach().to("cpu", torch.float64).reshape(-1)
+            if scaled and v.aggregation == "mean":
+                replicas = self._strategy.num_replicas_in_sync if self._strategy is not None else 1
+                t = t / replicas
+            parts.append(t)
+        return torch.cat(parts)
+
+    def _set_flat(self, flat: torch.Tensor, *, add: bool = False) -> None:
+        offset = 0
+        for v in self._variables:
+            n = v._value.numel()
+            part = flat[offset : offset + n].reshape(v._value.shape).to(v._value.device, v._value.dtype)
+            if add:
+                v._value += part
+            else:
+                v._value = part.clone()
+            offset += n
+
+    @contextlib.contextmanager
+    def _reading(self, totals: torch.Tensor) -> Iterator[None]:
+        """Each variable reads its part of ``totals`` (new tensors: what ``result`` returns of
+        them stays valid) while the block runs; then its own value again."""
+        kept = [v._value for v in self._variables]
+        self._set_flat(totals)
+        try:
+            yield
+        finally:
+            for v, value in zip(self._variables, kept):
+                v._value = value
 
     def get_config(self) -> dict[str, Any]:
         """Keras's ``get_config``: the arguments that make this metric again (``cls(**config)``)."""
@@ -92,9 +204,25 @@ class Metric(abc.ABC):
         return state
 
     # --- the per-metric parts --------------------------------------------------------------
-    @abc.abstractmethod
     def batch_totals(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The float64 totals one batch contributes (same arguments as ``update_state``)."""
+        """The float64 totals one batch contributes (same arguments as ``update_state``).
+
+        A Keras-style metric's: its variables after ``update_state`` on this batch alone (from
+        zero), so summing them is Keras's ``aggregation="sum"``."""
+        if type(self).update_state is Metric.update_state:
+            raise NotImplementedError(
+                f"{type(self).__name__} must define batch_totals (stratagem's form) or update_state and "
+                "result (Keras's form)"
+            )
+        kept = [v._value for v in self._variables]
+        for v in self._variables:
+            v._value = torch.zeros_like(v._value)
+        try:
+            self.update_state(*args, **kwargs)
+            return self._flat(scaled=False)
+        finally:
+            for v, value in zip(self._variables, kept):
+                v._value = value
 
     def compute(self, totals: torch.Tensor) -> torch.Tensor:
         """The value from (global) totals; default: weighted sum / total weight (0 when empty)."""
@@ -110,6 +238,10 @@ class Metric(abc.ABC):
 
     def add_totals(self, totals: torch.Tensor) -> None:
         """Add totals computed elsewhere (``batch_totals``'s form) to this replica's totals."""
+        if self._keras_style:
+            self._set_flat(totals.detach().to("cpu", torch.float64), add=True)
+            self._updated()
+            return
         t = totals.detach()
         if t.dtype != torch.float64:
             t = t.to(torch.float64)
@@ -118,6 +250,9 @@ class Metric(abc.ABC):
             self._pending = t.clone()
         else:
             self._pending += t
+        self._updated()
+
+    def _updated(self) -> None:
         self._global = None
         strategy = current.get_strategy()
         if strategy.num_replicas_in_sync > 1 or self._strategy is None:
@@ -134,35 +269,58 @@ class Metric(abc.ABC):
         Under a strategy with several replicas this is a collective (every replica calls it),
         also outside the scope: the totals are summed across the replicas of the strategy the
         updates ran under, never this replica's alone."""
+        if self._keras_style:
+            raise NotImplementedError(f"{type(self).__name__} must define result() (Keras's form of a metric)")
         if self._global is not None:
             return self.compute(self._global)
         self._fold()
         return self.compute(_sum_across_replicas(self._totals, self._strategy))
 
+    def _global_or_sum(self) -> torch.Tensor:
+        """A Keras-style metric's variables summed across replicas (cached by ``sync_metrics``)."""
+        if self._global is not None:
+            return self._global
+        return _sum_across_replicas(self._flat(scaled=True), self._strategy).to("cpu", torch.float64)
+
     def reset_state(self) -> None:
-        """Forget every example seen (on this replica; call it on every replica)."""
+        """Forget every example seen (on this replica; call it on every replica). A Keras-style
+        metric's variables are set to zero, as Keras's default ``reset_state`` does."""
         self._totals.zero_()
+        for v in self._variables:
+            v._value = torch.zeros_like(v._value)
         self._pending = None
         self._global = None
 
+    def reset_states(self) -> None:
+        """TF 2's name of ``reset_state`` (the tutorials call it)."""
+        self.reset_state()
+
     def global_totals(self) -> torch.Tensor:
         """The totals cached by the last ``sync_metrics`` (this replica's if none since an update)."""
+        if self._keras_style:
+            return (self._global if self._global is not None else self._flat(scaled=True)).clone()
         self._fold()
         return (self._global if self._global is not None else self._totals).clone()
 
     def local_totals(self) -> torch.Tensor:
         """This replica's totals (a copy)."""
+        if self._keras_style:
+            return self._flat(scaled=True)
         self._fold()
         return self._totals.clone()
 
     def set_global_totals(self, totals: torch.Tensor) -> None:
         """Cache the totals summed across replicas (what ``sync_metrics`` computes)."""
-        if totals.shape != self._totals.shape:
+        if totals.shape != (self.num_totals,):
             raise ValueError(f"{self.name}: expected {self.num_totals} totals, got shape {tuple(totals.shape)}")
         self._global = totals.detach().to("cpu", torch.float64).clone()
 
     def load_totals(self, totals: torch.Tensor) -> None:
         """Replace this replica's totals (used to resume a metric from a checkpoint)."""
+        if self._keras_style:
+            self._set_flat(totals.detach().to("cpu", torch.float64).reshape(self.num_totals))
+            self._global = None
+            return
         self._totals = totals.detach().to("cpu", torch.float64).clone().reshape(self.num_totals)
         self._pending = None
         self._global = None
@@ -174,6 +332,179 @@ class Metric(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+# --- Keras-style metrics: variables, and the wrappers of a subclass's methods -----------------
+
+
+def _snake_case(name: str) -> str:
+    s = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", s).lower()
+
+
+def _dtype(dtype: Any) -> torch.dtype:
+    if dtype is None:
+        return torch.float32  # Keras's floatx
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    got = getattr(torch, str(dtype), None)
+    if not isinstance(got, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; give a torch.dtype or its name ('float32', 'int64')")
+    return got
+
+
+def _initial(initializer: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if initializer is None or initializer == "zeros":
+        return torch.zeros(shape, dtype=dtype)
+    if initializer == "ones":
+        return torch.ones(shape, dtype=dtype)
+    if isinstance(initializer, (int, float)):
+        return torch.full(shape, float(initializer), dtype=dtype)
+    if isinstance(initializer, torch.Tensor):
+        return initializer.detach().to(dtype).reshape(shape).clone()
+    if callable(initializer):
+        return torch.as_tensor(initializer(shape, dtype=dtype), dtype=dtype).reshape(shape).clone()
+    raise ValueError(
+        f"unknown initializer {initializer!r} for a metric variable; give 'zeros', 'ones', a number, a "
+        "tensor or a callable (shape, dtype) -> tensor"
+    )
+
+
+def _unwrap(value: Any) -> Any:
+    return value._value if isinstance(value, MetricVariable) else value
+
+
+class MetricVariable:
+    """A Keras-style metric's state variable (what ``Metric.add_weight`` returns): ``assign``,
+    ``assign_add``, ``assign_sub``, ``value``, ``numpy()``; torch functions and arithmetic take it
+    as its tensor. Not trainable; gradients never flow into it."""
+
+    def __init__(self, value: torch.Tensor, name: str, aggregation: str = "sum") -> None:
+        self._value = value
+        self.name = name
+        self.aggregation = aggregation
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self._value
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._value.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._value.dtype
+
+    def _as(self, value: Any) -> torch.Tensor:
+        t = _unwrap(value)
+        t = t.detach() if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+        return t.to(self._value.device, self._value.dtype)
+
+    def assign(self, value: Any) -> MetricVariable:
+        self._value = self._as(value).expand(self._value.shape).clone()
+        return self
+
+    def assign_add(self, value: Any) -> MetricVariable:
+        self._value = self._value + self._as(value)
+        return self
+
+    def assign_sub(self, value: Any) -> MetricVariable:
+        self._value = self._value - self._as(value)
+        return self
+
+    def numpy(self) -> Any:
+        return self._value.detach().cpu().numpy()
+
+    def __array__(self, dtype: Any = None) -> Any:
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype)
+
+    def __float__(self) -> float:
+        return float(self._value)
+
+    def __int__(self) -> int:
+        return int(self._value)
+
+    def __repr__(self) -> str:
+        return f"<MetricVariable name={self.name} value={self._value.tolist()}>"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_map
+
+        return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs or {}))
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._value[index]
+
+    def __neg__(self) -> torch.Tensor:
+        return -self._value
+
+
+def _binary(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[[MetricVariable, Any], Any]:
+    if reflected:
+        return lambda self, other: op(_unwrap(other), self._value)
+    return lambda self, other: op(self._value, _unwrap(other))
+
+
+for _name, _op in (("add", lambda a, b: a + b), ("sub", lambda a, b: a - b), ("mul", lambda a, b: a * b),
+                   ("truediv", lambda a, b: a / b), ("floordiv", lambda a, b: a // b), ("pow", lambda a, b: a**b)):
+    setattr(MetricVariable, f"__{_name}__", _binary(_op, False))
+    setattr(MetricVariable, f"__r{_name}__", _binary(_op, True))
+for _name, _op in (("lt", lambda a, b: a < b), ("le", lambda a, b: a <= b), ("gt", lambda a, b: a > b),
+                   ("ge", lambda a, b: a >= b)):
+    setattr(MetricVariable, f"__{_name}__", _binary(_op, False))
+
+
+def _as_result(value: Any) -> Any:
+    if isinstance(value, MetricVariable):
+        return value._value.clone()
+    if isinstance(value, Mapping):
+        return {k: _as_result(v) for k, v in value.items()}
+    return value
+
+
+def _wrap_update(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def update_state(self: Metric, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            out = fn(self, *args, **kwargs)
+        self._updated()
+        return out
+
+    update_state._sg_wrapped = True  # type: ignore[attr-defined]
+    return update_state
+
+
+def _wrap_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def result(self: Metric) -> Any:
+        if self.__dict__.get("_sg_reading"):  # called from inside result (super().result()): as is
+            return fn(self)
+        self.__dict__["_sg_reading"] = True
+        try:
+            with self._reading(self._global_or_sum()):
+                return _as_result(fn(self))
+        finally:
+            self.__dict__["_sg_reading"] = False
+
+    result._sg_wrapped = True  # type: ignore[attr-defined]
+    return result
+
+
+def _wrap_reset(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def reset_state(self: Metric) -> Any:
+        out = fn(self)
+        self._global = None
+        return out
+
+    reset_state._sg_wrapped = True  # type: ignore[attr-defined]
+    return reset_state
+
+
+_KERAS_WRAPPERS = {"update_state": _wrap_update, "result": _wrap_result, "reset_state": _wrap_reset}
 
 
 def _sum_across_replicas(totals: torch.Tensor, updated_under: Strategy | None) -> torch.Tensor:
@@ -445,4 +776,167 @@ def get_all(metrics: Iterable[Metric | str]) -> list[Metric]:
             f"metrics {names} log under duplicate or reserved names {dup or ['loss']}; give "
             "each metric a distinct name= (\"loss\" is the training loss)"
         )
+    return out
+
+
+# --- what fit / evaluate track: Keras's CompileMetrics ---------------------------------------
+
+_WHOLE = "__whole__"  # a FitMetric's output: the whole y / y_pred (a single-output model)
+
+
+def _select(value: Any, key: Any) -> Any:
+    if key == _WHOLE:
+        return value
+    try:
+        return value[key]
+    except (KeyError, IndexError, TypeError) as e:
+        raise ValueError(
+            f"a metric was given for output {key!r}, but the model's outputs or labels ({type(value).__name__}) "
+            "have no such entry; key per-output metrics as the outputs are keyed (a dict's keys, a "
+            "tuple's positions)"
+        ) from e
+
+
+class FitMetric(Metric):
+    """One metric as fit and evaluate track it (Keras's ``CompileMetrics`` entry): the metric
+    given, the name it logs under, the output it reads (the whole ``y`` / ``y_pred``, or one
+    output of several) and whether it gets the sample weights (``weighted_metrics=``) or not
+    (``metrics=``, as in Keras). Its state is the metric's own (read it from the object you
+    gave)."""
+
+    def __init__(self, metric: Metric, log_name: str, *, weighted: bool, output: Any = _WHOLE) -> None:
+        super().__init__(log_name)
+        self.metric = metric
+        self.weighted = weighted
+        self.output = output
+        self.additive = metric.additive and output == _WHOLE
+        self.num_totals = metric.num_totals
+
+    def _args(self, y_true: Any, y_pred: Any, sample_weight: Any) -> tuple[Any, Any, dict[str, Any]]:
+        if self.output == _WHOLE:
+            if isinstance(y_pred, (Mapping, tuple, list)) and not self.metric._keras_style:
+                raise ValueError(
+                    f"metric {self.name!r} was given for the whole model, but the model has several outputs "
+                    f"({type(y_pred).__name__}); give the metrics per output: metrics={{output: [metrics]}} "
+                    "(a dict's keys) or a list with one list of metrics per output"
+                )
+            yt, yp, sw = y_true, y_pred, sample_weight
+        else:
+            yt, yp = _select(y_true, self.output), _select(y_pred, self.output)
+            sw = _select(sample_weight, self.output) if isinstance(sample_weight, (Mapping, tuple, list)) else sample_weight
+        # Keras: metrics= are updated without sample weights, weighted_metrics= with them
+        return yt, yp, ({"sample_weight": sw} if self.weighted else {})
+
+    def batch_totals(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
+        yt, yp, kw = self._args(y_true, y_pred, sample_weight)
+        return self.metric.batch_totals(yt, yp, **kw)
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        yt, yp, kw = self._args(y_true, y_pred, sample_weight)
+        self.metric.update_state(yt, yp, **kw)
+
+    def add_totals(self, totals: torch.Tensor) -> None:
+        self.metric.add_totals(totals)
+
+    def result(self) -> Any:
+        return self.metric.result()
+
+    def reset_state(self) -> None:
+        self.metric.reset_state()
+
+    def global_totals(self) -> torch.Tensor:
+        return self.metric.global_totals()
+
+    def local_totals(self) -> torch.Tensor:
+        return self.metric.local_totals()
+
+    def set_global_totals(self, totals: torch.Tensor) -> None:
+        self.metric.set_global_totals(totals)
+
+    def load_totals(self, totals: torch.Tensor) -> None:
+        self.metric.load_totals(totals)
+
+    def get_config(self) -> dict[str, Any]:
+        return self.metric.get_config()
+
+    def __repr__(self) -> str:
+        return f"FitMetric({self.metric!r}, name={self.name!r}, weighted={self.weighted})"
+
+
+def _named(identifier: Metric | str) -> Metric:
+    """A metric object; one made from a name logs under that name, as Keras names it."""
+    m = get(identifier)
+    if isinstance(identifier, str):
+        m.name = identifier
+    return m
+
+
+def _per_output(spec: Any, output_names: Sequence[str] | None, argument: str) -> list[tuple[Any, str | None, list[Any]]]:
+    """``[(output key, output name for logs, [metric identifiers])]`` from ``metrics=``."""
+
+    def as_list(v: Any) -> list[Any]:
+        if v is None:
+            return []
+        return list(v) if isinstance(v, (list, tuple)) else [v]
+
+    if isinstance(spec, Mapping):
+        return [(k, str(k), as_list(v)) for k, v in spec.items()]
+    if isinstance(spec, (list, tuple)) and any(isinstance(v, (list, tuple, type(None))) for v in spec):
+        if not all(isinstance(v, (list, tuple, type(None))) for v in spec):
+            raise ValueError(
+                f"{argument}={spec!r} mixes metrics and lists of metrics: give one flat list (the whole "
+                "model's metrics) or one list per output"
+            )
+        names = list(output_names) if output_names else [None] * len(spec)
+        if len(names) != len(spec):
+            raise ValueError(f"{argument} has {len(spec)} lists for a model with output_names {list(names)}")
+        return [(i, names[i], as_list(v)) for i, v in enumerate(spec)]
+    if isinstance(spec, (str, Metric)):
+        return [(_WHOLE, None, [spec])]
+    return [(_WHOLE, None, as_list(spec))]
+
+
+def compile_metrics(
+    metrics: Any = (), weighted_metrics: Any = (), output_names: Sequence[str] | None = None
+) -> list[FitMetric]:
+    """What fit / evaluate track for ``metrics=`` and ``weighted_metrics=``, named as Keras 3's
+    ``CompileMetrics`` names them: a metric given by name logs under that name (``"mae"``, not
+    ``"mean_absolute_error"``), an object under its ``name``; a per-output metric (``metrics=``
+    a dict ``{output: [metrics]}`` or a list of lists, one per output) under
+    ``"{output}_{name}"`` (a tuple's outputs have no name unless ``output_names`` gives them); a
+    name taken again gets ``_1``, ``_2``, ..., and a weighted metric whose name is taken logs as
+    ``weighted_{name}``. Unweighted ones come first, in the order given."""
+    out: list[FitMetric] = []
+    counters: dict[str, int] = {}
+    seen: dict[int, str] = {}
+    for weighted, spec, argument in ((False, metrics, "metrics"), (True, weighted_metrics, "weighted_metrics")):
+        for key, output_name, identifiers in _per_output(spec, output_names, argument):
+            for identifier in identifiers:
+                m = _named(identifier)
+                if id(m) in seen:
+                    raise ValueError(
+                        f"the metric object {m!r} is given twice ({seen[id(m)]} and {argument}); each place "
+                        "needs its own object (one state per place), e.g. a second instance of its class"
+                    )
+                seen[id(m)] = argument
+                name = f"{output_name}_{m.name}" if output_name else m.name
+                if name not in counters:
+                    counters[name] = 1
+                elif not weighted:
+                    index = counters[name]
+                    counters[name] += 1
+                    name = f"{name}_{index}"
+                else:
+                    name = f"{output_name}_weighted_{m.name}" if output_name else f"weighted_{m.name}"
+                    if name not in counters:
+                        counters[name] = 1
+                    else:
+                        index = counters[name]
+                        counters[name] += 1
+                        name = f"{name}_{index}"
+                if name == "loss":
+                    raise ValueError(
+                        f"metric {m!r} would log as 'loss', the training loss's name; give it another name="
+                    )
+                out.append(FitMetric(m, name, weighted=weighted, output=key))
     return out

@@ -10,7 +10,7 @@ only (no communication); fit sums them across replicas afterwards.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,6 +160,8 @@ class DataParallelSteps:
         self.options = options or TrainOptions()
         self.device = strategy.extended.device
         self.scaler = self.policy.loss_scaler(self.device) if optimizer is not None else None
+        #: called after every optimizer update (fit's ``lr_scheduler_interval="step"``)
+        self.after_update: Callable[[], Any] | None = None
         if optimizer is not None:  # an optimizer made in a sharding scope: onto the shards now,
             strategy.extended.prepare_optimizer(optimizer)  # so clipping sees what it steps
 
@@ -215,7 +217,8 @@ class DataParallelSteps:
             (loss if scaler is None else scaler.scale(loss)).backward()
             record.add(y, preds, sw)
 
-        plain_step = scaler is None and not options.clips
+        after_update = self.after_update
+        plain_step = scaler is None and not options.clips and after_update is None
 
         def apply_gradients() -> None:
             if options.clips:  # the reduced gradient: identical on every replica
@@ -226,6 +229,8 @@ class DataParallelSteps:
                 optimizer.step()
             else:  # gradients are summed across replicas first: every replica skips alike
                 scaler.step(optimizer)
+            if after_update is not None:
+                after_update()
 
         in_steps = [0.0]
 
