@@ -106,9 +106,10 @@ class FailureMonitor:
         close_connections: Callable[[], None] | None = None,
     ) -> None:
         self.rank = rank
-        #: ends this process's collectives (the process groups torn down): called by the store
-        #: host when it fails, before it waits for its peers to read why, so that a peer blocked
-        #: in a collective with it fails at once rather than when its watchdog's grace runs out
+        #: ends this process's collectives (the process groups torn down): called when this rank
+        #: raised, once its record is written (and by the store host before it waits for its peers
+        #: to read why), so that a peer blocked in a collective with it fails at once rather than
+        #: when its watchdog's grace runs out
         self.close_connections = close_connections
         self.world_size = world_size
         self.master_addr = master_addr
@@ -467,9 +468,12 @@ class FailureMonitor:
                 self._prev_hook(etype, value, tb)
                 self.record_exception(value, text)
                 self._mark("failed")
+                # a peer blocked in a collective with this rank fails now (its connection closed)
+                # and raises WorkerFailedError naming this rank, rather than waiting for its
+                # watchdog's grace while this process finalizes (seconds on a busy machine)
+                if self.close_connections is not None:
+                    self.close_connections()
                 if self.rank == self.store_host_rank:
-                    if self.close_connections is not None:
-                        self.close_connections()
                     # our store carries the record: keep it up until the peers have read it
                     limit = self.options.grace_seconds + 3 * self.options.heartbeat_seconds
                     self._wait_for_peers(self._saw_failure, limit)
