@@ -275,3 +275,23 @@ def test_the_guide_under_mirrored_strategy_equals_one_device(tmp_path):
         for k in want["params"]:
             _close(g["params"][k], want["params"][k], tol=1e-4)
         _close(g["reloaded_evaluate"], g["evaluate"], tol=1e-6)
+
+
+def over_prediction(y_true, y_pred):
+    """A Keras-style custom loss (the guides name its arguments y_true, y_pred); asymmetric."""
+    return ((y_pred - y_true).clamp(min=0) ** 2).mean(dim=-1)
+
+
+def test_a_custom_loss_function_written_as_keras_writes_it_gets_labels_first():
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 3), torch.randn(32, 1)
+    model = sg.Sequential(nn.Linear(3, 1))
+    model.compile("sgd", loss=over_prediction)
+    with torch.no_grad():
+        out = model(x)
+    got = model.evaluate(x, y, batch_size=32, verbose=0)
+    assert got == pytest.approx(over_prediction(y, out).mean().item(), rel=1e-6)
+    assert got != pytest.approx(over_prediction(out, y).mean().item(), rel=1e-3)  # the order matters here
+    # a torch-style function (any other parameter names) keeps torch's (outputs, y)
+    model.compile("sgd", loss=lambda outputs, target: ((outputs - target).clamp(min=0) ** 2).mean())
+    assert model.evaluate(x, y, batch_size=32, verbose=0) == pytest.approx(over_prediction(y, out).mean().item(), rel=1e-6)

@@ -186,9 +186,10 @@ def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
 # A Keras loss is called as Keras calls it, ``loss(y_true, y_pred, sample_weight=None)``, and a
 # subclass implements ``call(self, y_true, y_pred)``: the labels come first. A torch loss (an
 # ``nn.Module`` such as ``nn.CrossEntropyLoss()``, or a plain function) is called as torch calls it,
-# ``loss_fn(outputs, y)``. fit decides by type: an instance of ``Loss`` below (and a Keras name
-# such as ``"sparse_categorical_crossentropy"``, which stands for one) gets ``(y, outputs)``;
-# anything else gets ``(outputs, y)``.
+# ``loss_fn(outputs, y)``. fit decides by what the user wrote: an instance of ``Loss`` below (and
+# a Keras name such as ``"sparse_categorical_crossentropy"``, which stands for one), and a plain
+# function whose first parameters are named ``y_true, y_pred`` (a custom loss as the Keras guides
+# write it) get ``(y, outputs)``; anything else gets ``(outputs, y)``.
 
 #: Keras's epsilon: probabilities are clipped to ``[EPSILON, 1 - EPSILON]`` before the log.
 EPSILON = 1e-7
@@ -558,4 +559,22 @@ def get(identifier: Any) -> Any:
         return make()
     if getattr(identifier, "keras_order", False) and not isinstance(identifier, Loss):
         return LossFunctionWrapper(identifier)
+    if _written_keras_order(identifier):
+        return LossFunctionWrapper(identifier)
     return identifier
+
+
+def _written_keras_order(fn: Any) -> bool:
+    """A plain function whose first two parameters are named ``y_true, y_pred`` (Keras's custom
+    loss function, as the Keras guides write it): called labels first, as the user wrote it. A torch
+    loss (an ``nn.Module``) and any other function keep torch's ``(outputs, y)``."""
+    import inspect
+
+    if isinstance(fn, (Loss, torch.nn.Module)) or not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        return False
+    try:
+        params = [p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return params[:2] == ["y_true", "y_pred"]
