@@ -373,8 +373,8 @@ def _sgd_reference(batches, epochs, steps, lr=0.001):
             opt.zero_grad()
             loss.backward()
             opt.step()
-            total += float(loss.detach()) * len(y)
-            correct += float((logits.argmax(1) == y).sum())
+            total += loss.item() * len(y)
+            correct += (logits.detach().argmax(1) == y).sum().item()
             count += len(y)
         logs.append({"loss": total / count, "accuracy": correct / count})
     return logs
