@@ -185,12 +185,23 @@ def collectives_worker() -> dict[str, Any]:
         fit_steps: list[dict[str, int]] = []
 
         class Probe(sg.Callback):
+            may_stop_per_batch = False  # it never stops training: fit need not agree after each batch
+
             def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
                 fit_steps.append(counting.take())
 
         sg.fit(model, optimizer, nn.CrossEntropyLoss(), train, epochs=1, verbose=0,
                metrics=["sparse_categorical_accuracy"], callbacks=[Probe()])
-    return {"loop": per_step, "fit": fit_steps}
+        counting.take()
+        may_stop: list[dict[str, int]] = []
+
+        class MayStop(sg.Callback):  # a batch hook that may set model.stop_training (Keras's habit)
+            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                may_stop.append(counting.take())
+
+        sg.fit(model, optimizer, nn.CrossEntropyLoss(), train, epochs=1, verbose=0,
+               metrics=["sparse_categorical_accuracy"], callbacks=[MayStop()])
+    return {"loop": per_step, "fit": fit_steps, "may_stop": may_stop}
 
 
 def _precision_run(strategy: Any, precision: str, spe: Any = "auto") -> dict[str, Any]:

@@ -63,6 +63,11 @@ def test_collectives_per_step():
         small = {k: v for k, v in counts.items() if k != "all_reduce_async"}
         # the input vote, the global count, the metric totals
         assert small == {"all_reduce_": 3}, counts
+    # a callback whose batch hook may stop training: every replica agrees after each batch whether
+    # to stop (one more small all-reduce; its first call also checks its call site)
+    for counts in r["may_stop"][2:]:
+        small = {k: v for k, v in counts.items() if k != "all_reduce_async"}
+        assert small == {"all_reduce_": 4}, counts
 
 
 @pytest.mark.timeout(240)
