@@ -36,7 +36,7 @@ def test_custom_training_loop_tutorial(tmp_path, monkeypatch):
     # the restored checkpoint is the last one saved (ckpt-2, after epoch 3): its test accuracy
     restored = re.search(r"Accuracy after restoring the saved model without strategy: ([\d.]+)", out)
     assert restored is not None and float(restored.group(1)) == pytest.approx(float(epochs[2][1]))
-    assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["ckpt-1", "ckpt-2"]  # TF's ckpt-1, ckpt-2
+    assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["checkpoint", "ckpt-1", "ckpt-2"]  # TF's state file, ckpt-1, ckpt-2
     assert len(lines) == 4 + 1 + 4 + 4, out  # the training loop, the restore, iterators, epoch function
     # the reference: the same program on one device (the same global batches); every number it prints
     monkeypatch.setenv("NUM_REPLICAS", "1")
@@ -202,6 +202,7 @@ def _keras_guide_numbers() -> dict[str, object]:
     return ref
 
 
+@pytest.mark.slow  # over a minute here: the slow tier keeps the main one under 15 minutes
 @pytest.mark.timeout(240)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras's own numpy-2 deprecation on its torch backend
 def test_keras_builtin_methods_guide(tmp_path):
@@ -414,6 +415,7 @@ def test_multi_worker_with_keras_tutorial_matches_one_device(tmp_path):
     assert "backup_dir after fit: None" in out or "backup_dir after fit: []" in out, out
 
 
+@pytest.mark.slow  # over a minute here: the slow tier keeps the main one under 15 minutes
 @pytest.mark.timeout(150)
 def test_distributed_input_tutorial_prints_tf_values(tmp_path):
     """Every value the tutorial prints, as tf prints it on 2 replicas."""
