@@ -114,8 +114,6 @@ with strategy.scope():
     optimizer = sg.optimizers.Adam(learning_rate=0.001).build(model.parameters())
 
     checkpoint = sg.Checkpoint(optimizer=optimizer, model=model)
-    # tf.train.Checkpoint.save(prefix) numbers its saves ckpt-1, ckpt-2, ...: a CheckpointManager here
-    manager = sg.CheckpointManager(checkpoint, checkpoint_dir, max_to_keep=None)
 
 
 def train_step(inputs):
@@ -168,9 +166,8 @@ for epoch in range(EPOCHS):
         distributed_test_step(x)
 
     if epoch % 2 == 0:
-        # checkpoint.save(checkpoint_prefix) numbers its saves ckpt-1, ckpt-2, ...; every replica
-        # calls it, the chief writes
-        manager.save(epoch // 2 + 1)
+        # every replica calls it, the chief writes ckpt-1, ckpt-2, ... (save_counter)
+        checkpoint.save(checkpoint_prefix)
 
     template = "Epoch {}, Loss: {}, Accuracy: {}, Test Loss: {}, Test Accuracy: {}"
     # result() sums every replica's totals: a collective, so every replica calls it
@@ -197,9 +194,7 @@ def eval_step(images, labels):
 
 
 checkpoint = sg.Checkpoint(optimizer=new_optimizer, model=new_model)
-# checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir)): outside a strategy, in a job of
-# 2 processes, the model's weights are read back (a CheckpointManager restores under a strategy)
-sg.train.load_weights(checkpoint.model, sg.train.latest_checkpoint(checkpoint_dir))
+checkpoint.restore(sg.train.latest_checkpoint(checkpoint_dir))
 
 for images, labels in test_dataset:
     eval_step(images, labels)

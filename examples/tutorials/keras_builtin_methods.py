@@ -369,7 +369,7 @@ model.compile(
         "class_output": sg.losses.CategoricalCrossentropy(from_logits=True),
     },
     metrics={
-        "score_output": [sg.metrics.MeanAbsoluteError()],  # MeanAbsolutePercentageError: MISSING
+        "score_output": [sg.metrics.MeanAbsolutePercentageError(), sg.metrics.MeanAbsoluteError()],
         "class_output": [sg.metrics.CategoricalAccuracy()],
     },
 )
@@ -381,7 +381,7 @@ model.compile(
         "class_output": sg.losses.CategoricalCrossentropy(from_logits=True),
     },
     metrics={
-        "score_output": [sg.metrics.MeanAbsoluteError()],
+        "score_output": [sg.metrics.MeanAbsolutePercentageError(), sg.metrics.MeanAbsoluteError()],
         "class_output": [sg.metrics.CategoricalAccuracy()],
     },
     loss_weights={"score_output": 2.0, "class_output": 1.0},

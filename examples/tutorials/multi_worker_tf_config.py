@@ -22,8 +22,8 @@ layers are torch layers; the shuffle and the initial weights are seeded (``seed=
 ``torch.manual_seed(0)``; tf.keras.utils.set_random_seed in TF) so the test can compare the
 numbers with a reference; ``CUDA_VISIBLE_DEVICES=-1`` becomes ``devices="cpu"``; ``/tmp/...`` paths
 are relative (``./keras-model``, ``./ckpt``, ``./backup``) so runs do not share them;
-``load_model`` is given the architecture; ``checkpoint.restore(path)`` is
-``model.load_weights(path)``; what tf's chief worker prints is printed by the chief (``sg.print``).
+``load_model`` is given the architecture; what tf's chief worker prints is printed by the chief
+(``sg.print``).
 """
 
 import json
@@ -190,14 +190,14 @@ def main():
     checkpoint_manager = sg.CheckpointManager(
         checkpoint, directory=write_checkpoint_dir, max_to_keep=1)  # fmt: skip
 
-    checkpoint_manager.save(1)  # tf numbers by checkpoint.save_counter: the first save is ckpt-1
+    checkpoint_manager.save()
     if not _is_chief(task_type, task_id):
         # tf.io.gfile.rmtree; stratagem's manager writes on the chief only, so the other
         # workers' directory was never made (tf's would hold a copy): ignore_errors
         shutil.rmtree(write_checkpoint_dir, ignore_errors=True)
 
     latest_checkpoint = sg.train.latest_checkpoint(checkpoint_dir)
-    multi_worker_model.load_weights(latest_checkpoint)  # checkpoint.restore(latest_checkpoint)
+    checkpoint.restore(latest_checkpoint)
     multi_worker_model.fit(multi_worker_dataset, epochs=2, steps_per_epoch=20)
 
     # #### The `BackupAndRestore` callback

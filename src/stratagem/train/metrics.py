@@ -47,6 +47,7 @@ __all__ = [
     "KerasAccuracy",
     "Mean",
     "MeanAbsoluteError",
+    "MeanAbsolutePercentageError",
     "MeanSquaredError",
     "Metric",
     "SparseCategoricalAccuracy",
@@ -698,6 +699,18 @@ class MeanAbsoluteError(_PerExample):
         return _per_example_mean((yp.to(torch.float64) - yt.to(torch.float64)).abs())
 
 
+class MeanAbsolutePercentageError(_PerExample):
+    """Keras's MAPE: mean over examples of ``100 * mean(|y_true - y_pred| / max(|y_true|, 1e-7))``
+    over each example's values (Keras's epsilon, 1e-7)."""
+
+    default_name = "mean_absolute_percentage_error"
+
+    def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        yt, yp = _squeeze_like(y_true, y_pred)
+        yt, yp = yt.to(torch.float64), yp.to(torch.float64)
+        return 100.0 * _per_example_mean((yt - yp).abs() / yt.abs().clamp_min(1e-7))
+
+
 class BinaryAccuracy(_PerExample):
     """How often ``y_pred > threshold`` equals the 0/1 label (Keras's binary_accuracy)."""
 
@@ -751,6 +764,8 @@ _BY_NAME: dict[str, type[Metric]] = {
     "mse": MeanSquaredError,
     "mean_absolute_error": MeanAbsoluteError,
     "mae": MeanAbsoluteError,
+    "mean_absolute_percentage_error": MeanAbsolutePercentageError,
+    "mape": MeanAbsolutePercentageError,
 }
 
 

@@ -23,9 +23,11 @@ checkpoint restores into any strategy and number of replicas as ``portable_state
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,8 +42,10 @@ from stratagem.distribute.strategy import Strategy
 from stratagem.train.checkpoint.codec import CheckpointCorruptError, encode_value
 from stratagem.train.checkpoint.files import (
     _payload,
+    file_path,
     read_metadata,
     read_part,
+    read_plain,
     verify,
     write_checkpoint,
 )
@@ -114,14 +118,88 @@ def _state_of(name: str, obj: Any) -> Any:
 class Checkpoint:
     """The objects a checkpoint saves and restores, by name: ``Checkpoint(model=m, optimizer=o,
     data=iterator, rng=RNGState(), step=torch.tensor(0))``. Restored in place (an int ``step``
-    is replaced: read it back as ``checkpoint.step``)."""
+    is replaced: read it back as ``checkpoint.step``).
+
+    TensorFlow's ``tf.train.Checkpoint`` calls: ``save(file_prefix)`` writes ``<prefix>-<n>``
+    (n = ``save_counter``, counting saves from 1) and returns that path; ``restore(path)`` loads
+    it and returns a status with ``assert_consumed()``. Both are collective under a strategy
+    (every replica calls them; the chief writes)."""
 
     def __init__(self, **objects: Any) -> None:
         if not objects:
             raise ValueError("Checkpoint() needs at least one object, e.g. Checkpoint(model=model)")
+        if "save_counter" in objects:
+            raise ValueError(
+                "Checkpoint(save_counter=...): save_counter is the checkpoint's own count of saves "
+                "(as tf.train.Checkpoint's); give the object another name"
+            )
         for name, obj in objects.items():
             _state_of(name, obj)  # fail early on what cannot be saved
         self._objects = dict(objects)
+        self._save_counter = torch.zeros((), dtype=torch.int64)
+        self._writers: dict[Path, CheckpointManager] = {}
+
+    @property
+    def save_counter(self) -> torch.Tensor:
+        """How many times this checkpoint was saved (TensorFlow's ``save_counter``): ``save`` and
+        ``CheckpointManager.save`` add one; a restore sets it to the restored checkpoint's number."""
+        return self._save_counter
+
+    def _writer(self, directory: Path) -> CheckpointManager:
+        if directory not in self._writers:
+            self._writers[directory] = CheckpointManager(self, directory, max_to_keep=None)
+        return self._writers[directory]
+
+    def save(self, file_prefix: str | os.PathLike[str]) -> str:
+        """TensorFlow's ``checkpoint.save(file_prefix)``: add one to ``save_counter`` and write the
+        checkpoint to ``<file_prefix>-<save_counter>`` (a directory, replacing one of that name);
+        returns that path on every replica. Collective under a strategy (every replica calls it,
+        the chief writes, as ``CheckpointManager.save``). TensorFlow's state file ``checkpoint``
+        in the same directory names it, so ``latest_checkpoint(dir)`` returns it."""
+        prefix = Path(file_prefix)
+        if not prefix.name:
+            raise ValueError(f"save({os.fspath(file_prefix)!r}): give a file prefix such as 'dir/ckpt'")
+        number = int(self._save_counter) + 1
+        target = prefix.with_name(f"{prefix.name}-{number}")
+        # written as a manager's dir/ckpt-<n> (collective; the chief writes, and counts the save),
+        # staged beside the prefix first when it is not named "ckpt"
+        manager = self._writer(prefix.parent if prefix.name == "ckpt" else prefix.parent / _STAGING)
+        staged = manager.save(number)
+        result: tuple[str, str] = ("", "")
+        if manager._comm.rank == 0:  # the writer moves it into place
+            try:
+                _commit(Path(staged), target)
+            except OSError as e:
+                result = (type(e).__name__, str(e))
+        manager._agree(result)
+        return os.fspath(target)
+
+    def restore(self, save_path: str | os.PathLike[str] | None) -> CheckpointLoadStatus:
+        """TensorFlow's ``checkpoint.restore(save_path)``: load the checkpoint at ``save_path``
+        (from ``save``, ``CheckpointManager`` or ``ModelCheckpoint``; verified first) into the
+        objects now, and set ``save_counter`` to its number. Under a strategy every replica
+        calls it; outside any strategy, in a job of several processes, each process reads it
+        on its own. ``save_path=None`` (no checkpoint yet) restores nothing.
+
+        Differs from TensorFlow: a checkpoint that lacks one of the objects is an error here
+        (TensorFlow restores the others and lets ``assert_consumed()`` fail)."""
+        if save_path is None:
+            return CheckpointLoadStatus(self, None)
+        path = Path(save_path)
+        if _outside_strategy_in_a_job(self):
+            meta = verify(path)
+            if "sharded" in meta:
+                raise ValueError(f"{path} is a sharded checkpoint: restore it under the strategy that shards the model")
+            import torch.distributed as dist
+
+            self.apply(portable_states(path, meta, self, dist.get_rank(), dist.get_world_size()))
+            self._restored(int(meta["step"]))
+        else:
+            self._writer(path.parent).restore(path)
+        return CheckpointLoadStatus(self, path)
+
+    def _restored(self, number: int) -> None:
+        self._save_counter.fill_(number)
 
     def __getattr__(self, name: str) -> Any:
         objects = self.__dict__.get("_objects", {})
@@ -206,6 +284,86 @@ class Checkpoint:
                 _validate_optimizer(name, obj, state)
             elif isinstance(obj, RNGState):
                 RNGState.validate(state)
+
+
+#: Where ``Checkpoint.save`` stages a save before renaming it to ``<prefix>-<n>``.
+_STAGING = ".stratagem-checkpoint-save"
+
+
+def _commit(staged: Path, target: Path) -> None:
+    """On the writer: the staged checkpoint renamed to ``target`` unless written there (one already
+    there moved aside first, removed once replaced) and TensorFlow's state file naming it."""
+    from stratagem.train.callbacks import _write_state_file  # callbacks imports this module
+
+    if staged != target:
+        old = None
+        if target.exists():
+            old = target.with_name(f".old-{target.name}-{os.getpid()}")
+            os.rename(target, old)
+        os.rename(staged, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    _write_state_file(target.parent, target, [target])
+
+
+def _outside_strategy_in_a_job(checkpoint: Checkpoint) -> bool:
+    """No strategy owns the objects nor has its scope open, and this process is one of several."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    models = {n: o for n, o in checkpoint.objects.items() if isinstance(o, (nn.Module, torch.optim.Optimizer))}
+    open_scope = current.get_strategy() if current.has_strategy() else None
+    return ownership.resolve(models, None, open_scope, "Checkpoint.restore") is None
+
+
+class CheckpointLoadStatus:
+    """What ``Checkpoint.restore`` returns (TensorFlow's load status). The objects are restored
+    when ``restore`` returns; the assertions check what TensorFlow's do."""
+
+    def __init__(self, checkpoint: Checkpoint, path: Path | None) -> None:
+        self._checkpoint = checkpoint
+        self._path = path
+
+    def _saved_names(self) -> set[str]:
+        assert self._path is not None
+        meta = read_metadata(self._path)
+        names: set[str] = set()
+        for part in ["shared"] + [f"rank-{r}" for r in range(int(meta["world_size"]))]:
+            if f"{part}.json" in meta["files"]:
+                names |= set(json.loads(read_plain(file_path(self._path, f"{part}.json"))))
+        return names
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Raise AssertionError unless every object saved in the checkpoint was restored into
+        one of this Checkpoint's (every one of this Checkpoint's was: restore raises otherwise)."""
+        if self._path is None:
+            raise AssertionError("No checkpoint specified (save_path=None); nothing is being restored.")
+        unmatched = sorted(self._saved_names() - set(self._checkpoint.objects))
+        if unmatched:
+            raise AssertionError(
+                f"Unresolved object in checkpoint {self._path}: {unmatched} (this Checkpoint has "
+                f"{sorted(self._checkpoint.objects)})"
+            )
+        return self
+
+    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
+        """Every object of this Checkpoint was restored (always true once restore returned)."""
+        if self._path is None:
+            raise AssertionError("No checkpoint specified (save_path=None); nothing is being restored.")
+        return self
+
+    def assert_nontrivial_match(self) -> CheckpointLoadStatus:
+        return self.assert_existing_objects_matched()
+
+    def expect_partial(self) -> CheckpointLoadStatus:
+        return self
+
+    def run_restore_ops(self, session: Any = None) -> None:
+        """Nothing to run: the values were assigned by ``restore``."""
+
+    def initialize_or_restore(self, session: Any = None) -> None:
+        """Nothing to run: the values were assigned by ``restore``."""
 
 
 def _apply_rank(obj: Any) -> int:
@@ -370,9 +528,18 @@ class CheckpointManager:
         items = self._listing()
         return str(items[-1][1]) if items else None
 
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """TensorFlow's name for ``latest``: ``checkpoint.restore(manager.latest_checkpoint)``."""
+        return self.latest
+
     # --- save ---------------------------------------------------------------------------------
     def save(self, step: int | torch.Tensor | None = None) -> str:
         """Write a checkpoint of every replica's objects at ``step``; returns its path (everywhere).
+
+        Without ``step``: the Checkpoint's ``step`` object if it has one, else (TensorFlow's
+        ``checkpoint_number=None``) its ``save_counter`` + 1, so saves are numbered 1, 2, ...
+        Every save adds one to ``save_counter``.
 
         The chief holds the directory (``CheckpointDirectoryLockedError`` if another live job
         does). A save that fails (disk full, an I/O error, a value that cannot be encoded) raises
@@ -380,9 +547,14 @@ class CheckpointManager:
         later saves working."""
         if step is None:
             step = self.checkpoint.objects.get("step")
-        if step is None:
-            raise ValueError("save(step): pass the step (or give the Checkpoint a `step` object)")
+        if step is None:  # TensorFlow's checkpoint_number=None: the checkpoint's save_counter
+            step = int(self.checkpoint.save_counter) + 1
         step_int = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+        path = self._save(step_int)
+        self.checkpoint.save_counter.add_(1)  # as TensorFlow: every save counts
+        return path
+
+    def _save(self, step_int: int) -> str:
         self._prepare_optimizers()
         if self.strategy.extended.shards_state:  # issue 14 hook: sharded state (train/checkpoint/sharded.py)
             from stratagem.train.checkpoint import sharded
@@ -458,6 +630,7 @@ class CheckpointManager:
             raise RuntimeError(f"restoring {path} failed on other replicas ({'; '.join(failed)}); nothing was changed")
         assert apply is not None
         apply()
+        self.checkpoint._restored(int(read_metadata(path)["step"]))
 
     def _prepare(self, path: Path) -> Callable[[], None]:
         """Read this replica's states from ``path`` and validate them; returns the assignment."""
