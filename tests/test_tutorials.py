@@ -242,7 +242,8 @@ def test_keras_builtin_methods_guide(tmp_path):
     assert list(ours["evaluate(test_dataset)"]) == ["loss", "sparse_categorical_accuracy"]
     assert len(ours["steps_per_epoch"]["loss"]) == 3 and ours["LogisticEndpoint"]["loss"][0] > 0
     for tag in ["multi-output lists", "multi-output dicts", "multi-output Dataset"]:
-        assert list(ours[tag])[0] == "loss" and np.isfinite(ours[tag]["loss"][0]), tag  # (+ per-output logs)
+        # the total loss, and (as Keras 3 logs them, in sorted order) each output's loss
+        assert "loss" in ours[tag] and np.isfinite(ours[tag]["loss"][0]), (tag, list(ours[tag]))
     # ModelCheckpoint's Keras filepaths: the best epochs and every 10 batches (38 batches of 32)
     assert {"mymodel_1.keras", "mymodel_2.keras"} <= set(os.listdir(tmp_path / "ckpt"))
     assert "Creating a new model" in out and "Restoring from" in out
