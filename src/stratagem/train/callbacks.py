@@ -364,13 +364,9 @@ class ModelCheckpoint(Callback):
         """On the writer: the staged checkpoint renamed to ``target`` (a previous one there moved
         aside first, removed once replaced), the oldest saves beyond ``max_to_keep`` removed, and
         TensorFlow's state file updated."""
-        old = None
-        if target.exists():
-            old = target.with_name(f".old-{target.name}-{os.getpid()}")
-            os.rename(target, old)
-        os.rename(staged, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        from stratagem.train.checkpoint.lock import replace_directory
+
+        replace_directory(staged, target)
         key = str(target)
         self.saved = [p for p in self.saved if p != key] + [key]
         if self.max_to_keep is not None:

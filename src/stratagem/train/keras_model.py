@@ -717,6 +717,7 @@ def _save_checkpoint(model: nn.Module, target: Path, overwrite: bool) -> None:
     from stratagem.distribute.current import get_strategy
     from stratagem.distribute.ownership import strategy_of
     from stratagem.train.checkpoint import Checkpoint, CheckpointManager
+    from stratagem.train.checkpoint.lock import replace_directory
 
     if target.exists() and not overwrite:
         raise FileExistsError(f"save_weights: {target} exists and overwrite=False")
@@ -727,13 +728,7 @@ def _save_checkpoint(model: nn.Module, target: Path, overwrite: bool) -> None:
     try:
         staged = Path(manager.save(0))
         if strategy.extended.should_checkpoint:
-            old = None
-            if target.exists():
-                old = target.with_name(f".old-{target.name}-{os.getpid()}")
-                os.rename(target, old)
-            os.rename(staged, target)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            replace_directory(staged, target)
     finally:
         manager.close()
         strategy.barrier()

@@ -239,6 +239,19 @@ def remove_checkpoint(path: Path, step: int) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def replace_directory(staged: Path, target: Path) -> None:
+    """Put the staged checkpoint directory at ``target`` (a save to an exact path): one already
+    there is moved aside first (one rename), then the staged one renamed in, then the old one
+    removed, so ``target`` always holds a whole checkpoint."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".old-{target.name}-{os.getpid()}")
+        os.rename(target, old)
+    os.rename(staged, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def clean_leftovers(directory: Path) -> list[str]:
     """Remove the temporary and set-aside directories of writers of this host that are dead
     (or of this process, when it is not writing); returns what was removed or recovered."""

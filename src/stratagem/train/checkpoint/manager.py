@@ -27,7 +27,6 @@ import json
 import os
 import random
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from stratagem.train.checkpoint.lock import (
     WriterLock,
     clean_leftovers,
     remove_checkpoint,
+    replace_directory,
     writer_tag,
 )
 from stratagem.train.checkpoint.ties import StageTies
@@ -296,13 +296,7 @@ def _commit(staged: Path, target: Path) -> None:
     from stratagem.train.callbacks import _write_state_file  # callbacks imports this module
 
     if staged != target:
-        old = None
-        if target.exists():
-            old = target.with_name(f".old-{target.name}-{os.getpid()}")
-            os.rename(target, old)
-        os.rename(staged, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_directory(staged, target)
     _write_state_file(target.parent, target, [target])
 
 
