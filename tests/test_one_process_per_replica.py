@@ -257,7 +257,10 @@ def lazy_worker(compiled: bool) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("compiled", [
+    False,
+    pytest.param(True, marks=pytest.mark.slow),  # compiling takes ~25 s here: in the slow tier
+], ids=["eager", "function"])
 def test_lazy_modules_made_in_scope_are_mirrored(compiled):
     for r in run_workers(lazy_worker, 2, args=(compiled,)):
         assert r.value == {"owner": True, "in_features": 5}

@@ -291,6 +291,7 @@ def _digits_batches(dataset, epochs):
     return [[(x.numpy(), y.numpy()) for x, y in dataset.iterator(epoch=e)] for e in range(epochs)]
 
 
+@pytest.mark.slow  # the main tier under 15 minutes
 @pytest.mark.timeout(150)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:keras")
 def test_keras_distributed_tutorial_gives_keras_numbers(tmp_path):

@@ -33,7 +33,12 @@ def result(stdout: str) -> str:
 
 # --- the cluster ----------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("optimizer", "ps"), [("sgd", 2), ("adagrad", 1), ("sgd_steplr", 1)])
+@pytest.mark.parametrize(("optimizer", "ps"), [
+    ("sgd", 2),
+    # the other optimizers' ps-side state, in the slow tier (10-15 s each): the main one under 15 minutes
+    pytest.param("adagrad", 1, marks=pytest.mark.slow),
+    pytest.param("sgd_steplr", 1, marks=pytest.mark.slow),
+])
 def test_one_worker_equals_one_process(optimizer, ps):
     """The embedding table is split over the ps tasks (FixedShardsPartitioner(2)) and read row by
     row; the MLP's variables are whole, round-robin over the tasks."""
