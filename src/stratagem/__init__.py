@@ -122,7 +122,7 @@ __all__ = [
 ]
 
 # --- Keras's habits on the model (issue 30): compile, fit, evaluate, predict, save ---
-from stratagem import optimizers  # noqa: E402
+from stratagem import optimizers, utils  # noqa: E402
 from stratagem.train.keras_model import Model, Sequential, keras_model, load_model  # noqa: E402
 
-__all__ += ["Model", "Sequential", "keras_model", "load_model", "optimizers"]
+__all__ += ["Model", "Sequential", "keras_model", "load_model", "optimizers", "utils"]
