@@ -539,7 +539,8 @@ show("ExponentialDecay", model.fit(x_train, y_train, batch_size=64, epochs=1, sh
 try:
     sg.callbacks.TensorBoard(
         log_dir=os.path.join(CHECKPOINT_DIR, "logs"),
-        # histogram_freq, embeddings_freq: not offered (scalars only)
+        histogram_freq=0,  # How often to log histogram visualizations
+        embeddings_freq=0,  # How often to log embedding visualizations
         update_freq="epoch",
     )  # How often to write logs (default: once per epoch)
     print("TensorBoard: ready")

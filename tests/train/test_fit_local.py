@@ -285,3 +285,26 @@ def test_backup_and_restore_skips_a_corrupt_newest_backup(tmp_path):
     assert b.restored_from is not None and b.restored_from.endswith("ckpt-4")
     _assert_same(params_of(model), params_of(ref_model), rtol=0, atol=0)
     assert hist.history == ref_hist.history
+
+
+def test_tensorboard_as_the_keras_guide_calls_it_writes_epoch_scalars(tmp_path):
+    """keras.callbacks.TensorBoard(log_dir, histogram_freq=0, embeddings_freq=0, update_freq="epoch"),
+    read back with tensorboard's own reader: the History's values under Keras's tags."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
+    model = sg.Sequential(nn.Linear(4, 3), nn.Softmax(dim=-1))
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    tb = sg.callbacks.TensorBoard(log_dir=tmp_path / "logs", histogram_freq=0, embeddings_freq=0, update_freq="epoch")
+    history = model.fit(x, y, batch_size=16, epochs=2, validation_split=0.25, verbose=0, callbacks=[tb])
+    for run, prefix in (("train", ""), ("validation", "val_")):
+        events = EventAccumulator(str(tmp_path / "logs" / run))
+        events.Reload()
+        assert sorted(events.Tags()["scalars"]) == ["epoch_accuracy", "epoch_loss"]
+        for name in ("loss", "accuracy"):
+            got = [e.value for e in events.Scalars(f"epoch_{name}")]
+            assert got == pytest.approx(history.history[prefix + name], rel=1e-6)
+    with pytest.raises(ValueError, match="histogram_freq=1 not offered"):
+        sg.callbacks.TensorBoard(tmp_path, histogram_freq=1)

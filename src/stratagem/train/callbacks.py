@@ -611,12 +611,37 @@ class TensorBoard(Callback):
     ``update_freq="epoch"`` writes once per epoch (``epoch_loss``, ...); an integer ``n`` also
     writes the running training logs every ``n`` steps (``batch_loss``, ... against the step).
     Needs the ``tensorboard`` package; constructing it without raises an ImportError saying so.
+    Keras's other arguments are taken at their "off" values (``histogram_freq=0``,
+    ``embeddings_freq=0``, ``profile_batch=0``, ``write_images=False``,
+    ``write_steps_per_second=False``); asking for those features is a clear error. No graph is
+    written (a torch module has no Keras graph), whatever ``write_graph`` says.
     """
 
     may_stop_per_batch = False
 
-    def __init__(self, log_dir: str | os.PathLike[str] = "logs", update_freq: str | int = "epoch") -> None:
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] = "logs",
+        histogram_freq: int = 0,
+        write_graph: bool = True,
+        write_images: bool = False,
+        write_steps_per_second: bool = False,
+        update_freq: str | int = "epoch",
+        profile_batch: int = 0,
+        embeddings_freq: int = 0,
+        embeddings_metadata: Any = None,
+    ) -> None:
         super().__init__()
+        asked = {"histogram_freq": histogram_freq, "write_images": write_images,
+                 "write_steps_per_second": write_steps_per_second, "profile_batch": profile_batch,
+                 "embeddings_freq": embeddings_freq, "embeddings_metadata": embeddings_metadata}
+        unsupported = sorted(k for k, v in asked.items() if v)
+        if unsupported:
+            raise ValueError(
+                f"TensorBoard: {', '.join(f'{k}={asked[k]!r}' for k in unsupported)} not offered; stratagem's "
+                "TensorBoard writes the logs' scalars (epoch_*, and batch_* with an integer update_freq)"
+            )
+        del write_graph
         if update_freq != "epoch" and not (isinstance(update_freq, int) and update_freq > 0):
             raise ValueError(f"update_freq must be 'epoch' or a positive number of steps; got {update_freq!r}")
         self._writer_class = _summary_writer_class()
