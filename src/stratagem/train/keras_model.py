@@ -50,7 +50,7 @@ from torch import nn
 
 from stratagem.train import optimizers as optimizers_mod
 from stratagem.train.callback import Callback
-from stratagem.train.fit import evaluate_logs
+from stratagem.train.fit import DEFAULT_BATCH_SIZE, evaluate_logs
 from stratagem.train.fit import fit as fit_fn
 from stratagem.train.fit import predict as predict_fn
 from stratagem.train.history import History
@@ -60,8 +60,6 @@ from stratagem.train.metrics import Metric
 
 __all__ = ["Model", "Sequential", "keras_model", "load_model"]
 
-#: Keras's default batch size for array inputs
-DEFAULT_BATCH_SIZE = 32
 _WEIGHTS = "model.weights"  # the checkpoint inside a saved model's directory
 _CONFIG = "config.json"
 
@@ -797,16 +795,12 @@ def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None,
 
         args = {k: _deserialize(spec.get(k)) for k in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights")}
         strategy = strategy_of(keras)
-        with strategy.scope() if strategy is not None else _nothing():
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
             keras.compile(optimizer=args["optimizer"], loss=args["loss"], metrics=args["metrics"] or None,
                           weighted_metrics=args["weighted_metrics"] or None,
                           loss_weights=args["loss_weights"], steps_per_execution=spec.get("steps_per_execution", 1))
     return keras
 
-
-@contextlib.contextmanager
-def _nothing() -> Any:
-    yield
 
 
 def _rebuild(saved: Mapping[str, Any], path: Path) -> nn.Module:
