@@ -86,3 +86,19 @@ def raise_unpicklable(x: int) -> int:
 
 def double_leaves(element: dict) -> dict:
     return {"a": element["a"] * 2, "b": (element["b"][0] + 1, str(element["b"][1]))}
+
+
+def leaves_of_every_kind(i):
+    """A small and a large tensor, a small and a large array, a bfloat16 tensor (numpy has no
+    bfloat16): each crosses a process boundary by its own route."""
+    import numpy as np
+    import torch
+
+    return {
+        "small_t": torch.full((3,), int(i), dtype=torch.int32),
+        "large_t": torch.full((300_000,), float(i)),  # 1.2 MB: shared memory
+        "small_a": np.full((2, 2), float(i), dtype=np.float16),
+        "large_a": np.full((300_000,), int(i), dtype=np.int64),
+        "bf16": torch.full((2,), float(i), dtype=torch.bfloat16),
+        "scalar": torch.tensor(int(i)),
+    }

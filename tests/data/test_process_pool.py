@@ -109,3 +109,24 @@ def test_dropped_process_iterator_is_collected():
     del it
     gc.collect()
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.timeout(60)
+def test_results_of_every_kind_come_back_as_they_were_made():
+    """Small tensors are copied through the pipe, large arrays and tensors go through shared
+    memory: either way each element is the one the same map gives in this process (type, dtype,
+    shape, values)."""
+    import torch
+
+    out = list(D.range(6).map(helpers.leaves_of_every_kind, num_parallel_calls=2, use_processes=True))
+    here = list(D.range(6).map(helpers.leaves_of_every_kind))
+    assert len(out) == len(here) == 6
+    for e, want in zip(out, here):
+        for key, value in want.items():
+            got = e[key]
+            assert type(got) is type(value), (key, type(got))
+            assert got.dtype == value.dtype and tuple(got.shape) == tuple(value.shape), key
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got, value), key
+            else:
+                np.testing.assert_array_equal(got, value)

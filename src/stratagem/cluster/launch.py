@@ -76,8 +76,12 @@ class ReplicaProcesses:
         self.failed: tuple[int, int] | None = None  # (rank, exit code)
         #: how long to wait for the children after rank 0 crashed (they may be reporting)
         self.crash_wait = 2.0
-        #: how long to wait for them after rank 0 was interrupted (Ctrl-C) before stopping them
-        self.interrupt_wait = 1.0
+        #: how long to wait for them after rank 0 was interrupted (Ctrl-C) before stopping them:
+        #: short, as they cannot go on without rank 0. Those the Ctrl-C reached too are raising
+        #: already, and a SIGTERM lets them finish saying why (``stopping``); the others (``kill
+        #: -INT`` of rank 0 alone) then each say in one line that they were stopped. Every process
+        #: of the job must end within seconds of the stop (tests/faults/test_interrupts.py).
+        self.interrupt_wait = 0.25
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stratagem-replica-watch", daemon=True)
         self._thread.start()

@@ -97,11 +97,14 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
     """SIGTERM seen by the main thread: the watcher thread acts on it."""
 
 
-def report_stops(rank: int, *, parent_pid: int | None = None, wait_for_report: float = 1.0) -> bool:
+def report_stops(rank: int, *, parent_pid: int | None = None, wait_for_report: float = 0.5) -> bool:
     """From now on a SIGTERM prints ``stratagem: rank R: stopped ...`` once and ends the process.
 
     ``parent_pid``: the rank-0 process that started this one (self-launched replicas); the line
-    then says that it ended. Returns whether the reporter was installed (once per process).
+    then says that it ended. ``wait_for_report``: seconds to wait after a SIGTERM for a report
+    the replica is already making (an exception it raises says more than the line); short, since
+    every process of a stopped job must end within seconds. Returns whether the reporter was
+    installed (once per process).
     """
     if _installed or threading.current_thread() is not threading.main_thread():
         return False
@@ -153,17 +156,36 @@ def _watch(bell: socket.socket, rank: int, parent_pid: int | None, wait_for_repo
             if not rung:
                 return
             if signal.SIGINT in rung and finalizers.handles_interrupts():  # not a handler of the user's
-                _watch_interrupt(rank, time.monotonic())
+                _watch_interrupt(rank)
             if signal.SIGTERM in rung and not handled:  # act on the first SIGTERM
                 handled = True
                 _stop(rank, parent_pid, wait_for_report)
 
 
-def _watch_interrupt(rank: int, rung_at: float) -> None:
-    """Ctrl-C rang: end the process if the main thread has not handled it within the grace."""
+#: the SIGINT handler's run count when the last Ctrl-C was known to be handled
+_handled_runs = [0]
+
+
+def _watch_interrupt(rank: int) -> None:
+    """Ctrl-C rang: end the process if the main thread has not handled it within the grace.
+
+    Handled means the handler ran after the previous Ctrl-C was seen handled: it may have run
+    already, before this thread read the bell (the main thread is not blocked then), so the
+    count of its runs is compared, never the time this thread happened to read the bell at."""
+    before = _handled_runs[0]
+
+    def handled() -> bool:
+        runs = finalizers.handler_runs()
+        if runs > before:
+            _handled_runs[0] = max(_handled_runs[0], runs)
+            return True
+        return False
+
+    if handled():
+        return
 
     def check() -> None:
-        if finalizers.handler_ran_since(rung_at):
+        if handled():
             return  # KeyboardInterrupt was raised (or deferred past a finalizer): it is ending
         try:
             sys.stdout.flush()

@@ -26,7 +26,6 @@ import functools
 import signal
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from types import FrameType
@@ -56,8 +55,8 @@ def _in_finalizer(frame: FrameType | None) -> bool:
     return False
 
 
-#: ``time.monotonic()`` when the handler last ran: Python code was running in the main thread
-_last_run = [0.0]
+#: how many times the handler has run (in the main thread: Python code was running there)
+_runs = [0]
 
 
 def handles_interrupts() -> bool:
@@ -68,14 +67,16 @@ def handles_interrupts() -> bool:
         return False
 
 
-def handler_ran_since(t: float) -> bool:
-    """Whether the SIGINT handler has run (in the main thread) since ``t``: if not, the main
-    thread is blocked in a call that does not return to Python (a collective, a C++ wait)."""
-    return _last_run[0] >= t
+def handler_runs() -> int:
+    """How many times the SIGINT handler has run (in the main thread). A SIGINT that arrived but
+    has not been handled for a while means that the main thread is blocked in a call that does not
+    return to Python (a collective, a C++ wait). A count, not a time: the handler may run before
+    another thread learns that the signal arrived."""
+    return _runs[0]
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    _last_run[0] = time.monotonic()
+    _runs[0] += 1
     if _in_finalizer(frame):
         _redeliver_later()
         return

@@ -420,7 +420,12 @@ class BatchWorkersIterator(StatefulIterator):
     def _finish(self) -> None:
         """End of input, every result received: no worker touches an arena any more, so
         they go to the pool now; the processes are joined on a thread (their exit takes tens
-        of milliseconds: the kernel unmaps what they inherited), not on the consumer's time."""
+        of milliseconds: the kernel unmaps what they inherited), not on the consumer's time.
+
+        Not a daemon thread: it drops the last references to the workers' arenas, whose tensors'
+        deleters take the GIL. A daemon thread doing that while the interpreter finalizes (a
+        script that ends right after its last batch) aborts the process ("terminate called
+        without an active exception"); a thread that is not a daemon is joined before that."""
         workers, self.workers = self.workers, []
         for w in workers:
             try:
@@ -430,7 +435,7 @@ class BatchWorkersIterator(StatefulIterator):
             w.stop()
         if workers:
             threading.Thread(target=_reap, args=(workers,), name="stratagem-reaper",
-                             daemon=True).start()
+                             daemon=False).start()
 
     # -- state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

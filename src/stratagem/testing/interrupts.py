@@ -38,12 +38,14 @@ class Interrupted:
     stderr: str
     ended_early: bool  # the job had ended by itself before the signal
     dumps: str = ""  # what each process left was doing (py-spy, where installed)
+    ended: dict[int, float] | None = None  # pid -> seconds from the signal until it was seen ended
 
     def describe(self) -> str:
         if self.ended_early:
             return "the job ended by itself before the signal:\n" + self.stderr[-2000:]
+        ended = ", ".join(f"{pid} after {s:.2f}s" for pid, s in sorted((self.ended or {}).items(), key=lambda i: i[1]))
         return ("still running: " + "; ".join(f"{p} {c}" for p, c in self.left) + "\n"
-                + self.stderr[-4000:] + self.dumps)
+                + (f"ended: {ended}\n" if ended else "") + self.stderr[-4000:] + self.dumps)
 
 
 def _table() -> dict[int, tuple[int, int, str, str]]:
@@ -117,16 +119,19 @@ def interrupt_job(
         else:
             os.kill(proc.pid, sig)
         left = job.alive()
+        ended: dict[int, float] = {}
         while left and time.monotonic() - signalled < bound:
             time.sleep(0.02)
             proc.poll()
-            left = job.alive()
+            before, left = left, job.alive()
+            now = time.monotonic() - signalled
+            ended.update((pid, now) for pid, _ in before if pid not in dict(left))
         took = time.monotonic() - signalled
         dumps = ""
         if left and shutil.which("py-spy"):  # what each one was doing
             for pid, _ in left:
                 dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True, text=True)
-                dumps += f"\n--- py-spy dump {pid}\n{dump.stdout[-3000:]}"
+                dumps += f"\n--- py-spy dump {pid}\n{dump.stdout[-3000:]}{dump.stderr[-1000:]}"
     finally:
         for pid, _ in job.alive():  # whatever is left, in whichever session
             try:
@@ -139,4 +144,4 @@ def interrupt_job(
         _, err = proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
         err = ""
-    return Interrupted(not left, took, left, err, False, dumps)
+    return Interrupted(not left, took, left, err, False, dumps, ended)
