@@ -197,14 +197,36 @@ class _RemoteTraceback(Exception):
         return f"\n(in the worker process)\n{self.tb}"
 
 
+#: Array leaves of at least this many bytes cross the process boundary in shared memory (torch's
+#: pickler hands the segment over); smaller ones are copied through the pipe (pickled by value).
+#: For a small array the copy is cheaper than a segment per leaf, and it leaves nothing behind:
+#: torch names each segment in /dev/shm between creating and unlinking it, so a job killed as a
+#: whole (SIGKILL to its process group) at that moment would leave the segment there.
+SHARED_MIN_BYTES = 1 << 20
+
+_NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128}
+
+
+def _copyable(t: torch.Tensor) -> bool:
+    """A tensor small enough to copy that an array holds exactly (not bfloat16, not on a device)."""
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
+            and not t.requires_grad and t.dtype in _NUMPY_DTYPES and t.nbytes < SHARED_MIN_BYTES)
+
+
 def _to_shared(element: Any) -> tuple[Any, list[Any], list[str]]:
-    """(skeleton, leaves, kinds): array leaves become tensors, which torch's pickler moves to
-    shared memory instead of copying their bytes through the pipe."""
+    """(skeleton, leaves, kinds): large array leaves become tensors, which torch's pickler moves
+    to shared memory instead of copying their bytes through the pipe; small tensors become arrays,
+    which are copied (``SHARED_MIN_BYTES``)."""
     leaves, kinds = [], []
     for leaf in flatten(element):
-        if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "biuf" and leaf.dtype != np.uint16:
+        numeric = isinstance(leaf, np.ndarray) and leaf.dtype.kind in "biuf" and leaf.dtype != np.uint16
+        if numeric and leaf.nbytes >= SHARED_MIN_BYTES:
             leaves.append(torch.from_numpy(np.ascontiguousarray(leaf)))
             kinds.append("numpy")
+        elif isinstance(leaf, torch.Tensor) and _copyable(leaf):
+            leaves.append(leaf.numpy())
+            kinds.append("tensor")
         else:
             leaves.append(leaf)
             kinds.append("")
@@ -212,7 +234,8 @@ def _to_shared(element: Any) -> tuple[Any, list[Any], list[str]]:
 
 
 def _restore_shared(skeleton: Any, leaves: list[Any], kinds: list[str]) -> Any:
-    restored = [x.numpy() if k == "numpy" else x for x, k in zip(leaves, kinds)]
+    restored = [x.numpy() if k == "numpy" else torch.from_numpy(x) if k == "tensor" else x
+                for x, k in zip(leaves, kinds)]
     return pack_as(skeleton, restored)
 
 
