@@ -218,7 +218,8 @@ def _to_shared(element: Any) -> tuple[Any, list[Any], list[str]]:
     """(skeleton, leaves, kinds): large array leaves become tensors, which torch's pickler moves
     to shared memory instead of copying their bytes through the pipe; small tensors become arrays,
     which are copied (``SHARED_MIN_BYTES``)."""
-    leaves, kinds = [], []
+    leaves: list[Any] = []
+    kinds: list[str] = []
     for leaf in flatten(element):
         numeric = isinstance(leaf, np.ndarray) and leaf.dtype.kind in "biuf" and leaf.dtype != np.uint16
         if numeric and leaf.nbytes >= SHARED_MIN_BYTES:
