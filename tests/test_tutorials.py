@@ -307,6 +307,15 @@ def test_keras_distributed_tutorial_gives_keras_numbers(tmp_path):
     evals = re.findall(r"Eval loss: ([\d.]+), Eval [Aa]ccuracy: ([\d.]+)", out)
     assert len(evals) == 3 and evals[0] == evals[1] == evals[2], out  # one model, three ways in
     (fit,) = _epochs(out)
+    # what `tensorboard --logdir=logs` shows: the printed per-epoch values, read back with
+    # tensorboard's own reader (the tutorial's `%tensorboard` magic)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "logs" / "train"))
+    events.Reload()
+    for name in ("loss", "accuracy"):
+        logged = [e.value for e in events.Scalars(f"epoch_{name}")]
+        assert logged == pytest.approx([e[name] for e in fit], abs=1e-4), (name, logged)
 
     # the reference: Keras 3 on one device, the same initial weights and the same global batches
     keras = _keras()

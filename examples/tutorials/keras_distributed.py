@@ -13,8 +13,8 @@ tutorial's callbacks, the latest checkpoint restored and evaluated, then ``model
   nn.ReLU()``); images are channels-first.
 - The seeds are set (``tf.keras.utils.set_random_seed(0)`` in TF) so the test can compare every
   number with Keras 3 itself, step for step.
-- ``TensorBoard`` needs the ``tensorboard`` package, which this environment does not have: a
-  ``CSVLogger`` writes the same per-epoch logs.
+- ``%tensorboard --logdir=logs`` is a notebook magic: from a shell, ``tensorboard --logdir=logs``
+  shows what the ``TensorBoard`` callback wrote (it needs the ``tensorboard`` package).
 - ``load_model`` is given the architecture (torch has no portable form of it): ``model=``.
 - What tf's one process prints once, the chief prints (``sg.print``).
 
@@ -122,7 +122,7 @@ class PrintLR(sg.callbacks.Callback):
 
 # Put all the callbacks together.
 callbacks = [
-    sg.callbacks.CSVLogger('./logs/training.csv'),  # tf.keras.callbacks.TensorBoard(log_dir='./logs')
+    sg.callbacks.TensorBoard(log_dir='./logs'),
     sg.callbacks.ModelCheckpoint(filepath=checkpoint_prefix,
                                  save_weights_only=True),
     sg.callbacks.LearningRateScheduler(decay),

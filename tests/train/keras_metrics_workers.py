@@ -90,3 +90,33 @@ def custom_loop_metric() -> dict[str, float]:
     total = float(metric.result())
     metric.reset_states()
     return {"total": total, "after_reset": float(metric.result())}
+
+
+def one_d_regression(strategy: Any) -> dict[str, Any]:
+    """1-D labels and a model whose output is 1-D (a Keras regression ending in ``Flatten``-like
+    ``squeeze``): 11 examples in global batches of 4 (the last has 3: 2 and 1 on 2 replicas). Keras's mean metrics count
+    each batch as one sample there; the answers must not depend on the number of replicas."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 3, generator=g)
+    y = torch.randn(11, generator=g)
+    with strategy.scope():
+        torch.manual_seed(0)
+        net = model = sg.Sequential(nn.Linear(3, 1), nn.Flatten(0))
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae", "mse", "mape"])
+    predictions = net(x).detach()
+    mae = sg.metrics.MeanAbsoluteError()
+    batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 11, 4)]
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        mae.update_state(yb, net(xb).detach())
+
+    for xb, yb in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, args=(xb, yb))
+    loop = float(mae.result())
+    evaluated = model.evaluate(x.numpy(), y.numpy(), batch_size=4, return_dict=True, verbose=0)
+    return {"loop_mae": loop, "evaluate": {k: float(v) for k, v in evaluated.items()},
+            "predictions": predictions.tolist(), "y": y.tolist()}
+
+
+def one_d_regression_mirrored() -> dict[str, Any]:
+    return one_d_regression(sg.MirroredStrategy(devices="cpu", num_replicas=2))

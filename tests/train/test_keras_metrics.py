@@ -277,3 +277,32 @@ def test_lambda_callback_as_keras_writes_it():
     assert seen == {"batches": [0, 1, 2, 3, 4] * 2, "epochs": [["loss"], ["loss"]], "end": 1}
     with pytest.raises(ValueError, match="'on_step' is not a callback hook"):
         sg.callbacks.LambdaCallback(on_step=print)
+
+
+@pytest.mark.timeout(240)
+def test_mean_metrics_on_1d_outputs_count_batches_as_keras_does_on_any_number_of_replicas():
+    """Keras's MeanAbsoluteError / MeanSquaredError / MAPE on 1-D labels and 1-D predictions
+    average per batch and count the batch as one sample (a smaller last batch weighs as much as a
+    full one): the same numbers here, in a custom loop and in evaluate, on one device and on 2
+    replicas (where the batch is the global batch)."""
+    from keras_metrics_workers import one_d_regression, one_d_regression_mirrored
+
+    want = one_d_regression(sg.OneDeviceStrategy("cpu"))
+    preds, y = np.array(want["predictions"], dtype=np.float32), np.array(want["y"], dtype=np.float32)
+    keras_values = {}
+    for name, cls in (("mae", keras.metrics.MeanAbsoluteError), ("mse", keras.metrics.MeanSquaredError),
+                      ("mape", keras.metrics.MeanAbsolutePercentageError)):
+        m = cls()
+        for i in range(0, 11, 4):
+            m.update_state(y[i : i + 4], preds[i : i + 4])
+        keras_values[name] = float(m.result())
+    per_example = float(np.abs(preds - y).mean())
+    assert abs(keras_values["mae"] - per_example) > 1e-3  # the data tells the two counts apart
+    _close(want["loop_mae"], keras_values["mae"], tol=1e-5)
+    for name in ("mae", "mse", "mape"):
+        _close(want["evaluate"][name], keras_values[name], tol=1e-5)
+    got = [r.value for r in run_workers(one_d_regression_mirrored, 2, timeout=200)]
+    for g in got:
+        _close(g["loop_mae"], want["loop_mae"], tol=1e-6)
+        assert list(g["evaluate"]) == list(want["evaluate"])
+        _close(list(g["evaluate"].values()), list(want["evaluate"].values()), tol=1e-6)

@@ -53,6 +53,13 @@ def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor
     return regularization_loss / n
 
 
+def examples_in_step(local: int) -> int:
+    """The number of examples in this step over all replicas, from this replica's ``local`` (a
+    small all-reduce in a replica context with several replicas; runs eagerly, also when
+    compiled). Outside a replica context: ``local``."""
+    return _global_count(local)
+
+
 def _global_count(local: int) -> int:
     """The number of examples in this step over all replicas (runs eagerly, also when compiled)."""
     ctx = current.get_replica_context()

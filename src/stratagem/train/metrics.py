@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from stratagem.distribute import current
+from stratagem.distribute.loss import examples_in_step
 from stratagem.distribute.strategy import Strategy
 
 __all__ = [
@@ -580,6 +581,10 @@ class Sum(Metric):
 class _PerExample(Metric):
     """A metric that is the weighted mean of a per-example score of (y_true, y_pred)."""
     additive = True
+    #: Keras's function for this metric averages over the last axis (``axis=-1``): given 1-D
+    #: labels and 1-D predictions it returns one number per batch, and its ``Mean`` counts the
+    #: batch as one sample (see ``batch_totals``)
+    keras_reduces_last_axis = False
 
     @abc.abstractmethod
     def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
@@ -598,11 +603,27 @@ class _PerExample(Metric):
                 f"{yp.shape[0]}; pass the labels and predictions of the same batch"
             )
         scores = self.per_example(yt, yp.to(yt.device)).to(torch.float64)
+        if self.keras_reduces_last_axis and yt.dim() == 1 and yp.dim() == 1 and sample_weight is None:
+            return self._one_sample_per_batch(scores)
         if sample_weight is None:
             total = scores.sum()
             return torch.stack((total, total.new_full((), float(scores.shape[0]))))
         w = _weights(sample_weight, scores.shape[0], scores)
         return torch.stack([(scores * w).sum(), w.sum()])
+
+
+    def _one_sample_per_batch(self, scores: torch.Tensor) -> torch.Tensor:
+        """Keras on 1-D labels and 1-D predictions: the batch's mean, counted as one sample (so a
+        smaller last batch weighs as much as a full one). The batch is the global batch: each
+        replica adds its share of the step's mean and of the one sample, so the result is the
+        single-device one on the global batch (TF's own, under a strategy, counts every replica's
+        slice as a sample and changes with the number of replicas). Unweighted only: Keras fails
+        on sample weights here; with weights each example counts (the weighted mean)."""
+        local = int(scores.shape[0])
+        total = examples_in_step(local)
+        if total == 0:
+            return torch.zeros(2, dtype=torch.float64, device=scores.device)
+        return torch.stack((scores.sum() / total, scores.new_full((), local / total)))
 
 
 def _squeeze_like(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -680,8 +701,11 @@ class TopKCategoricalAccuracy(_PerExample):
 
 
 class MeanSquaredError(_PerExample):
-    """Mean over examples of the mean squared error over each example's values."""
+    """Mean over examples of the mean squared error over each example's values.
+    With 1-D labels and 1-D predictions, Keras's count: each batch is one sample."""
 
+    additive = False  # 1-D inputs count batches: one update per step (keras_reduces_last_axis)
+    keras_reduces_last_axis = True
     default_name = "mean_squared_error"
 
     def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
@@ -690,8 +714,11 @@ class MeanSquaredError(_PerExample):
 
 
 class MeanAbsoluteError(_PerExample):
-    """Mean over examples of the mean absolute error over each example's values."""
+    """Mean over examples of the mean absolute error over each example's values.
+    With 1-D labels and 1-D predictions, Keras's count: each batch is one sample."""
 
+    additive = False  # 1-D inputs count batches: one update per step (keras_reduces_last_axis)
+    keras_reduces_last_axis = True
     default_name = "mean_absolute_error"
 
     def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
@@ -701,8 +728,11 @@ class MeanAbsoluteError(_PerExample):
 
 class MeanAbsolutePercentageError(_PerExample):
     """Keras's MAPE: mean over examples of ``100 * mean(|y_true - y_pred| / max(|y_true|, 1e-7))``
-    over each example's values (Keras's epsilon, 1e-7)."""
+    over each example's values (Keras's epsilon, 1e-7). With 1-D labels and 1-D predictions,
+    Keras's count: each batch is one sample."""
 
+    additive = False  # 1-D inputs count batches: one update per step (keras_reduces_last_axis)
+    keras_reduces_last_axis = True
     default_name = "mean_absolute_percentage_error"
 
     def per_example(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
