@@ -1,5 +1,10 @@
 """stratagem: tf.distribute strategies, tf.data pipelines and GPipe pipelines for PyTorch."""
 
+# the `stratagem` command only: a Ctrl-C lost inside `import torch` (below) still ends it
+from stratagem.core import stop_guard as _stop_guard
+
+_stop_guard.guard_command()
+
 from stratagem import callbacks, cluster_resolver, coordinator, data, losses, metrics, partitioners
 from stratagem._version import __version__
 from stratagem.cluster.spawn import LaunchError, LaunchTimeoutError, launch

@@ -101,3 +101,82 @@ def test_a_ctrl_c_handled_before_the_watcher_saw_it_is_not_called_blocked():
     r = subprocess.run([sys.executable, "-c", HANDLED_FIRST], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout.strip() == "ALIVE", (r.returncode, r.stdout, r.stderr)
     assert "blocked" not in r.stderr, r.stderr
+
+
+SWALLOWED = """
+import subprocess, sys, time
+from stratagem.core import stop_guard
+assert stop_guard.guard()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+print("READY", child.pid, flush=True)
+try:
+    time.sleep(30)
+except KeyboardInterrupt:  # what `import torch`, or torch's agent, does to a Ctrl-C
+    pass
+time.sleep(30)  # ...and the program runs on
+print("RAN ON", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_swallowed_by_the_program_still_ends_the_command_and_its_replicas():
+    """`import torch` swallows a Ctrl-C that lands while it runs, and torch's agent can swallow
+    one in its own `except Exception`: the `stratagem` command's guard ends the process (130, one
+    line) and the replicas it started within its grace, whatever became of the exception."""
+    import signal
+    import subprocess
+    import time
+
+    from stratagem.core import stop_guard
+
+    proc = subprocess.Popen([sys.executable, "-c", SWALLOWED], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = None
+    try:
+        assert proc.stdout is not None
+        ready = proc.stdout.readline().split()
+        assert ready[:1] == ["READY"], (ready, proc.stderr.read() if proc.poll() is not None else "")
+        child = int(ready[1])
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out, err = proc.communicate()
+    assert code == 130, (code, out, err)
+    assert "RAN ON" not in out
+    assert f"the command did not stop within {stop_guard.GRACE_S:g}s of SIGINT" in err, err
+    assert took < BOUND, took  # the promise: the job ends within BOUND of Ctrl-C
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child), "the replica outlived the command"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "orig_argv,argv0,expected",
+    [
+        (["python", "-m", "stratagem.cli.main", "run", "-n", "2", "t.py"], "-m", True),
+        (["python", "-m", "stratagem", "demo"], "-m", True),
+        (["/venv/bin/python", "/venv/bin/stratagem", "run", "t.py"], "/venv/bin/stratagem", True),
+        (["python", "train.py"], "train.py", False),
+        (["python", "-m", "pytest", "-q"], "-m", False),
+        (["python", "-c", "import stratagem"], "-c", False),
+    ],
+)
+def test_only_the_stratagem_command_is_guarded(monkeypatch, orig_argv, argv0, expected):
+    """A program that imports stratagem keeps its own signals: only the command is guarded."""
+    from stratagem.core import stop_guard
+
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    monkeypatch.setattr(sys, "argv", [argv0, *orig_argv[2:]])
+    assert stop_guard.is_command() is expected

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from stratagem.core import stop_guard
+
 #: what ``stratagem --help`` prints above the commands (plain text)
 DESCRIPTION = """\
 stratagem: tf.distribute's strategies, tf.data's pipelines and GPipe for PyTorch.
@@ -43,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         from stratagem.cli.demo import run_demo
+
+        stop_guard.release()  # the demo's replicas report and end as any program's do
 
         return run_demo(args.replicas, args.epochs, args.batch_size, args.plot, args.custom_loop, args.devices)
     if args.command == "run" and run_cmd is not None:

@@ -28,6 +28,7 @@ from stratagem.cluster.launch import find_free_port
 from stratagem.cluster.ps_launch import PSJob
 from stratagem.cluster.resolvers import split_address
 from stratagem.cluster.stopping import first_failure
+from stratagem.core import stop_guard
 
 _SIOCGIFADDR = 0x8915
 
@@ -208,6 +209,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the job; the exit code is 0 when every replica succeeded (with --workers/--ps: the
     chief's exit code)."""
     if args.workers is not None or args.ps is not None:
+        stop_guard.release()  # the parameter-server launcher stops its tasks itself
         try:
             job = ps_job(args)
         except ValueError as e:
@@ -236,6 +238,8 @@ def main(args: argparse.Namespace) -> int:
     scratch = None if os.environ.get("TORCHELASTIC_ERROR_FILE") else tempfile.mkdtemp(prefix="stratagem-run-")
     if scratch is not None:
         os.environ["TORCHELASTIC_ERROR_FILE"] = os.path.join(scratch, "error.json")
+    # a Ctrl-C or SIGTERM that torch's agent swallows still ends the job (core/stop_guard,
+    # installed when this command started)
     try:
         torchrun.main(targs)
     except ChildFailedError as e:
@@ -243,6 +247,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"stratagem run: replica {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
         return 1
     finally:
+        stop_guard.release()
         agent_log.removeFilter(_said_by_us)
         if scratch is not None:
             del os.environ["TORCHELASTIC_ERROR_FILE"]
