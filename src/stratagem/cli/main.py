@@ -35,12 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--devices", choices=["cpu", "cuda"], default=None,
                       help="where the replicas run (default: one per GPU if there are enough, else CPU)")
 
-    try:
-        run_cmd: Any = importlib.import_module("stratagem.cli.run")
-    except ImportError:  # pragma: no cover - run arrives with the multi-worker work
-        run_cmd = None
-    if run_cmd is not None:
-        run_cmd.add_parser(sub)
+    run_cmd: Any = importlib.import_module("stratagem.cli.run")  # an error here is shown, not hidden
+    run_cmd.add_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -49,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_guard.release()  # the demo's replicas report and end as any program's do
 
         return run_demo(args.replicas, args.epochs, args.batch_size, args.plot, args.custom_loop, args.devices)
-    if args.command == "run" and run_cmd is not None:
+    if args.command == "run":
         return int(run_cmd.main(args))
     parser.error(f"unknown command {args.command}")
     return 2
