@@ -526,3 +526,39 @@ def test_a_kept_activation_is_not_overwritten_by_later_steps(schedule):
     results = [r.value for r in run_workers(kept_inputs_worker, 2, args=(schedule,), timeout=80)]
     assert results[0][0] == 0 and results[1][0] >= 2 * 3 * 4, results  # stage 1: 2 Keeps x 3 steps x 4 micro-batches, more with re-materialization
     assert all(diff == 0.0 for _, diff in results), results
+
+
+class Interrupted(nn.Module):
+    """Identity until armed; then a Ctrl-C lands in its forward (as the SIGINT handler raises it)."""
+
+    armed = False
+
+    def forward(self, x):
+        if self.armed:
+            raise KeyboardInterrupt
+        return x
+
+
+def interrupt_worker() -> tuple[str, str]:
+    s = PipelineStrategy(2, 4, balance=[2, 2], devices="cpu")
+    stop = Interrupted()
+    pipe, _ = make_pipe(s, lambda: nn.Sequential(nn.Linear(5, 8), stop, nn.Linear(8, 8), nn.Linear(8, 3)), nn.CrossEntropyLoss())
+    x, y = batches([8])[0]
+    s.run(pipe.train_step, args=(x, y))
+    stop.armed = True
+    try:
+        s.run(pipe.train_step, args=(x, y))
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt", ""
+    except PipelineError as e:
+        return "PipelineError", str(e)
+    return "no error", ""
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_in_a_stage_stays_a_keyboard_interrupt_there():
+    """A program's `except KeyboardInterrupt:` (save on Ctrl-C) sees the Ctrl-C on the stage it
+    landed in; the other stage learns that stage 0 was interrupted (a PipelineError naming it)."""
+    got = [r.value for r in run_workers(interrupt_worker, 2, timeout=50)]
+    assert got[0] == ("KeyboardInterrupt", ""), got
+    assert got[1][0] == "PipelineError" and "stage 0" in got[1][1] and "KeyboardInterrupt" in got[1][1], got

@@ -511,6 +511,6 @@ def _with_handshake(
             message += "\n" + "".join(traceback.format_exception(e)[-3:]).rstrip()
         wait = INTERRUPT_WAIT_S if isinstance(e, KeyboardInterrupt) else None
         _notify(plan, links, rank, num_ranks, origin, message, starter=rank, src=None, wait=wait)
-        if isinstance(e, PipelineError):
-            raise
+        if isinstance(e, PipelineError) or not isinstance(e, Exception):
+            raise  # a Ctrl-C stays a KeyboardInterrupt (a program's `except KeyboardInterrupt:` sees it)
         raise PipelineError(f"stage {here} failed: {type(e).__name__}: {e}", stage=here) from e
