@@ -107,9 +107,10 @@ SWALLOWED = """
 import subprocess, sys, time
 from stratagem.core import stop_guard
 assert stop_guard.guard()
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
-print("READY", child.pid, flush=True)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 try:
+    print("READY", child.pid, flush=True)  # inside the try: the Ctrl-C cannot land outside it
     time.sleep(30)
 except KeyboardInterrupt:  # what `import torch`, or torch's agent, does to a Ctrl-C
     pass
@@ -123,6 +124,7 @@ def test_a_ctrl_c_swallowed_by_the_program_still_ends_the_command_and_its_replic
     """`import torch` swallows a Ctrl-C that lands while it runs, and torch's agent can swallow
     one in its own `except Exception`: the `stratagem` command's guard ends the process (130, one
     line) and the replicas it started within its grace, whatever became of the exception."""
+    import os
     import signal
     import subprocess
     import time
@@ -143,7 +145,7 @@ def test_a_ctrl_c_swallowed_by_the_program_still_ends_the_command_and_its_replic
     finally:
         if proc.poll() is None:
             proc.kill()
-    out, err = proc.communicate()
+    out, err = proc.communicate(timeout=10)  # the replica does not hold the pipes
     assert code == 130, (code, out, err)
     assert "RAN ON" not in out
     assert f"the command did not stop within {stop_guard.GRACE_S:g}s of SIGINT" in err, err
@@ -151,7 +153,10 @@ def test_a_ctrl_c_swallowed_by_the_program_still_ends_the_command_and_its_replic
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline and _alive(child):
         time.sleep(0.05)
-    assert not _alive(child), "the replica outlived the command"
+    alive = _alive(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the replica outlived the command"
 
 
 def _alive(pid: int) -> bool:
