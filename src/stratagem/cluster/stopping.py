@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-from stratagem.core import finalizers
+from stratagem.core import finalizers, stop_guard
 
 #: how long the main thread has to start handling Ctrl-C before the process is ended
 INTERRUPT_GRACE_S = 1.5
@@ -111,19 +111,10 @@ def report_stops(rank: int, *, parent_pid: int | None = None, wait_for_report: f
         return False
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return False  # the program handles SIGTERM itself (e.g. to checkpoint on preemption)
-    bell, ring = socket.socketpair()
-    ring.setblocking(False)
-    try:
-        previous = signal.set_wakeup_fd(ring.fileno(), warn_on_full_buffer=False)
-    except ValueError:
-        bell.close()
-        ring.close()
+    pair = stop_guard.open_doorbell()
+    if pair is None:
         return False
-    if previous != -1:  # someone else (an event loop) listens there: leave it to them
-        signal.set_wakeup_fd(previous)
-        bell.close()
-        ring.close()
-        return False
+    bell, ring = pair
     signal.signal(signal.SIGTERM, _ignore)
     finalizers.install_interrupt_handler()  # notes when the main thread handled a Ctrl-C
     thread = threading.Thread(

@@ -107,6 +107,25 @@ def release() -> None:
         _release.pop()()
 
 
+def open_doorbell() -> tuple[socket.socket, socket.socket] | None:
+    """(bell, ring): a socket pair whose ``ring`` end is Python's signal wakeup descriptor (the C
+    handler writes each signal's number there, from whatever thread it interrupts); read
+    ``bell``. None where someone else (an event loop) already listens there, or it cannot be set."""
+    bell, ring = socket.socketpair()
+    ring.setblocking(False)
+    try:
+        previous = signal.set_wakeup_fd(ring.fileno(), warn_on_full_buffer=False)
+    except ValueError:
+        previous = None
+    if previous != -1:
+        if previous is not None:
+            signal.set_wakeup_fd(previous)  # leave it to them
+        bell.close()
+        ring.close()
+        return None
+    return bell, ring
+
+
 def guard(grace: float = GRACE_S) -> bool:
     """Listen for stop signals (see the module's docstring); idempotent. Returns whether the
     guard is installed."""
@@ -114,19 +133,10 @@ def guard(grace: float = GRACE_S) -> bool:
         return True
     if threading.current_thread() is not threading.main_thread() or not sys.platform.startswith("linux"):
         return False
-    bell, ring = socket.socketpair()
-    ring.setblocking(False)
-    try:
-        previous = signal.set_wakeup_fd(ring.fileno(), warn_on_full_buffer=False)
-    except ValueError:
-        bell.close()
-        ring.close()
+    pair = open_doorbell()
+    if pair is None:
         return False
-    if previous != -1:  # someone else listens there: leave it to them
-        signal.set_wakeup_fd(previous)
-        bell.close()
-        ring.close()
-        return False
+    bell, ring = pair
     done = threading.Event()
 
     def watch() -> None:
