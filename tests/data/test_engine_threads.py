@@ -46,13 +46,17 @@ def test_engine_decision_table():
 
     assert first_choice(10e-6, 1.0, 2) == "inline"  # cheaper than a thread hand-off
     assert first_choice(2e-3, 0.05, 2) == "threads"  # waits (sleep, I/O)
-    assert first_choice(2e-3, 0.95, 1) == "threads"  # one core: nothing to run beside
+    assert first_choice(2e-3, 0.05, 1) == "threads"  # waits, on one core too
+    assert first_choice(2e-3, 0.95, 1) == "inline"  # busy on one core: nothing runs beside it
     assert first_choice(2e-3, 0.95, 2) == "trial"  # busy: measure it on threads
     assert after_trial(1.9, 2, 3e-3, 1e-4, None, 2) == "threads"  # ran on 2 cores at once
     assert after_trial(0.98, 2, 3e-3, 1e-4, None, 2) == "processes"  # took turns on the GIL
     assert after_trial(0.3, 4, 3e-3, 1e-4, None, 2) == "processes"  # busy machine: the safe choice
     assert after_trial(0.98, 2, 3e-3, 5e-3, None, 2) == "threads"  # the consumer is the bottleneck
-    assert after_trial(0.98, 2, 3e-3, 1e-4, 20, 2) == "threads"  # too little left to pay a start
+    # too little left to pay a start, and threads taking turns are slower than one thread
+    assert after_trial(0.98, 2, 3e-3, 1e-4, 20, 2) == "sequential"
+    assert after_trial(1.9, 2, 3e-3, 1e-4, 20, 2) == "threads"  # parallel threads stay
+    assert after_trial(1.2, 2, 3e-3, 1e-4, 20, 2) == "threads"  # more than one core's CPU
     assert after_trial(0.98, 2, 3e-3, 1e-4, 2000, 2) == "processes"
 
 

@@ -103,7 +103,8 @@ class ParallelMapDataset(Dataset):
 
     def engine(self, ctx: Context) -> str | None:
         """"threads" or "processes": as asked, or as an earlier iterator of this AUTOTUNE map
-        measured on its real elements (see :mod:`stratagem.data.autotune`); None while not
+        measured on its real elements, which may also find "sequential" best (see
+        :mod:`stratagem.data.autotune`); None while not
         yet measured (the iterator then starts sequential and measures)."""
         return self._engine
 
@@ -112,8 +113,9 @@ class ParallelMapDataset(Dataset):
         with _engine_lock:
             if self._engine is None:
                 self._engine = engine
-                logger.info("%s(%s): AUTOTUNE runs it on %s (%s; use_processes=True/False "
-                            "overrides)", self._name, function_name(self._fn), engine, reason)
+                where = "sequentially" if engine == "sequential" else f"on {engine}"
+                logger.info("%s(%s): AUTOTUNE runs it %s (%s; use_processes=True/False "
+                            "overrides)", self._name, function_name(self._fn), where, reason)
 
     def workers(self, ctx: Context, engine: str | None = None) -> int:
         """Threads or processes this map uses (AUTOTUNE: the CPU budget, for processes
@@ -273,6 +275,7 @@ class _ParallelMapIterator(StatefulIterator):
         self.tuner = Tuner(self.max_workers, options.resolved_ram_budget)
         self.samples: list[tuple[float, float]] = []  # (seconds, busy share) being measured
         self.switch_to_processes = False
+        self.switch_to_sequential = False
         self.trial_start = 0.0
         self.pool: cf.Executor | None = None
         self.inflight: collections.deque[_Entry] = collections.deque()
@@ -283,6 +286,11 @@ class _ParallelMapIterator(StatefulIterator):
         self.anchor: tuple[Any, int] = (None, 0)  # the last snapshot of a purged entry
         self.input_done = False
         self.last_return: float | None = None
+        # while measuring (inline elements, thread trial): the consumer's own seconds per
+        # element, less the time its thread sat queued for a core (a busy machine's preemption
+        # is not the consumer's work)
+        self.consumer: list[float] = []
+        self.returned_queued: float | None = None
         self.closed = False
 
     # -- execution -------------------------------------------------------------------
@@ -324,6 +332,17 @@ class _ParallelMapIterator(StatefulIterator):
         self.max_workers = self.ds.workers(self.ctx, "processes")
         self.tuner.max_parallelism = max(1, self.max_workers)
 
+    def _back_to_sequential(self) -> None:
+        """After a trial whose threads took turns on the GIL, with too little work left to
+        start processes: the rest is computed the sequential map's way."""
+        self.switch_to_sequential = False
+        self._purge()
+        assert not self.inflight
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        self.mode = "sequential"
+
     def _inline_next(self) -> Any:
         """One element computed in the consumer's thread (the sequential map's way), timed."""
         while True:
@@ -364,24 +383,31 @@ class _ParallelMapIterator(StatefulIterator):
 
     def _trial_sample(self, seconds: float, cpu: float) -> None:
         self.samples.append((seconds, cpu))
-        if len(self.samples) < autotune.THREAD_TRIAL:
-            return
         span = time.perf_counter() - self.trial_start
+        if len(self.samples) < autotune.THREAD_TRIAL or span < autotune.TRIAL_SECONDS:
+            return
         cores = sum(c for _, c in self.samples) / max(span, 1e-9)
         per = sorted(c for _, c in self.samples)[len(self.samples) // 2]
         self.samples = []
         n = self.ds._inputs[0].cardinality()
         remaining = max(0, n - self.pos) if n >= 0 else None
         workers = min(self.ctx.options.resolved_cpu_budget, usable_cpus())
-        choice = autotune.after_trial(cores, self.max_workers, per, self.tuner.consume.value,
-                                      remaining, workers)
+        consumer = sorted(self.consumer)[len(self.consumer) // 2] if self.consumer else None
+        choice = autotune.after_trial(cores, self.max_workers, per, consumer, remaining, workers)
         if choice == "processes" and not (procs.forks() or _picklable(self.ds._fn)):
             choice = "threads"
         self.mode = "threads"
-        self.ds.decided(choice, f"{self.max_workers} threads kept {cores:.2f} cores busy, "
-                        f"{per * 1e3:.2f} ms of CPU per element")
+        why = (f"{self.max_workers} threads kept {cores:.2f} cores busy, "
+               f"{per * 1e3:.2f} ms of CPU per element")
+        if choice == "sequential":
+            why += f"; {remaining} elements left are too few to pay for starting processes"
+        elif choice == "threads" and cores < autotune.OVERLAP and consumer is not None:
+            why += f"; the consumer takes {consumer * 1e3:.2f} ms per element"
+        self.ds.decided(choice, why)
         if choice == "processes":
             self.switch_to_processes = True
+        elif choice == "sequential":
+            self.switch_to_sequential = True
 
     def _submit(self, batch: list[tuple[_Entry, Any]]) -> None:
         fn, pool = self.ds._fn, self._pool()
@@ -401,6 +427,11 @@ class _ParallelMapIterator(StatefulIterator):
 
     def _fill(self) -> None:
         if self.mode == "inline":
+            return
+        if self.switch_to_sequential:
+            if self.npending:
+                return  # the thread trial's elements finish first
+            self._back_to_sequential()
             return
         if self.switch_to_processes:
             if self.npending:
@@ -487,13 +518,20 @@ class _ParallelMapIterator(StatefulIterator):
         if self.closed:
             raise StopIteration
         if self.last_return is not None:
-            self.tuner.consume.add(time.perf_counter() - self.last_return)
+            between = time.perf_counter() - self.last_return
+            self.tuner.consume.add(between)
+            if self.returned_queued is not None:
+                queued = autotune.run_queue_wait() - self.returned_queued
+                self.consumer.append(max(0.0, between - queued))
+                self.returned_queued = None
         if self.mode == "inline":
             value = self._inline_next()
-            self.last_return = time.perf_counter()
+            self._returning()
             return value
         self._purge()
         self._fill()
+        if self.mode == "sequential":
+            return self._sequential_next()
         if not self.npending:
             raise StopIteration
         if self.deterministic:
@@ -513,8 +551,13 @@ class _ParallelMapIterator(StatefulIterator):
         if self.ds._n == AUTOTUNE and self.tuner.element_bytes.count < 16:
             self.tuner.element_bytes.add(nbytes(value))
         self._fill()  # start the next elements before handing this one out
-        self.last_return = time.perf_counter()
+        self._returning()
         return value
+
+    def _returning(self) -> None:
+        if self.mode in ("inline", "trial"):
+            self.returned_queued = autotune.run_queue_wait()
+        self.last_return = time.perf_counter()
 
     def _sequential_next(self) -> Any:
         if self.closed:
