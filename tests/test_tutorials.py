@@ -227,10 +227,10 @@ def test_keras_builtin_methods_guide(tmp_path):
         close(tag)
     assert "predictions shape: (3, 10)" in out
     assert len(ours["EarlyStopping"]["loss"]) == len(ref["EarlyStopping"]["loss"])  # stopped at Keras's epoch
-    # class_weight / sample_weight: the loss is Keras's (sum of w * loss / batch size); the metric
-    # of compile(metrics=) is weighted in stratagem, unweighted in Keras
+    # class_weight / sample_weight: the loss is Keras's (sum of w * loss / batch size), and the
+    # metric of compile(metrics=) unweighted, as in Keras
     for tag in ["class_weight", "sample_weight"]:
-        np.testing.assert_allclose(ours[tag]["loss"], ref[tag]["loss"], rtol=2e-5, err_msg=tag)
+        close(tag)
     assert ours["class_weight"] == ours["sample_weight"]  # class_weight is a sample weight per class
     # lr 0.1 on RMSprop: chaotic, compared loosely
     np.testing.assert_allclose(ours["ExponentialDecay"]["loss"], ref["ExponentialDecay"]["loss"], rtol=0.05)
