@@ -35,8 +35,9 @@ than a few elements computed the sequential way (:func:`first_choice`, :func:`af
    longer per element than the function), the map moves to processes once the elements in
    flight are done, if the work left is worth starting them (``PROCESS_START_SECONDS``; an
    unknown or infinite cardinality always is). When it is not, the map stays on threads if
-   their calls took more than one core's CPU over the trial, and otherwise goes back to the
-   sequential way once those elements are done: threads taking turns on the GIL are slower
+   their calls took more than one core's CPU over the trial (they ran at once) or under
+   ``WAITS`` of one (they mostly waited), and otherwise (about one core: the threads took turns
+   on the GIL) goes back to the sequential way once those elements are done: that is slower
    than one thread (measured: 1.37x the sequential time for a 3 ms pure-Python function on
    120 elements). A function whose threads did run in parallel stays on threads (GIL-free
    work: numpy, large tensor ops, hashlib). A machine too busy to give the threads more than
@@ -144,8 +145,11 @@ def after_trial(cores_busy: float, threads: int, per_element: float,
         saved = remaining * per_element * (1 - 1 / max(workers, 1))
         if saved < 2 * PROCESS_START_SECONDS:
             # threads whose calls took more than one core's CPU ran at once, if not at their
-            # best; threads taking turns on the GIL are slower than one thread
-            return "threads" if cores_busy > 1.0 else "sequential"
+            # best, and calls that mostly waited (little CPU over the trial: sleep, I/O, seen
+            # busy only because a loaded machine kept them queued) overlap their waits on
+            # threads; threads that kept about one core busy took turns on the GIL, and are
+            # slower than one thread
+            return "threads" if cores_busy > 1.0 or cores_busy < WAITS else "sequential"
     return "processes"
 
 
