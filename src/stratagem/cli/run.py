@@ -13,12 +13,10 @@ A parameter-server cluster: ``stratagem run --workers 2 --ps 1 train.py`` (``clu
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import os
 import shutil
 import socket
-import struct
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -28,9 +26,8 @@ from stratagem.cluster.launch import find_free_port
 from stratagem.cluster.ps_launch import PSJob
 from stratagem.cluster.resolvers import split_address
 from stratagem.cluster.stopping import first_failure
+from stratagem.comm.interfaces import interface_of, route_source
 from stratagem.core import stop_guard
-
-_SIOCGIFADDR = 0x8915
 
 #: what ``stratagem run --help`` prints above the options (plain text: argparse shows it as is)
 DESCRIPTION = """\
@@ -58,26 +55,6 @@ Gloo is pinned to the interface that holds --bind (default: 127.0.0.1 on one nod
 address this machine reaches the endpoint from). torch.distributed has no authentication:
 run it only on a network you trust.
 """
-
-
-def interface_of(address: str) -> str | None:
-    """The name of the network interface that holds IPv4 ``address`` (None if none does)."""
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue
-        if socket.inet_ntoa(packed[20:24]) == address:
-            return name
-    return None
-
-
-def _route_source(host: str, port: int) -> str:
-    """The local address this machine uses to reach ``host`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))
-        return str(s.getsockname()[0])
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -137,7 +114,7 @@ def torchrun_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         host, port = "127.0.0.1", find_free_port("127.0.0.1")
     bind = args.bind
     if bind is None:
-        bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else _route_source(host, port)
+        bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else route_source(host, port)
     out = [
         f"--nproc-per-node={nproc}",
         f"--nnodes={args.nnodes}",

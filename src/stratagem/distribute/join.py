@@ -26,6 +26,7 @@ from stratagem.comm import (
     LocalCommunicator,
     ProcessGroupCommunicator,
     init_process_group,
+    interfaces,
     release_groups,
 )
 from stratagem.comm.failure import FailureMonitor, FailureOptions, job_probe
@@ -63,6 +64,10 @@ def join(
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # across machines, talk on the interface that holds this task's address (gloo would
+    # otherwise advertise what the hostname resolves to: loopback on stock Debian/Ubuntu)
+    interfaces.pin(_own_host(spec), spec.master_addr, spec.master_port, rank=spec.rank,
+                   cuda=device.type == "cuda")
     options = failure or FailureOptions()
     monitor = FailureMonitor(
         spec.rank, spec.world_size, spec.master_addr, spec.master_port,
@@ -95,6 +100,15 @@ def join(
     # registered after the monitor's own exit hook, so it runs first (atexit is LIFO)
     atexit.register(_leave)
     return comm
+
+
+def _own_host(spec: ClusterSpec) -> str | None:
+    """This task's host as the cluster description names it (None where it does not)."""
+    entry = spec.workers[spec.task_index] if spec.workers else ""
+    host, sep, port = entry.rpartition(":")
+    if sep and port.isdigit():
+        entry = host
+    return entry.strip("[]") or None
 
 
 def joined_store() -> Any:

@@ -1,0 +1,99 @@
+"""Jobs formed across hosts of their own (``stratagem.testing.hosts``), with nothing set but what
+the docs show: no GLOO_SOCKET_IFNAME, no --bind. This machine's hostname resolves to a loopback
+address (as on stock Debian/Ubuntu), the case where gloo left to itself tells its peers to
+connect to their own loopback. Needs root and `ip`; skipped otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stratagem.testing import hosts as hosts_mod
+from stratagem.testing.hosts import Hosts
+
+pytestmark = pytest.mark.skipif(bool(hosts_mod.unavailable()), reason=hosts_mod.unavailable() or "-")
+
+REPO = Path(__file__).resolve().parent.parent.parent
+MW_SCRIPT = REPO / "tests" / "multiworker" / "mw_script.py"
+LINE = re.compile(r"rank=(\d) world=2 worker=(\d) digest=([0-9a-f]{16})")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src"), **extra}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "TF_CONFIG", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID"):
+        if k not in extra:
+            env.pop(k, None)
+    return env
+
+
+def _finish(procs, timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append(out)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+    return outs
+
+
+def _same_model(outs: list[str], procs) -> None:
+    report = "\n=====\n".join(o[-3000:] for o in outs)
+    assert [p.returncode for p in procs] == [0, 0], report
+    found = [LINE.search(o) for o in outs]
+    assert all(found), report
+    assert sorted(m.group(1) for m in found) == ["0", "1"]  # type: ignore[union-attr]
+    assert found[0].group(3) == found[1].group(3), report  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(150)
+def test_tf_config_multi_worker_forms_and_trains_across_two_hosts():
+    """The docs' TF_CONFIG program, one worker per host, nothing else set."""
+    with Hosts(2) as hosts:
+        workers = [f"{h.address}:2222" for h in hosts]
+        procs = []
+        for i, h in enumerate(hosts):
+            tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
+            procs.append(h.popen([sys.executable, str(MW_SCRIPT)], env=_env(TF_CONFIG=tf_config), cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        _same_model(_finish(procs, 120), procs)
+
+
+@pytest.mark.timeout(150)
+def test_stratagem_run_forms_across_two_hosts_without_bind():
+    """`stratagem run --nnodes 2 --node-rank R --rdzv-endpoint` as docs/MULTIWORKER.md shows it."""
+    with Hosts(2) as hosts:
+        endpoint = f"{hosts[0].address}:29400"
+        procs = []
+        for i, h in enumerate(hosts):
+            cmd = [sys.executable, "-m", "stratagem", "run", "-n", "1", "--nnodes", "2", "--node-rank", str(i),
+                   "--rdzv-endpoint", endpoint, str(MW_SCRIPT)]
+            procs.append(h.popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True))
+        _same_model(_finish(procs, 120), procs)
+
+
+@pytest.mark.timeout(90)
+def test_a_task_address_no_interface_holds_is_a_clear_error():
+    """TF_CONFIG naming, for this task, an address this host does not have (a copy-paste of the
+    other task's entry): one line naming the address and what to fix, not a gloo timeout."""
+    with Hosts(2) as hosts:
+        a, b = hosts
+        workers = [f"{a.address}:2222", f"{a.address}:2223"]  # worker 1 is on host b, not a
+        tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": 1}})
+        r = b.run([sys.executable, str(MW_SCRIPT)], env=_env(TF_CONFIG=tf_config), cwd=REPO,
+                  capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        assert f"the cluster names {a.address} as this task's address" in r.stderr, r.stderr
+        assert "TF_CONFIG" in r.stderr
