@@ -47,13 +47,16 @@ ABORT_EXIT_CODE = 1
 
 @dataclass(frozen=True)
 class FailureOptions:
-    """How failures are detected. A dead peer is reported within about
-    ``dead_after_seconds + grace_seconds`` at worst (a remote machine that vanished); a local
-    process that died, or a rank that raised, within about ``heartbeat_seconds + grace_seconds``.
+    """How failures are detected. A peer that falls silent (a remote machine that vanished, a
+    network cut between hosts: no heartbeat from it, or no answer from the store for
+    ``dead_after_seconds``) ends every process within about ``dead_after_seconds + 2 *
+    heartbeat_seconds``: a collective with a silent peer can never finish, so there is no grace.
+    A local process that died, or a rank that raised, within about ``heartbeat_seconds +
+    grace_seconds`` (the grace lets a rank computing between collectives raise the error itself).
     """
 
     heartbeat_seconds: float = 1.0
-    dead_after_seconds: float = 30.0
+    dead_after_seconds: float = 6.0
     grace_seconds: float = 5.0
     enabled: bool = True
 
@@ -69,10 +72,47 @@ class FailureOptions:
 
 @dataclass(frozen=True)
 class Failure:
-    """What the monitor found: the rank (None when unknown) and why, in words."""
+    """What the monitor found: the rank (None when unknown) and why, in words. ``silent``: the
+    peer (or the store) fell silent, so no collective with it can finish."""
 
     rank: int | None
     why: str
+    silent: bool = False
+
+
+def _namespace_id(kind: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/ns/{kind}")
+    except OSError:
+        return ""
+
+
+def host_identity() -> str:
+    """What tells this process's host apart from another's: the kernel's boot id and this
+    process's pid and network namespaces, not the hostname alone (two machines, or two network
+    namespaces of one, can share a hostname). Processes with equal identities can see each
+    other's pids; others cannot, and are watched by their heartbeats only."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return "|".join([socket.gethostname(), boot, _namespace_id("pid"), _namespace_id("net")])
+
+
+def _peer_record(raw: Any) -> tuple[str, int, str]:
+    info = json.loads(raw)
+    return str(info["host"]), int(info["pid"]), str(info.get("address", ""))
+
+
+def _local_address(host: str, port: int) -> str:
+    """The address this machine reaches ``host`` from ("" if it cannot tell)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return str(s.getsockname()[0])
+    except OSError:
+        return ""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -127,7 +167,7 @@ class FailureMonitor:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._peers: dict[int, tuple[str, int]] = {}
+        self._peers: dict[int, tuple[str, int, str]] = {}  # rank -> (host identity, pid, address)
         self._beats: dict[int, tuple[int, float]] = {}
         self._finished: set[int] = set()
         self._store_errors = 0
@@ -135,7 +175,14 @@ class FailureMonitor:
         #: more: the store may be gone at any moment, so this process makes no more store calls
         #: (torch's client prints a C++ warning with a stack for each call on a closed store)
         self._released = False
-        self._host = socket.gethostname()
+        self._host = host_identity()
+        #: this process's address as its peers reach it (for messages about it)
+        self._address = _local_address(master_addr, master_port)
+        #: when the watcher's store call now in flight began (None: none is): a call that does
+        #: not return for ``dead_after_seconds`` means the store's host cannot be reached (a
+        #: silent network cut leaves the call waiting; torch's client has no deadline for it)
+        self._call_since: float | None = None
+        self._stall_thread: threading.Thread | None = None
         self._prev_hook = sys.excepthook
         #: the longest one store call of the watcher can block (then it raises)
         self._store_timeout = max(5.0, 2 * self.options.heartbeat_seconds)
@@ -158,7 +205,8 @@ class FailureMonitor:
             timeout=datetime.timedelta(seconds=self._store_timeout),
             wait_for_workers=False,
         )
-        self._store.set(self._key("pid", self.rank), json.dumps({"host": self._host, "pid": os.getpid()}))
+        self._store.set(self._key("pid", self.rank), json.dumps(
+            {"host": self._host, "pid": os.getpid(), "address": self._address}))
         self._add(self._key("hb", self.rank), 1)
         if self.store_host_rank is not None and self.store_host_rank != self.rank:
             self._peer_blocking(self.store_host_rank)
@@ -166,6 +214,10 @@ class FailureMonitor:
         atexit.register(self.close)
         self._thread = threading.Thread(target=self._loop, name="stratagem-failure-monitor", daemon=True)
         self._thread.start()
+        if self.store_host_rank != self.rank:
+            self._stall_thread = threading.Thread(target=self._watch_stalls,
+                                                  name="stratagem-failure-stall", daemon=True)
+            self._stall_thread.start()
         return self
 
     def close(self) -> None:
@@ -254,16 +306,46 @@ class FailureMonitor:
                     self._set_failure(Failure(self.store_host_rank, self._host_gone_why()))
             else:
                 self._beat()
-            if self.failure is not None and not self._closing and not self._reported:
-                if time.monotonic() - self._failure_at >= self.options.grace_seconds:
-                    self._abort()
+            self._abort_when_due()
+
+    def _watch_stalls(self) -> None:
+        """A second thread: notices the watcher stuck in a store call (the store's host cannot
+        be reached), and ends this process the way the watcher would have."""
+        interval = self.options.heartbeat_seconds / 2
+        limit = self.options.dead_after_seconds
+        while not self._stop.wait(interval):
+            since = self._call_since
+            if since is None or self.failure is not None or self._closing or self._store_errors >= 2:
+                if self.failure is not None and self.failure.silent:
+                    self._abort_when_due()
+                continue
+            stalled = time.monotonic() - since
+            if stalled >= limit and not self._host_ended():
+                self._store_errors = 2  # no more store calls: each would wait as this one does
+                self._set_failure(Failure(
+                    self.store_host_rank,
+                    f"this host ({self._address or '?'}) got no answer from the rendezvous store it "
+                    f"hosts at {self.master_addr}:{self.master_port} for {stalled:.0f}s (no reply and "
+                    "no reset: the network between the two hosts is cut, or that host is gone)",
+                    silent=True,
+                ))
+                self._abort_when_due()
+
+    def _abort_when_due(self) -> None:
+        if self.failure is None or self._closing or self._reported:
+            return
+        # a silent peer was already waited for (dead_after_seconds): no collective with it can
+        # finish, so there is nothing to give the main thread time for
+        grace = 0.0 if self.failure.silent else self.options.grace_seconds
+        if time.monotonic() - self._failure_at >= grace:
+            self._abort()
 
     def _store_host_gone(self) -> bool:
         """The store host is a local process that is gone (checked without touching the store)."""
         host = self.store_host_rank
         if host is None or host == self.rank or host not in self._peers:
             return False
-        name, pid = self._peers[host]
+        name, pid, _ = self._peers[host]
         return name == self._host and not _pid_alive(pid)
 
     def _host_ended(self) -> bool:
@@ -276,6 +358,7 @@ class FailureMonitor:
         return f"its process (pid {pid}) is gone: killed or crashed"
 
     def _beat(self) -> None:
+        self._call_since = time.monotonic()  # waiting for the lock counts: a holder may be stuck
         try:
             with self._lock:
                 self._add(self._key("hb", self.rank), 1)
@@ -284,9 +367,11 @@ class FailureMonitor:
                 elif self.store_host_rank is not None and self.store_host_rank != self.rank:
                     self._scan_ends()
                 self._store_errors = 0
+                self._call_since = None
                 if self._host_ended():
                     self._release()
         except Exception as e:  # noqa: BLE001 - a store that stopped answering
+            self._call_since = None
             self._store_errors += 1
             if self._store_errors >= 2 and self.failure is None and not self._closing and not self._host_ended():
                 self._set_failure(self._store_gone(e))
@@ -317,18 +402,16 @@ class FailureMonitor:
             if p != self.rank and p not in self._finished and self._has(self._key("end", p)):
                 self._finished.add(p)
 
-    def _peer(self, p: int) -> tuple[str, int] | None:
+    def _peer(self, p: int) -> tuple[str, int, str] | None:
         if p not in self._peers:
             key = self._key("pid", p)
             if not self._has(key):
                 return None
-            info = json.loads(self._store.get(key))
-            self._peers[p] = (str(info["host"]), int(info["pid"]))
+            self._peers[p] = _peer_record(self._store.get(key))
         return self._peers[p]
 
     def _peer_blocking(self, p: int) -> None:
-        info = json.loads(self._store.get(self._key("pid", p)))  # waits for it (store timeout)
-        self._peers[p] = (str(info["host"]), int(info["pid"]))
+        self._peers[p] = _peer_record(self._store.get(self._key("pid", p)))  # waits (store timeout)
 
     def _alive(self, p: int) -> bool:
         peer = self._peer(p)
@@ -366,13 +449,19 @@ class FailureMonitor:
                     found = Failure(p, f"its process (pid {peer[1]}) is gone: killed or crashed")
                     break
                 if not self._alive(p):
-                    found = Failure(
-                        p, f"it sent no heartbeat for {self.options.dead_after_seconds:.0f}s"
-                    )
+                    found = Failure(p, self._silence_why(peer), silent=True)
                     break
         if found is not None:
             self._set_failure(found)
         return found
+
+    def _silence_why(self, peer: tuple[str, int, str] | None) -> str:
+        quiet = f"it sent no heartbeat for {self.options.dead_after_seconds:.0f}s"
+        if peer is not None and peer[0] == self._host:
+            return f"{quiet} (its process, pid {peer[1]}, is alive but not running: stopped or hung)"
+        where = f" from its host {peer[2]}" if peer is not None and peer[2] else ""
+        return (f"it sent no heartbeat{where} for {self.options.dead_after_seconds:.0f}s (that host "
+                "cannot be reached from the store's, or the process is stopped)")
 
     # --- explaining a failed collective ---------------------------------------------------------
     def probe(self, exc: BaseException) -> tuple[int | None, str]:
@@ -416,6 +505,8 @@ class FailureMonitor:
         return f"{who} failed{why}"
 
     def _mark(self, state: str) -> None:
+        if self._store_errors >= 2:
+            return  # the store is gone or cannot be reached: the call would wait or fail
         try:
             with self._lock:
                 if not self._released:

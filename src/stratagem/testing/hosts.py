@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 PREFIX = "sgt"  # every namespace this module makes is called sgt<pid>n<k>-<role>
@@ -86,6 +87,27 @@ def _kill_namespace(ns: str) -> None:
 def _remove_namespace(ns: str) -> None:
     _kill_namespace(ns)
     subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+
+
+#: ``ip netns exec NS`` bind-mounts the files of /etc/netns/NS over /etc's
+NETNS_ETC = Path("/etc/netns")
+
+
+def _no_dns(ns: str) -> None:
+    """The host looks names up in /etc/hosts only (its own nsswitch.conf and an empty
+    resolv.conf): this machine's name server cannot be reached from inside, and a reverse
+    lookup (torch's store names its peers) would wait for it and then warn on stderr. Names
+    resolve as on the machine otherwise."""
+    d = NETNS_ETC / ns
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "resolv.conf").write_text("# stratagem.testing.hosts: no name server inside these hosts\n")
+    try:
+        lines = Path("/etc/nsswitch.conf").read_text().splitlines()
+    except OSError:
+        lines = []
+    kept = [line for line in lines if not line.split(":", 1)[0].strip() == "hosts"]
+    (d / "nsswitch.conf").write_text("\n".join([*kept, "hosts: files"]) + "\n")
 
 
 def _alive(pid: int) -> bool:
@@ -221,6 +243,7 @@ class Hosts:
         for i in range(self.n):
             ns = f"{self.tag}-h{i}"
             _ip("netns", "add", ns)
+            _no_dns(ns)
             host = Host(self, i, ns, f"{self.subnet}.{i + 1}")
             self.hosts.append(host)
             _ip("link", "add", host.interface, "netns", ns, "type", "veth",
