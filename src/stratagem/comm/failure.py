@@ -15,11 +15,13 @@ Tracebacks are printed once: the rank that raised prints its own; the others pri
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import multiprocessing
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -129,6 +131,15 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def _pid_stopped(pid: int) -> bool:
+    """The process is stopped by a signal (SIGSTOP, SIGTSTP; not a debugger's tracing stop)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 class FailureMonitor:
     """Heartbeat, failure records and the watchdog of one process (start once per process)."""
 
@@ -183,6 +194,9 @@ class FailureMonitor:
         #: silent network cut leaves the call waiting; torch's client has no deadline for it)
         self._call_since: float | None = None
         self._stall_thread: threading.Thread | None = None
+        #: a peer process on this host found stopped: ended (SIGKILL) when this process aborts,
+        #: as nothing else can end it (it runs no code of its own until continued)
+        self._stopped_peer: int | None = None
         self._prev_hook = sys.excepthook
         #: the longest one store call of the watcher can block (then it raises)
         self._store_timeout = max(5.0, 2 * self.options.heartbeat_seconds)
@@ -297,7 +311,14 @@ class FailureMonitor:
     # --- watching -----------------------------------------------------------------------------
     def _loop(self) -> None:
         interval = self.options.heartbeat_seconds
+        last = time.monotonic()
         while not self._stop.wait(interval):
+            now = time.monotonic()
+            if now - last > 2 * interval + 1.0:
+                # this process was stopped (Ctrl-Z) or starved: its peers' silence was not
+                # watched meanwhile, so their clocks start again (a peer resumed with it is fine)
+                self._beats.clear()
+            last = now
             if self._store_errors >= 2:  # the store is gone: nothing more to read or write
                 pass
             elif self._store_host_gone():
@@ -313,7 +334,12 @@ class FailureMonitor:
         be reached), and ends this process the way the watcher would have."""
         interval = self.options.heartbeat_seconds / 2
         limit = self.options.dead_after_seconds
+        last = time.monotonic()
         while not self._stop.wait(interval):
+            now = time.monotonic()
+            if now - last > 2 * interval + 1.0 and self._call_since is not None:
+                self._call_since = now  # stopped or starved meanwhile: the call's wait starts now
+            last = now
             since = self._call_since
             if since is None or self.failure is not None or self._closing or self._store_errors >= 2:
                 if self.failure is not None and self.failure.silent:
@@ -448,6 +474,11 @@ class FailureMonitor:
                 if peer is not None and peer[0] == self._host and not _pid_alive(peer[1]):
                     found = Failure(p, f"its process (pid {peer[1]}) is gone: killed or crashed")
                     break
+                if peer is not None and peer[0] == self._host and _pid_stopped(peer[1]):
+                    found = Failure(p, f"its process (pid {peer[1]}) is stopped (SIGSTOP): no "
+                                       "collective with it can finish; it is ended", silent=True)
+                    self._stopped_peer = peer[1]
+                    break
                 if not self._alive(p):
                     found = Failure(p, self._silence_why(peer), silent=True)
                     break
@@ -528,6 +559,9 @@ class FailureMonitor:
         self._mark("aborted")
         for child in multiprocessing.active_children():
             child.terminate()
+        if self._stopped_peer is not None and _pid_stopped(self._stopped_peer):
+            with contextlib.suppress(OSError):
+                os.kill(self._stopped_peer, signal.SIGKILL)
         os._exit(ABORT_EXIT_CODE)
 
     def record_exception(self, exc: BaseException, tb_text: str) -> None:
