@@ -70,6 +70,7 @@ def test_tf_config_multi_worker_forms_and_trains_across_two_hosts():
         _same_model(_finish(procs, 120), procs)
 
 
+@pytest.mark.slow  # the TF_CONFIG case above stays in the main tier
 @pytest.mark.timeout(150)
 def test_stratagem_run_forms_across_two_hosts_without_bind():
     """`stratagem run --nnodes 2 --node-rank R --rdzv-endpoint` as docs/MULTIWORKER.md shows it."""

@@ -93,6 +93,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # 20-30 s each: the slow tier keeps the main one under 15 minutes
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_silent_partition_ends_every_process_within_the_bound_naming_the_peer(case):
@@ -116,6 +117,7 @@ def test_a_silent_partition_ends_every_process_within_the_bound_naming_the_peer(
             assert "Traceback" not in out and "[W" not in out, report
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_slow_link_is_not_a_dead_one():
     """20 Mbit/s: each step's 16 MB gradient all-reduce takes about 8 s, longer than a silent
