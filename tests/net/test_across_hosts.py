@@ -98,3 +98,68 @@ def test_a_task_address_no_interface_holds_is_a_clear_error():
         assert r.returncode != 0
         assert f"the cluster names {a.address} as this task's address" in r.stderr, r.stderr
         assert "TF_CONFIG" in r.stderr
+
+
+def _run_on_each(hosts, script: Path, timeout: float = 120) -> tuple[list[str], list]:
+    """`stratagem run -n 1 --nnodes N --node-rank R --rdzv-endpoint H0:PORT script` on each host."""
+    endpoint = f"{hosts[0].address}:29400"
+    procs = [h.popen([sys.executable, "-m", "stratagem", "run", "-n", "1", "--nnodes", str(len(hosts)),
+                      "--node-rank", str(i), "--rdzv-endpoint", endpoint, str(script)],
+                     env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i, h in enumerate(hosts)]
+    return _finish(procs, timeout), procs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_pipeline_stages_on_two_hosts_train():
+    """PipelineStrategy's two stages on two hosts (the user's script, under `stratagem run`)."""
+    with Hosts(2) as hosts:
+        outs, procs = _run_on_each(hosts, REPO / "tests" / "pipeline" / "pipeline_script.py")
+        report = "\n=====\n".join(o[-2000:] for o in outs)
+        assert [p.returncode for p in procs] == [0, 0], report
+        found = [re.search(r"stage (\d): loss ([\d.]+) -> ([\d.]+), accuracy ([\d.]+)", o) for o in outs]
+        assert all(found), report
+        assert sorted(m.group(1) for m in found) == ["0", "1"]  # type: ignore[union-attr]
+        first, last, acc = (float(found[0].group(i)) for i in (2, 3, 4))  # type: ignore[union-attr]
+        assert last < 0.5 * first and acc > 0.9, report
+        assert found[0].groups()[1:] == found[1].groups()[1:], report  # both stages report the same
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_sharded_over_two_hosts_equals_one_process():
+    with Hosts(2) as hosts:
+        outs, procs = _run_on_each(hosts, Path(__file__).with_name("sharded_job.py"))
+        report = "\n=====\n".join(o[-2000:] for o in outs)
+        assert [p.returncode for p in procs] == [0, 0], report
+        diffs = [re.search(r"sharded rank \d of 2: max difference from one process (\S+)", o) for o in outs]
+        assert all(diffs), report
+        assert all(float(m.group(1)) < 1e-5 for m in diffs), report  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_parameter_server_tutorial_with_chief_workers_and_ps_on_four_hosts(tmp_path):
+    """TensorFlow's parameter-server tutorial (the port), every task on a host of its own, each
+    started with its TF_CONFIG as the tutorial's text says: rpc (TensorPipe) and gloo pinned to
+    the interface holding the task's address."""
+    pytest.importorskip("cloudpickle")
+    with Hosts(4) as hosts:
+        cluster = {"chief": [f"{hosts[0].address}:2222"],
+                   "worker": [f"{hosts[1].address}:2222", f"{hosts[2].address}:2222"],
+                   "ps": [f"{hosts[3].address}:2222"]}
+        tasks = [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0)]
+        script = REPO / "examples" / "tutorials" / "parameter_server_training.py"
+        procs = []
+        for (kind, index), h in zip(tasks, hosts):
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
+            procs.append(h.popen([sys.executable, str(script)], env=_env(TF_CONFIG=tf_config),
+                                 cwd=tmp_path, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True))
+        outs = _finish(procs, 180)
+        report = "\n=====\n".join(o[-2000:] for o in outs)
+        assert [p.returncode for p in procs] == [0, 0, 0, 0], report
+        assert float(re.search(r"Evaluation accuracy: ([\d.]+)", outs[0]).group(1)) > 0.9, report  # type: ignore[union-attr]
+        for o in outs:
+            assert "Traceback" not in o and "[W" not in o, report

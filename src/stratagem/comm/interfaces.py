@@ -62,6 +62,14 @@ def _ipv4(host: str) -> str | None:
         return None
 
 
+def host_part(entry: str) -> str | None:
+    """The host of a cluster entry (``host:port``, ``host``, ``[v6]:port``); None if empty."""
+    host, sep, port = entry.rpartition(":")
+    if sep and port.isdigit():
+        entry = host
+    return entry.strip("[]") or None
+
+
 def is_loopback(host: str) -> bool:
     ip = _ipv4(host)
     return ip is not None and ipaddress.IPv4Address(ip).is_loopback
@@ -96,15 +104,21 @@ def choose(own_host: str | None, master_host: str, master_port: int) -> tuple[st
     return name, source, f"this machine reaches the rendezvous {master_host} through it"
 
 
+#: the variables each transport reads its interface from
+GLOO = "GLOO_SOCKET_IFNAME"
+NCCL = "NCCL_SOCKET_IFNAME"
+TENSORPIPE = "TP_SOCKET_IFNAME"  # torch.distributed.rpc's TensorPipe agent
+
+
 def pin(own_host: str | None, master_host: str, master_port: int, *, rank: int,
-        cuda: bool) -> str | None:
-    """Set ``GLOO_SOCKET_IFNAME`` (and, for GPUs, ``NCCL_SOCKET_IFNAME``) to the interface
-    :func:`choose` picks, unless the user set them or the rendezvous is on this machine's
-    loopback (one machine: nothing to pick). Returns the interface set, or None."""
+        variables: tuple[str, ...] = (GLOO,)) -> str | None:
+    """Set ``variables`` (``GLOO_SOCKET_IFNAME``; ``NCCL_SOCKET_IFNAME`` for GPUs,
+    ``TP_SOCKET_IFNAME`` for rpc) to the interface :func:`choose` picks, unless the user set
+    them or the rendezvous is on this machine's loopback (one machine: nothing to pick).
+    Returns the interface set, or None."""
     if is_loopback(master_host):
         return None
-    names = ["GLOO_SOCKET_IFNAME"] + (["NCCL_SOCKET_IFNAME"] if cuda else [])
-    unset = [n for n in names if not os.environ.get(n)]
+    unset = [n for n in variables if not os.environ.get(n)]
     if not unset:
         return None
     name, address, why = choose(own_host, master_host, master_port)

@@ -67,7 +67,7 @@ def join(
     # across machines, talk on the interface that holds this task's address (gloo would
     # otherwise advertise what the hostname resolves to: loopback on stock Debian/Ubuntu)
     interfaces.pin(_own_host(spec), spec.master_addr, spec.master_port, rank=spec.rank,
-                   cuda=device.type == "cuda")
+                   variables=(interfaces.GLOO, interfaces.NCCL) if device.type == "cuda" else (interfaces.GLOO,))
     options = failure or FailureOptions()
     monitor = FailureMonitor(
         spec.rank, spec.world_size, spec.master_addr, spec.master_port,
@@ -104,11 +104,7 @@ def join(
 
 def _own_host(spec: ClusterSpec) -> str | None:
     """This task's host as the cluster description names it (None where it does not)."""
-    entry = spec.workers[spec.task_index] if spec.workers else ""
-    host, sep, port = entry.rpartition(":")
-    if sep and port.isdigit():
-        entry = host
-    return entry.strip("[]") or None
+    return interfaces.host_part(spec.workers[spec.task_index] if spec.workers else "")
 
 
 def joined_store() -> Any:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from stratagem.cluster.ps_spec import PSClusterSpec
-from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.comm import Communicator, LocalCommunicator, interfaces
 from stratagem.distribute import ownership
 from stratagem.distribute.engines import rpc_membership
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
@@ -326,6 +326,12 @@ class ParameterServerExtended(StrategyExtended):
             rank, rejoining = self._ask_to_rejoin(store), True  # this worker ran before and died
         if s.task_type == "worker":
             _RUNTIMES[s.rpc_name] = WorkerRuntime(s.rpc_name, lambda: self.owner())
+        own = {"chief": s.chief, "worker": s.workers, "ps": s.ps}[s.task_type]
+        own = own if isinstance(own, str) else own[s.task_id]
+        # across machines, rpc (TensorPipe) and gloo talk on the interface holding this task's
+        # address (left alone they advertise what the hostname resolves to: loopback on Debian)
+        interfaces.pin(interfaces.host_part(own), s.master_addr, s.master_port, rank=s.rank,
+                       variables=(interfaces.TENSORPIPE, interfaces.GLOO))
         try:
             rpc_membership.join(s.rpc_name, rank, f"tcp://{s.master_addr}:{s.master_port}", self.timeout)
         except Exception as e:
