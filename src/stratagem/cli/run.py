@@ -13,6 +13,7 @@ A parameter-server cluster: ``stratagem run --workers 2 --ps 1 train.py`` (``clu
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import shutil
@@ -222,6 +223,9 @@ def main(args: argparse.Namespace) -> int:
     except ChildFailedError as e:
         rank, failure = first_failure(e.failures)
         print(f"stratagem run: replica {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
+        # the job failed: this process ends without Python's last full collection over torch's
+        # heap (most of a second on a busy machine), as its replicas do
+        gc.freeze()
         return 1
     finally:
         stop_guard.release()

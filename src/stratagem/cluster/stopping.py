@@ -132,19 +132,21 @@ def report_stops(rank: int, *, parent_pid: int | None = None, wait_for_report: f
             pass
         ring.close()
         thread.join(timeout=1.0)
-        _skip_the_last_collection_if_interrupted()
+        _skip_the_last_collection_if_failed()
 
     atexit.register(uninstall)
     return True
 
 
-def _skip_the_last_collection_if_interrupted() -> None:
-    """A replica ending on Ctrl-C skips the full garbage collection Python runs as it finalizes
-    (over a torch program's heap, a second of CPU on a busy machine, while every process of a
-    stopped job must end within seconds): every object left is frozen, so that collection finds
-    nothing to scan. Objects in reference cycles are then not finalized, as at a SIGKILL; what
-    must be written at exit is written by exit handlers, which have run by now."""
-    if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+def _skip_the_last_collection_if_failed() -> None:
+    """A replica ending on Ctrl-C or on an exception (its own, or one saying a peer failed)
+    skips the full garbage collection Python runs as it finalizes (over a torch program's heap,
+    a second of CPU on a busy machine, while every process of a stopped or failed job must end
+    within seconds, and a peer learns of this one's failure when its connections close, at its
+    exit): every object left is frozen, so that collection finds nothing to scan. Objects in
+    reference cycles are then not finalized, as at a SIGKILL; what must be written at exit is
+    written by exit handlers, which have run by now."""
+    if getattr(sys, "last_value", None) is not None:
         gc.freeze()
 
 

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -579,14 +579,18 @@ class FailureMonitor:
     ) -> None:
         self._closing = True
         mark_reported()  # what follows says why this rank ends: a stop signal adds nothing
-        consequence = isinstance(value, WorkerFailedError) or (
+        # an error that only reports another process's failure (that process says why):
+        # one line here, and the launcher told whom this process followed
+        follows = getattr(value, "follows_rank", None)
+        consequence = isinstance(value, WorkerFailedError) or follows is not None or (
             isinstance(value, CollectiveError) and self.failure is not None
         )
         try:
             if consequence:
                 sys.stderr.write(f"stratagem: rank {self.rank}: {etype.__name__}: {value}\n")
                 sys.stderr.flush()
-                record_followed(f"{etype.__name__}: {value}", getattr(value, "rank", None))
+                record_followed(f"{etype.__name__}: {value}",
+                                follows if follows is not None else getattr(value, "rank", None))
                 self._mark("aborted")
             else:
                 text = "".join(traceback.format_exception(etype, value, tb))
@@ -656,6 +660,19 @@ def backend_text(text: str) -> str:
     if cut > 0:
         first = first[:cut]
     return first.rstrip(" .")
+
+
+@contextlib.contextmanager
+def collectives_explained(comm: Any, op: str) -> Iterator[None]:
+    """Collectives made by code that does not go through a Communicator (FSDP2's, DTensor's):
+    a backend error saying a peer went away becomes the ``WorkerFailedError`` naming it (one
+    line on this rank, as for the job's own collectives); any other error passes unchanged."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as e:
+        if isinstance(e, CollectiveError) or not looks_like_peer_loss(str(e)):
+            raise
+        raise classify_failure(e, getattr(comm, "probe", None), op) from e
 
 
 def classify_failure(exc: BaseException, probe: FailureProbe | None, op: str) -> CollectiveError:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from stratagem.comm.errors import WorkerFailedError
 from stratagem.pipeline import boundary
 from stratagem.pipeline.errors import PipelineError
 from stratagem.pipeline.p2p import Channel, PostedRecv, RemoteStageError, raw_nbytes
@@ -470,6 +471,18 @@ def _need(links: _Links | None) -> _Links:
     return links
 
 
+def _pipeline_rank(channel: Channel, job_rank: int) -> int | None:
+    """The pipeline rank (the process's first stage) of the job's rank ``job_rank``."""
+    ranks = getattr(channel.comm, "global_ranks", None)
+    return ranks.index(job_rank) if ranks is not None and job_rank in ranks else None
+
+
+def _job_rank(channel: Channel, pipeline_rank: int) -> int | None:
+    """The job's rank of the process at ``pipeline_rank`` (None if not known)."""
+    ranks = getattr(channel.comm, "global_ranks", None)
+    return ranks[pipeline_rank] if ranks is not None and 0 <= pipeline_rank < len(ranks) else None
+
+
 def _with_handshake(
     stages: list[Stage], channel: Channel | None, links: dict[int, _Links], plan: Schedule | None,
     body: Callable[[], torch.Tensor], current: list[int] | None = None,
@@ -499,12 +512,20 @@ def _with_handshake(
         channel.abandon()
         starter = e.starter if e.starter >= 0 else e.src
         _notify(plan, links, rank, num_ranks, e.origin, e.message, starter=starter, src=e.src)
-        raise PipelineError(f"stage {e.origin} failed: {e.message}", stage=e.origin) from None
+        raise PipelineError(f"stage {e.origin} failed: {e.message}", stage=e.origin,
+                            follows_rank=_job_rank(channel, e.origin % num_ranks)) from None
     except BaseException as e:
         for st in stages:
             st.clear()
         channel.abandon()
         here = current[0] if current else rank
+        if isinstance(e, WorkerFailedError) and e.rank is not None:
+            # a peer process died or fell silent: this stage did not fail. The others are told
+            # which process it was; this one raises the WorkerFailedError itself (one line)
+            lost = _pipeline_rank(channel, e.rank)
+            origin = lost if lost is not None else here
+            _notify(plan, links, rank, num_ranks, origin, str(e), starter=rank, src=None)
+            raise
         origin = e.stage if isinstance(e, PipelineError) and e.stage is not None else here
         message = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, PipelineError):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.comm import Communicator
+from stratagem.comm.failure import collectives_explained
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
@@ -168,4 +169,7 @@ class ShardedExtended(OverReplicas):
     # --- run ----------------------------------------------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         self.build.check_call(fn, args, kwargs)
-        return self._dp.call_for_replica(fn, args, kwargs)
+        # FSDP2 gathers and reduce-scatters on the group itself: a peer lost in one of them is
+        # named as in the job's own collectives
+        with collectives_explained(self._dp.comm, "a sharded gather or reduce-scatter"):
+            return self._dp.call_for_replica(fn, args, kwargs)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.comm.failure import collectives_explained
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.layout import (
@@ -243,5 +244,5 @@ class TensorParallelExtended(OverReplicas):
 
         # the model's own plain tensors (an attention mask it builds) meet the DTensors of the
         # split layers' outputs as replicated DTensors (torch's public context for mixed ops)
-        with implicit_replication():
+        with implicit_replication(), collectives_explained(self._dp.comm, "a tensor-parallel collective"):
             return self._dp.call_for_replica(fn, args, kwargs)
