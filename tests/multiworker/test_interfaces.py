@@ -20,8 +20,8 @@ def _a_real_address() -> tuple[str, str] | None:
 
 def test_loopback_rendezvous_leaves_the_environment_alone(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    assert interfaces.pin("127.0.0.1", "127.0.0.1", 29400, rank=0, cuda=False) is None
-    assert interfaces.pin(None, "localhost", 29400, rank=0, cuda=False) is None
+    assert interfaces.pin("127.0.0.1", "127.0.0.1", 29400, rank=0) is None
+    assert interfaces.pin(None, "localhost", 29400, rank=0) is None
     assert "GLOO_SOCKET_IFNAME" not in os.environ
 
 
@@ -34,7 +34,7 @@ def test_the_interface_holding_this_tasks_address_is_chosen_and_set(monkeypatch)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     chosen, addr, why = interfaces.choose(address, address, 29400)
     assert (chosen, addr) == (name, address) and address in why
-    assert interfaces.pin(address, address, 29400, rank=0, cuda=True) == name
+    assert interfaces.pin(address, address, 29400, rank=0, variables=(interfaces.GLOO, interfaces.NCCL)) == name
     assert os.environ["GLOO_SOCKET_IFNAME"] == name and os.environ["NCCL_SOCKET_IFNAME"] == name
 
 
@@ -43,7 +43,7 @@ def test_a_variable_the_user_set_is_kept(monkeypatch):
     if real is None:
         pytest.skip("this machine has no address but loopback")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "my-choice")
-    assert interfaces.pin(real[1], real[1], 29400, rank=0, cuda=False) is None
+    assert interfaces.pin(real[1], real[1], 29400, rank=0) is None
     assert os.environ["GLOO_SOCKET_IFNAME"] == "my-choice"
 
 
