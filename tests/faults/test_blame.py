@@ -77,9 +77,12 @@ def run_case(kind: str, fault: str, target: int) -> tuple[dict[int, float], dict
     return ranks, launcher, "".join(err), proc.returncode
 
 
-CASES = [(kind, fault) for kind in LAUNCH for fault in ("raise", "raise-in-step", "kill", "stop")]
+# raising inside the step differs from raising between steps only in a pipeline (the error
+# starts inside a stage's schedule and travels as a marker)
+CASES = [(kind, fault) for kind in LAUNCH for fault in ("raise", "kill", "stop")] + [("pipeline", "raise-in-step")]
 
 
+@pytest.mark.slow  # 13 jobs of 10-15 s: the slow tier keeps the main one under 15 minutes
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("kind,fault", CASES, ids=[f"{k}-{f}" for k, f in CASES])
 def test_every_rank_ends_within_2s_naming_the_failed_one(kind, fault):

@@ -16,8 +16,6 @@ import logging
 import os
 import socket
 
-import psutil
-
 logger = logging.getLogger("stratagem")
 
 
@@ -26,12 +24,32 @@ class InterfaceError(ValueError):
 
 
 def addresses() -> dict[str, list[str]]:
-    """Every IPv4 address of every interface of this machine (name -> addresses)."""
+    """Every IPv4 address of every interface of this machine (name -> addresses): all of them
+    with psutil, else (a machine without it) each interface's primary address."""
     out: dict[str, list[str]] = {}
+    try:
+        import psutil
+    except ImportError:
+        return _primary_addresses()
     for name, addrs in psutil.net_if_addrs().items():
         v4 = [a.address for a in addrs if a.family == socket.AF_INET]
         if v4:
             out[name] = v4
+    return out
+
+
+def _primary_addresses() -> dict[str, list[str]]:
+    import fcntl
+    import struct
+
+    out: dict[str, list[str]] = {}
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        out[name] = [socket.inet_ntoa(packed[20:24])]
     return out
 
 
