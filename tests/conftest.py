@@ -56,6 +56,8 @@ STRESS: dict[str, re.Pattern[str] | None] = {
     "tests/data/test_engine_cleanup.py": None,
     "tests/test_clean_runs.py": None,
     "tests/checkpoint/test_ownership.py": None,
+    "tests/faults/test_stopped_replica.py": None,
+    "tests/data/test_engine_batch_workers.py": re.compile(r"autotune"),
     "tests/test_mirrored.py": re.compile(r"stuck|fail|raise|kill|timeout|hang"),
     "tests/pipeline/test_pipeline_training.py": re.compile(r"failure|exception"),
 }
