@@ -79,14 +79,15 @@ def run_case(kind: str, fault: str, target: int) -> tuple[dict[int, float], dict
 
 # raising inside the step differs from raising between steps only in a pipeline (the error
 # starts inside a stage's schedule and travels as a marker)
-CASES = [(kind, fault) for kind in LAUNCH for fault in ("raise", "kill", "stop")] + [("pipeline", "raise-in-step")]
+# (rank 0 hosts the job's store: stopped, its peers' store calls stall, so they look at it)
+CASES = ([(kind, fault, 1) for kind in LAUNCH for fault in ("raise", "kill", "stop")]
+         + [("pipeline", "raise-in-step", 1), ("mirrored", "stop", 0), ("pipeline", "stop", 0)])
 
 
-@pytest.mark.slow  # 13 jobs of 10-15 s: the slow tier keeps the main one under 15 minutes
+@pytest.mark.slow  # 15 jobs of 10-15 s: the slow tier keeps the main one under 15 minutes
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("kind,fault", CASES, ids=[f"{k}-{f}" for k, f in CASES])
-def test_every_rank_ends_within_2s_naming_the_failed_one(kind, fault):
-    target = 1
+@pytest.mark.parametrize("kind,fault,target", CASES, ids=[f"{k}-{f}-rank{t}" for k, f, t in CASES])
+def test_every_rank_ends_within_2s_naming_the_failed_one(kind, fault, target):
     ranks, launcher, err, code = run_case(kind, fault, target)
     report = f"ranks ended {sorted(ranks.values())}, launcher {list(launcher.values())}, exit code {code}\n{err[-4000:]}"
     assert len(ranks) == (3 if kind == "pipeline" else 2), report

@@ -341,9 +341,22 @@ class FailureMonitor:
                 self._call_since = now  # stopped or starved meanwhile: the call's wait starts now
             last = now
             since = self._call_since
-            if since is None or self.failure is not None or self._closing or self._store_errors >= 2:
+            if self.failure is not None or self._closing or self._store_errors >= 2:
                 if self.failure is not None and self.failure.silent:
                     self._abort_when_due()
+                continue
+            stopped = self._store_host_stopped()
+            if stopped is not None:
+                # the store's own process is stopped on this host: its server answers nothing,
+                # so the watcher (stuck in a store call) cannot look; say so at once
+                self._store_errors = 2
+                self._stopped_peer = stopped
+                self._set_failure(Failure(self.store_host_rank, f"its process (pid {stopped}) is "
+                                          "stopped (SIGSTOP): no collective with it can finish; "
+                                          "it is ended", silent=True))
+                self._abort_when_due()
+                continue
+            if since is None:
                 continue
             stalled = time.monotonic() - since
             if stalled >= limit and not self._host_ended():
@@ -365,6 +378,14 @@ class FailureMonitor:
         grace = 0.0 if self.failure.silent else self.options.grace_seconds
         if time.monotonic() - self._failure_at >= grace:
             self._abort()
+
+    def _store_host_stopped(self) -> int | None:
+        """The pid of the store host when it is a local process stopped by a signal."""
+        host = self.store_host_rank
+        if host is None or host == self.rank or host not in self._peers:
+            return None
+        name, pid, _ = self._peers[host]
+        return pid if name == self._host and _pid_stopped(pid) else None
 
     def _store_host_gone(self) -> bool:
         """The store host is a local process that is gone (checked without touching the store)."""
