@@ -70,8 +70,9 @@ def test_hosts_reach_each_other_by_their_own_addresses_and_a_cut_is_silent():
         start = time.monotonic()
         r = b.run([sys.executable, "-c", CLIENT, a.address, "0.3"], capture_output=True, text=True)
         took = time.monotonic() - start
-        # silent: no reset or "unreachable" comes back; only the client's own 3 s timeout ends it
-        assert r.returncode != 0 and "timed out" in r.stderr, r.stderr
+        # silent: no reset comes back; the client's own 3 s timeout ends it, or the address
+        # resolution's (about 3 s: "No route to host"), as on a real network
+        assert r.returncode != 0 and _unanswered(r.stderr), r.stderr
         assert took >= 2.5, took
         b.restore()
         assert _mbits(b, a, 0.3) > 100
@@ -99,7 +100,12 @@ def test_a_vanished_host_has_no_process_left_and_cannot_be_reached():
         assert a.pids() == []
         assert server.poll() is not None and sleeper.poll() is not None
         r = b.run([sys.executable, "-c", CLIENT, a.address, "0.3"], capture_output=True, text=True)
-        assert r.returncode != 0 and "timed out" in r.stderr, r.stderr
+        assert r.returncode != 0 and _unanswered(r.stderr), r.stderr
+
+
+def _unanswered(stderr: str) -> bool:
+    """The connection got no answer (its timeout, or no link-layer address), not a reset."""
+    return ("timed out" in stderr or "No route to host" in stderr) and "refused" not in stderr
 
 
 @pytest.mark.timeout(120)

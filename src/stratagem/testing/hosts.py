@@ -178,12 +178,18 @@ class Host:
         """Cut this host's link silently: its port on the switch goes down, so packets to and
         from it vanish without a reset, as when a cable is pulled or a switch fails. The host
         itself still sees its interface up (a carrier loss on a switch port is not signalled
-        to it here): nothing tells its processes but their own timeouts."""
+        to it here). Nothing answers: a connection in place waits out its own timeouts; a new
+        one finds no link-layer address for the peer and fails after about 3 s with "No route
+        to host" (EHOSTUNREACH), as on a real network, never at once with a reset."""
         _ip("link", "set", self.port, "down", ns=self.hosts.switch)
 
     def restore(self) -> None:
-        """Undo :meth:`cut` and :meth:`slow`."""
+        """Undo :meth:`cut` and :meth:`slow`. Every host forgets the link-layer addresses it
+        failed to resolve meanwhile (the kernel would answer "No route to host" for a few
+        seconds more, as a real network does until its neighbour entries expire)."""
         _ip("link", "set", self.port, "up", ns=self.hosts.switch)
+        for h in self.hosts:
+            _ip("neigh", "flush", "all", ns=h.namespace, check=False)
         if self.slowed:
             for ns, dev in ((self.namespace, self.interface), (self.hosts.switch, self.port)):
                 subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
