@@ -42,6 +42,7 @@ from stratagem.comm.errors import (
     WorkerFailedError,
     looks_like_peer_loss,
 )
+from stratagem.comm.interfaces import route_source
 
 #: exit code of a process the watchdog stops because a peer failed while it was blocked.
 ABORT_EXIT_CODE = 1
@@ -110,9 +111,7 @@ def _peer_record(raw: Any) -> tuple[str, int, str]:
 def _local_address(host: str, port: int) -> str:
     """The address this machine reaches ``host`` from ("" if it cannot tell)."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))
-            return str(s.getsockname()[0])
+        return route_source(host, port)
     except OSError:
         return ""
 

@@ -40,6 +40,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from stratagem.comm.failure import _pid_alive
+
 PREFIX = "sgt"  # every namespace this module makes is called sgt<pid>n<k>-<role>
 _counter = itertools.count()
 
@@ -110,16 +112,6 @@ def _no_dns(ns: str) -> None:
     (d / "nsswitch.conf").write_text("\n".join([*kept, "hosts: files"]) + "\n")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Remove the namespaces (and their processes) of ``Hosts`` whose process is gone; returns
     their names."""
@@ -130,7 +122,7 @@ def sweep_stale() -> list[str]:
         if not name.startswith(PREFIX):
             continue
         owner = name[len(PREFIX):].split("n", 1)[0]
-        if owner.isdigit() and not _alive(int(owner)):
+        if owner.isdigit() and not _pid_alive(int(owner)):
             _remove_namespace(name)
             removed.append(name)
     return removed
