@@ -7,6 +7,8 @@ import pytest
 from stratagem.testing import assert_clean_run, run_script
 
 
+# in the slow tier (10-20 s; CI runs it): the main tier stays under 15 minutes
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_demo_trains_to_high_accuracy_and_prints_once(tmp_path):
     plot = tmp_path / "history.png"
@@ -18,6 +20,8 @@ def test_demo_trains_to_high_accuracy_and_prints_once(tmp_path):
     assert plot.stat().st_size > 0
 
 
+# in the slow tier (10-20 s; CI runs it): the main tier stays under 15 minutes
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_custom_loop_demo(tmp_path):
     r = run_script(["-m", "stratagem", "demo", "--custom-loop", "--epochs", "6"], timeout=170, cwd=str(tmp_path))

@@ -20,6 +20,8 @@ def test_readme_example_is_the_quickstart_file():
     assert block.group(1) in (ROOT / "examples" / "quickstart.py").read_text()
 
 
+# in the slow tier (10-20 s; CI runs it): the main tier stays under 15 minutes
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quickstart_runs():
     r = run_script([str(ROOT / "examples" / "quickstart.py")], timeout=280)
@@ -34,6 +36,8 @@ def test_readme_keras_example_is_the_keras_way_file():
     assert block.group(1) == (ROOT / "examples" / "keras_way.py").read_text()
 
 
+# in the slow tier (10-20 s; CI runs it): the main tier stays under 15 minutes
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_keras_way_runs(tmp_path):
     r = run_script([str(ROOT / "examples" / "keras_way.py")], timeout=280, cwd=str(tmp_path))

@@ -22,6 +22,8 @@ def test_plain_python_script_starts_its_own_replicas():
     assert "world=2" in lines[0] and "launcher=self" in lines[0]
 
 
+# in the slow tier (10-20 s; CI runs it): the main tier stays under 15 minutes
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_torchrun_launched_script_joins_the_group():
     r = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT], timeout=100)

@@ -49,6 +49,7 @@ from stratagem.distribute.bootstrap import (
     connect_to_cluster,
     initialize_system,
 )
+from stratagem.distribute.engines.ps_client import ParameterServerError
 from stratagem.distribute.input_options import InputOptions
 from stratagem.distribute.mixed_precision import RunOptions
 from stratagem.distribute.process import is_chief, print
@@ -87,6 +88,7 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "OutsideScopeError",
+    "ParameterServerError",
     "PipelineStrategy",
     "RNGState",
     "ReduceOp",

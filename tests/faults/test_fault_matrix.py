@@ -7,6 +7,8 @@ import pytest
 from fault_matrix import CASES, GOOD, run
 
 
+# in the slow tier (10-20 s; CI runs it): the main tier stays under 15 minutes
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_fault_matrix_reports_only_clear_errors_and_handled_faults(capsys):
     # the multi-process cases ("workers: ...") are tests of their own (tests/multiworker); the

@@ -103,6 +103,62 @@ def test_a_ctrl_c_handled_before_the_watcher_saw_it_is_not_called_blocked():
     assert "blocked" not in r.stderr, r.stderr
 
 
+WATCHED = """
+import sys, time
+import torch.distributed as dist
+from stratagem.cluster.stopping import report_stops
+from stratagem.comm.failure import FailureMonitor, FailureOptions
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+if rank == 0:
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+# a long grace: the watchdog must not end it first; only the SIGTERM does
+monitor = FailureMonitor(rank, 2, "127.0.0.1", port,
+                         options=FailureOptions(heartbeat_seconds=0.2, dead_after_seconds=60, grace_seconds=60)).start()
+assert report_stops(rank)
+while 1 - rank not in monitor._peers:  # it has seen its peer's process
+    time.sleep(0.05)
+print("READY", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_stopped_by_the_agent_names_the_local_peer_that_died(tmp_path):
+    """torch's agent stops the others (SIGTERM) a moment after one replica dies, often before
+    their failure monitors' next look: the line still names the one that died, and the error
+    file says this replica followed it, so that ``stratagem run`` blames the right one."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from stratagem.cluster import find_free_port
+
+    port = str(find_free_port())
+    err_file = str(tmp_path / "error.json")
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": err_file}
+    procs = [subprocess.Popen([sys.executable, "-c", WATCHED, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env if r == 0 else None) for r in (0, 1)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "READY"
+        procs[1].kill()
+        procs[1].wait(timeout=10)
+        procs[0].send_signal(signal.SIGTERM)  # at once, as the agent does
+        code = procs[0].wait(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    err = procs[0].stderr.read() if procs[0].stderr else ""
+    assert code == 143, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("stratagem: rank 0:")]
+    assert len(lines) == 1 and "stopped by SIGTERM: worker 1 failed: its process" in lines[0], err
+    assert f"pid {procs[1].pid}" in lines[0], err
+    with open(err_file) as f:
+        assert json.load(f)["stratagem_followed_rank"] == 1
+
+
 SWALLOWED = """
 import subprocess, sys, time
 from stratagem.core import stop_guard

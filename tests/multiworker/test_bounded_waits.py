@@ -64,3 +64,17 @@ def test_stratagem_run_refuses_a_rendezvous_endpoint_that_never_answers(silent_l
     assert time.monotonic() - start < 20  # promise: the rendezvous timeout holds, never a hang
     err = capsys.readouterr().err
     assert f"--rdzv-endpoint 127.0.0.1:{silent_listener}: rank 0 reached" in err and "phase: store handshake" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_never_comes_is_named_within_the_timeout():
+    """Rank 1 of 2 is never started: rank 0 names it after the timeout (2 s here), rather than
+    torch's rendezvous key and a chained traceback."""
+    from stratagem.cluster.launch import find_free_port
+
+    port = find_free_port("127.0.0.1")
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match=rf"rank 0 of 2: rank 1 never joined the job at 127.0.0.1:{port} within 2s \(not started") as info:
+        connect_to_cluster(SimpleClusterResolver(f"127.0.0.1:{port}", 2, 0), CommunicationOptions(timeout_seconds=2))
+    assert time.monotonic() - start < 10  # promise: named within the timeout (plus the store's start)
+    assert info.value.__cause__ is None  # one error of ours, not torch's chained under it

@@ -3,6 +3,8 @@ it, within a bounded time, with a non-zero exit; only the failing rank prints a 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from mw_workers import fail_worker
 
@@ -25,7 +27,11 @@ def test_survivor_raises_worker_failed_naming_rank(fail_rank, how):
     assert failed.returncode == (-9 if how == "sigkill" else 1), failed.stderr[-2000:]
     assert survivor.returncode not in (0, None), survivor.stderr[-2000:]
     err = survivor.stderr
-    assert f"WorkerFailedError: all_reduce failed because worker {fail_rank} failed" in err, err[-3000:]
+    # the all_reduce fails on the closed connection and raises; or, if that takes more than a
+    # heartbeat (a loaded machine), the monitor stops the blocked survivor, saying the same
+    assert (f"WorkerFailedError: all_reduce failed because worker {fail_rank} failed" in err
+            or re.search(rf"WorkerFailedError: worker {fail_rank} failed: .*; rank {1 - fail_rank} was blocked "
+                         r"and is stopped \(exit code 1\)", err)), err[-3000:]
     assert survivor.seconds - failed.seconds < BOUND, (survivor.seconds, failed.seconds)
     # reported once: the survivor prints one line, not a traceback
     assert "Traceback" not in err, err[-3000:]

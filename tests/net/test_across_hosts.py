@@ -6,7 +6,6 @@ connect to their own loopback. Needs root and `ip`; skipped otherwise."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from stratagem.testing import hosts as hosts_mod
-from stratagem.testing.hosts import Hosts
+from stratagem.testing.hosts import Hosts, job_env
 
 pytestmark = pytest.mark.skipif(bool(hosts_mod.unavailable()), reason=hosts_mod.unavailable() or "-")
 
@@ -26,12 +25,7 @@ LINE = re.compile(r"rank=(\d) world=2 worker=(\d) digest=([0-9a-f]{16})")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src"), **extra}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "TF_CONFIG", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID"):
-        if k not in extra:
-            env.pop(k, None)
-    return env
+    return job_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"), **extra)
 
 
 def _finish(procs, timeout: float) -> list[str]:

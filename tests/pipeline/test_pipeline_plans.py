@@ -24,6 +24,7 @@ from stratagem.pipeline import (
 from stratagem.pipeline.materialize import flatten, materialize
 from stratagem.pipeline.partition import Partition, check_balance
 from stratagem.pipeline.schedule import Schedule, check
+from stratagem.pipeline.stage import _rejects_its_input
 
 
 def test_gpipe_table():
@@ -482,3 +483,23 @@ def test_attention_weights_wait_for_the_weight_pass(first):
         assert gin is None
     else:
         torch.testing.assert_close(gin, xr.grad)
+
+
+# --- which first-layer errors are the stage boundary's (StageShapeError) -------------------------
+@pytest.mark.parametrize("layer,x", [
+    (nn.Linear(8, 3), torch.randn(4, 7)),  # mat1 and mat2 shapes cannot be multiplied
+    (nn.Conv2d(3, 4, 3), torch.randn(2, 5, 8, 8)),  # expected input[...] to have 3 channels
+    (nn.Conv2d(3, 4, 3), torch.randn(8)),  # expected 3D or 4D input
+    (nn.LayerNorm(8), torch.randn(4, 16)),  # expected input with shape [*, 8]
+    (nn.Embedding(10, 3), torch.randn(4)),  # indices of a float dtype
+])
+def test_a_first_layer_that_rejects_its_input_is_a_shape_error(layer, x):
+    with pytest.raises(Exception) as info:
+        layer(x)
+    assert _rejects_its_input(info.value)
+
+
+@pytest.mark.parametrize("error", [ValueError("boom in forward"), KeyError("x"), ZeroDivisionError("division by zero")])
+def test_a_first_layer_that_fails_on_its_own_is_not_a_shape_error(error):
+    # (reported as that layer's failure, with the input's shape, not as the boundary's)
+    assert not _rejects_its_input(error)

@@ -13,6 +13,12 @@ all_lost       both workers die in their second function; the chief waits for th
 converge       two workers on their own shards, asynchronous: the held-out loss falls as one
                process's does
 ps_lost        ps 0 dies: the coordinator raises a clear error naming the last checkpoint
+ps_stopped     ps 0 is stopped (SIGSTOP) after some steps; the chief's next forward pass, which
+               reads the variables from the ps tasks, raises a clear error within seconds (not
+               at the 120 s timeout of the read)
+ps_restart OPT DIR
+               one worker; ps 0 dies after a checkpoint at step 6; `stratagem run --max-restarts 1`
+               starts the job again, which restores it and trains on: the end equals one process
 checkpoint DIR one worker: a checkpoint of the ps-held model and optimizer restores in a plain
                process and training goes on there exactly as on the cluster
 errors         misuse gets clear errors
@@ -86,7 +92,7 @@ def main() -> None:
     mode = sys.argv[1]
     kind = sys.argv[2] if len(sys.argv) > 2 else "sgd"
     deaths = int(sys.argv[3]) if mode == "rejoin_many" else 1  # how many of worker 1's processes die
-    steps = {"parity": 12, "kill": 24, "rejoin": 400, "rejoin_idle": 400, "rejoin_many": 400, "all_lost": 400, "converge": 240, "ps_lost": 40, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
+    steps = {"ps_restart": 24, "parity": 12, "kill": 24, "rejoin": 400, "rejoin_idle": 400, "rejoin_many": 400, "all_lost": 400, "converge": 240, "ps_lost": 40, "ps_stopped": 6, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
     partitioner = sg.partitioners.FixedShardsPartitioner(2)
     strategy = sg.ParameterServerStrategy(variable_partitioner=partitioner)
     # from here on only the chief runs this script
@@ -147,6 +153,9 @@ def main() -> None:
     if mode == "checkpoint":
         checkpoint(sys.argv[3], strategy, coordinator, model, optimizer, step_fn, iterator, steps)
         return
+    if mode == "ps_restart":
+        ps_restart(sys.argv[3], coordinator, model, optimizer, reference, kind, step_fn, steps)
+        return
     if mode == "ps_lost":
         import torch.distributed.rpc as rpc
 
@@ -159,6 +168,24 @@ def main() -> None:
                 rpc.rpc_async("ps:0", os._exit, args=(9,))  # ps 0 dies
         coordinator.join()
         raise AssertionError("training went on without ps 0")
+
+    if mode == "ps_stopped":
+        import signal
+        import time
+
+        import torch.distributed.rpc as rpc
+
+        for i in range(steps):
+            coordinator.schedule(step_fn, args=(iterator, i))
+        coordinator.join()
+        os.kill(rpc.rpc_sync("ps:0", os.getpid), signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            model(batches(1)[0][0])  # the chief's first forward after the functions: a read from the ps tasks
+        except sg.ParameterServerError:
+            print(f"RESULT raised_after={time.monotonic() - stopped:.2f}", flush=True)
+            raise
+        raise AssertionError("the read from a stopped ps task returned")
 
     if mode.startswith("rejoin") or mode == "all_lost":
         rejoin(coordinator, step_fn, iterator, idle=mode == "rejoin_idle", deaths=deaths)
@@ -230,6 +257,32 @@ def rejoin(coordinator, step_fn, iterator, idle, deaths=1):
     assert [i for i, _, _ in results] == list(range(len(results))), results  # each delivered once
     ran = sorted({who for _, _, who in results})
     print(f"RESULT lost={sorted(coordinator.lost_workers)} ran_on={ran} back={sum(w == last for _, _, w in results) >= 4}")
+
+
+def ps_restart(folder, coordinator, model, optimizer, reference, kind, step_fn, steps):
+    import torch.distributed.rpc as rpc
+
+    manager = sg.CheckpointManager(sg.Checkpoint(model=model, optimizer=optimizer), folder)
+    path = manager.restore_or_initialize()  # as a user's script does: the restarted job goes on
+    start = 0 if path is None else int(path.rsplit("-", 1)[1])
+    data = batches(steps)[start:]  # the data position: the steps done (one worker reads in order)
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: iter(data)))
+    values = []
+    for i in range(start, steps):
+        values.append(coordinator.schedule(step_fn, args=(iterator, i)))
+        if i == 5 and start == 0:
+            coordinator.join()
+            manager.save(6)
+            rpc.rpc_async("ps:0", os._exit, args=(9,))  # ps 0 dies, its variables with it
+    coordinator.join()
+    got = [float(v.fetch()[1]) for v in values]
+    want = reference_losses(reference, kind, batches(steps))[start:]
+    state = model.state_dict()
+    diff = max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    loss_diff = max(abs(a - b) for a, b in zip(got, want))
+    print(f"RESULT start={start} restart={os.environ['STRATAGEM_RESTART_COUNT']} param_diff={diff:.3g} "
+          f"loss_diff={loss_diff:.3g}")
+    assert diff < 1e-5 and loss_diff < 1e-5, (diff, loss_diff)
 
 
 def checkpoint(folder, strategy, coordinator, model, optimizer, step_fn, iterator, steps):

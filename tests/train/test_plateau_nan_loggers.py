@@ -58,6 +58,8 @@ def train_with_callbacks(tmp: str, loggers: bool) -> dict:
     }
 
 
+# in the slow tier (10-20 s; CI runs it): the main tier stays under 15 minutes
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_plateau_and_nan_decide_alike_and_loggers_write_once(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")

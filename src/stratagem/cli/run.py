@@ -40,11 +40,13 @@ one with an error naming it, and the command exits non-zero.
 
 With --workers N --ps P every task gets TF_CONFIG (the cluster, its task) and
 STRATAGEM_RESTART_COUNT. The exit code is the chief's; after the chief exits the others get
---grace-period seconds to end, then are stopped. A failing ps task ends the job (the chief first
-gets --grace-period seconds to say what it lost); a failing worker does not: the chief runs its
-functions on the other workers. Failed workers are not restarted by default; with
---max-restarts N each is started again up to N times and rejoins the running cluster (the chief
-takes it back and sends it functions again).
+--grace-period seconds to end, then are stopped. A failing worker does not end the job: the chief
+runs its functions on the other workers. A failing ps task takes its variables with it: the chief
+gets --grace-period seconds to say what it lost, then the job ends. Nothing is restarted by
+default; with --max-restarts N a failed worker is started again up to N times and rejoins the
+running cluster (the chief takes it back and sends it functions again), and after a failed ps task
+the whole job is started again, up to N times, to go on from the checkpoint the script restores
+(CheckpointManager.restore_or_initialize, BackupAndRestore).
 
 examples:
   stratagem run -n 2 train.py --lr 0.1          2 replicas on this machine
@@ -87,8 +89,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "traffic); default 127.0.0.1 on one node")
     p.add_argument("--max-restarts", type=int, default=None,
                    help="restart every worker up to this many times after a failure (default 0; "
-                        "with --workers/--ps: each failed worker, which rejoins the cluster); reloading state is "
-                        "the script's job (CheckpointManager.restore_or_initialize)")
+                        "with --workers/--ps: each failed worker, which rejoins the cluster, and the whole job "
+                        "after a ps task failed); reloading state is the script's job "
+                        "(CheckpointManager.restore_or_initialize)")
     p.add_argument("--monitor-interval", type=float, default=0.5,
                    help="seconds between the agent's checks of its workers")
     p.add_argument("-m", "--module", action="store_true", help="run a module (python -m) instead")

@@ -4,9 +4,13 @@
 ``TF_CONFIG`` (the cluster on 127.0.0.1 with free ports, its task) and
 ``STRATAGEM_RESTART_COUNT``. The chief decides: the job's exit code is the chief's, and after it
 exits the others get ``grace`` seconds to end by themselves (they do when the chief shuts the
-cluster down), then SIGTERM, then SIGKILL. A ps task that fails ends the job; a worker that fails
-is started again (same TF_CONFIG, restart count + 1) up to ``max_restarts`` times, after which the
-job goes on without it. Children die with the launcher (PR_SET_PDEATHSIG).
+cluster down), then SIGTERM, then SIGKILL. A worker that fails is started again (same TF_CONFIG,
+restart count + 1) up to ``max_restarts`` times, after which the job goes on without it. A ps task
+that fails takes its variables with it: the chief raises, naming the last checkpoint the job saved,
+and (as TensorFlow's guide has the user do by hand) the whole cluster is started again, every task
+with restart count + 1, up to ``max_restarts`` times, so that a script which restores its last
+checkpoint (``CheckpointManager.restore_or_initialize``, ``BackupAndRestore``) goes on from there;
+with no restart left the job ends. Children die with the launcher (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ class _Task:
         return "chief" if self.task_type == "chief" else f"{self.task_type} {self.index}"
 
 
+class _RestartJob(Exception):
+    """A ps task failed, the chief has ended, and the whole job is to start again."""
+
+
 class _Stopped(Exception):
     """The launcher was asked to stop (SIGTERM)."""
 
@@ -93,17 +101,19 @@ class PSJob:
     num_workers: int
     num_ps: int
     grace: float = 30.0  # seconds the others get to end after the chief exited 0
-    max_restarts: int = 0  # per worker (a restarted worker rejoins the running cluster)
+    max_restarts: int = 0  # per worker (it rejoins the running cluster), and for the whole job after a ps task failed
     environ: Mapping[str, str] | None = None  # the tasks' base environment (default: os.environ)
     poll: float = 0.1
     say: Callable[[str], None] = _say  # one line about the job, as "stratagem run: <line>"
     cluster: dict[str, list[str]] = field(default_factory=dict)  # filled in by run()
+    job_restarts: int = 0  # times the whole cluster was started again after a ps task failed
 
     def __post_init__(self) -> None:
         if self.grace < 0:
             raise ValueError(f"--grace-period must be >= 0 seconds, got {self.grace}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        self._own_cluster = not self.cluster
         if not self.cluster:
             self.cluster = local_ps_cluster(self.num_workers, self.num_ps)
 
@@ -129,10 +139,17 @@ class PSJob:
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, _raise_stopped)
         try:
-            tasks.append(_Task("chief", 0, self._start("chief", 0)))
-            tasks += [_Task("worker", i, self._start("worker", i)) for i in range(self.num_workers)]
-            tasks += [_Task("ps", i, self._start("ps", i)) for i in range(self.num_ps)]
-            return self._watch(tasks)
+            while True:
+                tasks.clear()
+                self._start_all(tasks)
+                try:
+                    return self._watch(tasks)
+                except _RestartJob:
+                    pass
+                # a ps task failed and every task was stopped: all start again (on new ports when
+                # this launcher chose them: the old ones may still be held)
+                if self._own_cluster:
+                    self.cluster = local_ps_cluster(self.num_workers, self.num_ps)
         except KeyboardInterrupt:
             _stop([t.proc for t in tasks])
             return 128 + signal.SIGINT
@@ -143,6 +160,15 @@ class PSJob:
             _stop([t.proc for t in tasks])  # nothing is left running, whatever happened
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+
+    def _start_all(self, tasks: list[_Task]) -> None:
+        """Start the chief, the workers and the ps tasks into ``tasks`` (each as it starts: a
+        failed start leaves the started ones there, to be stopped)."""
+        n = self.job_restarts
+        tasks.append(_Task("chief", 0, self._start("chief", 0, n)))
+        for task_type, count in (("worker", self.num_workers), ("ps", self.num_ps)):
+            for i in range(count):
+                tasks.append(_Task(task_type, i, self._start(task_type, i, n)))
 
     def _watch(self, tasks: list[_Task]) -> int:
         chief = tasks[0]
@@ -157,17 +183,26 @@ class PSJob:
                 if code == 0:  # a task that finished (a ps or worker told to stop by the chief)
                     task.done = True
                 elif task.task_type == "ps":
-                    self.say(f"{task.name} failed (exit code {code})")
+                    again = self.job_restarts < self.max_restarts
+                    if again:
+                        self.job_restarts += 1
+                        self.say(f"{task.name} failed (exit code {code}); starting the whole job again "
+                                 f"({self.job_restarts} of {self.max_restarts} restarts), to go on from "
+                                 "its last checkpoint")
+                    else:
+                        self.say(f"{task.name} failed (exit code {code})")
                     # the chief sees the lost variables in its next call: let it say so, bounded
                     deadline = time.monotonic() + self.grace
                     while chief.proc.poll() is None and time.monotonic() < deadline:
                         time.sleep(self.poll)
                     _stop([t.proc for t in tasks])
+                    if again:
+                        raise _RestartJob()
                     return 1
                 elif task.restarts < self.max_restarts:
                     task.restarts += 1
                     self.say(f"{task.name} failed (exit code {code}); restarting it ({task.restarts} of {self.max_restarts})")
-                    task.proc = self._start(task.task_type, task.index, task.restarts)
+                    task.proc = self._start(task.task_type, task.index, self.job_restarts + task.restarts)
                 else:
                     task.done = True
                     self.say(

@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
@@ -43,6 +43,24 @@ INTERRUPT_GRACE_S = 1.5
 
 _reported = threading.Event()
 _installed: list[object] = []
+#: what this process knows, without asking anyone, of a peer that failed: (rank, why) or None
+Explainer = Callable[[], "tuple[int | None, str] | None"]
+_explainers: list[Explainer] = []
+
+
+def explain_stops_with(explainer: Explainer | None) -> None:
+    """A SIGTERM's line names the replica that failed when ``explainer`` knows it (the failure
+    monitor, which sees a local peer's process gone at once): the launcher often stops the
+    others before their own watcher has looked. ``None`` removes it."""
+    _explainers[:] = [] if explainer is None else [explainer]
+
+
+def _known_failure() -> tuple[int | None, str] | None:
+    explainers = list(_explainers)  # the one set now, if any
+    try:
+        return explainers[0]() if explainers else None
+    except Exception:  # noqa: BLE001 - an explanation is a courtesy; the stop goes on
+        return None
 
 
 def mark_reported() -> None:
@@ -216,14 +234,20 @@ def _stop(rank: int, parent_pid: int | None, wait_for_report: float) -> None:
         stop.daemon = True
         stop.start()
         return
+    followed: int | None = None
+    known = _known_failure()
     if parent_pid is not None and os.getppid() != parent_pid:
         line = f"stopped: rank 0 (pid {parent_pid}), which started this replica, ended"
+    elif known is not None:
+        followed, why = known
+        who = "a worker" if followed is None else f"worker {followed}"
+        line = f"stopped by SIGTERM: {who} failed: {why} (the launcher stops every replica when one fails)"
     else:
         line = "stopped by SIGTERM (the launcher stops every replica when one fails, or the job was stopped)"
     try:
         sys.stdout.flush()
         sys.stderr.write(f"stratagem: rank {rank}: {line}\n")
         sys.stderr.flush()
-        record_followed(line, None)
+        record_followed(line, followed)
     finally:
         os._exit(143)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from stratagem.comm.eager import eager_only
 from stratagem.comm.errors import CollectiveError, ReplicaMismatchError
-from stratagem.comm.failure import FailureProbe, classify_failure
+from stratagem.comm.failure import FailureProbe, classify_failure, in_collective
 from stratagem.core import tree
 
 OPS = ("sum", "mean", "max", "min")
@@ -290,7 +290,8 @@ class ProcessGroupCommunicator(Communicator):
     @contextlib.contextmanager
     def _guard(self, op: str) -> Iterator[None]:
         try:
-            yield
+            with in_collective():
+                yield
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, CollectiveError):
                 raise
@@ -388,10 +389,34 @@ def init_process_group(
     timeout: float,
     is_store_server: bool,
     probe: FailureProbe | None = None,
+    attempt: int = 0,
 ) -> tuple[ProcessGroupCommunicator, Any]:
-    """Meet the other ``world_size - 1`` processes; returns the communicator and the store."""
-    delta = datetime.timedelta(seconds=timeout)
+    """Meet the other ``world_size - 1`` processes; returns the communicator and the store.
+
+    Each process first says in the store that it has come (under this ``attempt``: a launcher's
+    store outlives a restart) and waits, within ``timeout``, for the others: one that never
+    comes (not started, or unable to reach the store) is an error naming it, before torch's own
+    rendezvous would wait it out with a key name and a C++ warning."""
     store = connect_store(master_addr, master_port, world_size, is_master=is_store_server, timeout=timeout, rank=rank)
+    start = time.monotonic()
+    came = f"stratagem/came/{attempt}/"
+    try:
+        store.set(f"{came}{rank}", "1")
+        missing = await_keys(store, [f"{came}{r}" for r in range(world_size)], timeout)
+    except (RuntimeError, dist.DistError) as e:
+        raise CollectiveError(
+            f"rank {rank} of {world_size} lost the rendezvous store at {master_addr}:{master_port} while "
+            f"waiting for the others to join ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
+    if missing:
+        names = ", ".join(map(str, missing))
+        raise CollectiveError(
+            f"rank {rank} of {world_size}: rank{'s' if len(missing) > 1 else ''} {names} never joined the job "
+            f"at {master_addr}:{master_port} within {timeout:g}s (not started, or started with another "
+            "cluster: check that every worker was started with the same TF_CONFIG / --nnodes and "
+            "--rdzv-endpoint, and that its host can reach this address)"
+        )
+    delta = datetime.timedelta(seconds=max(1.0, timeout - (time.monotonic() - start)))
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
     except (RuntimeError, dist.DistError) as e:
@@ -401,6 +426,19 @@ def init_process_group(
         ) from e
     group = dist.group.WORLD
     return ProcessGroupCommunicator(group, device, probe=probe), store
+
+
+def await_keys(store: Any, keys: Sequence[str], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds until every key is set in ``store``; the indices of those
+    still missing then (none: all are there). One call per look, at first every 5 ms."""
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while not store.check(list(keys)):
+        if time.monotonic() >= deadline:
+            return [i for i, k in enumerate(keys) if not store.check([k])]
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
+    return []
 
 
 def _store_error(rank: int, where: str, timeout: float, e: BaseException) -> CollectiveError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import itertools
 import json
 import multiprocessing
 import os
@@ -35,7 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stratagem.cluster.launch import children
-from stratagem.cluster.stopping import mark_reported, record_followed
+from stratagem.cluster.stopping import explain_stops_with, mark_reported, record_followed
 from stratagem.comm.errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -46,6 +47,38 @@ from stratagem.comm.interfaces import route_source
 
 #: exit code of a process the watchdog stops because a peer failed while it was blocked.
 ABORT_EXIT_CODE = 1
+#: how long a process blocked in a collective, once a peer's failure is known, is given for the
+#: collective to fail on its own (a reset from the peer, raised as WorkerFailedError) before the
+#: watchdog stops it: a peer's connections can stay open after it failed (its process lives on
+#: while it reports, and torch does not always close a destroyed gloo group's connections)
+RESET_WAIT_S = 0.3
+#: a store call's error that says the store's process is gone (not merely silent)
+_RESET = re.compile(r"reset by peer|broken pipe|connection refused|\beof\b|connection was likely closed", re.I)
+
+#: the collectives this process is inside now (any thread), entered at what time
+_in_collectives: dict[int, float] = {}
+_in_collectives_lock = threading.Lock()
+_collective_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def in_collective() -> Iterator[None]:
+    """Marks a collective (or send/recv) under way: once a peer is known to have failed, a
+    process waiting in one is stopped after one heartbeat, not after the grace meant for a
+    process still computing (which can raise the error itself at its next collective)."""
+    with _in_collectives_lock:
+        key = next(_collective_ids)
+        _in_collectives[key] = time.monotonic()
+    try:
+        yield
+    finally:
+        with _in_collectives_lock:
+            _in_collectives.pop(key, None)
+
+
+def _waiting_in_collective_since() -> float | None:
+    with _in_collectives_lock:
+        return min(_in_collectives.values(), default=None)
 
 
 @dataclass(frozen=True)
@@ -171,6 +204,10 @@ class FailureMonitor:
         self.failure: Failure | None = None
         self._failure_at = 0.0
         self._reported = False  # the main thread raised WorkerFailedError itself
+        #: when the main thread began explaining a failed collective (None: it is not): the
+        #: watchdog leaves it to raise, unless the explaining itself is stuck (a store call, or
+        #: the store lock held by a watcher stuck in one, on a host that is cut off)
+        self._probe_since: float | None = None
         self._closing = False
         self._ended = False
         self._store: Any = None
@@ -224,6 +261,7 @@ class FailureMonitor:
         if self.store_host_rank is not None and self.store_host_rank != self.rank:
             self._peer_blocking(self.store_host_rank)
         sys.excepthook = self._excepthook
+        explain_stops_with(self.known_failure)
         atexit.register(self.close)
         self._thread = threading.Thread(target=self._loop, name="stratagem-failure-monitor", daemon=True)
         self._thread.start()
@@ -265,6 +303,12 @@ class FailureMonitor:
         excepthook's too), for longer than its longest store call can take.
         """
         self._stop.set()
+        explain_stops_with(None)
+        stall = self._stall_thread
+        if stall is not None and stall is not threading.current_thread():
+            # it wakes every half heartbeat and makes no store call: gone at once, but joined, so
+            # that nothing of the monitor is left running when the program's own exit goes on
+            stall.join(timeout=self.options.heartbeat_seconds + 1.0)
         thread = self._thread
         if thread is None or thread is threading.current_thread() or not thread.is_alive():
             return
@@ -277,6 +321,17 @@ class FailureMonitor:
             sys.stderr.flush()
             sys.stdout.flush()
             os._exit(1)
+
+    def known_failure(self) -> tuple[int | None, str] | None:
+        """What this process knows of a failed peer without a store call (any thread): the
+        failure found, or a peer on this host whose process is gone (read now)."""
+        found = self.failure
+        if found is not None:
+            return found.rank, found.why
+        for p, (host, pid, _) in sorted(self._peers.items()):
+            if p != self.rank and p not in self._finished and host == self._host and not _pid_alive(pid):
+                return p, f"its process (pid {pid}) ended while the job ran (killed, crashed or raised)"
+        return None
 
     def _let_go(self, p: int) -> bool:
         return p in self._finished or self._has(self._key("released", p))
@@ -327,6 +382,9 @@ class FailureMonitor:
             else:
                 self._beat()
             self._abort_when_due()
+            due = self._abort_due_in()
+            if due is not None and due < interval and not self._stop.wait(max(due, 0.0) + 0.01):
+                self._abort_when_due()  # due before the next beat: act then, not a beat later
 
     def _watch_stalls(self) -> None:
         """A second thread: notices the watcher stuck in a store call (the store's host cannot
@@ -340,6 +398,15 @@ class FailureMonitor:
                 self._call_since = now  # stopped or starved meanwhile: the call's wait starts now
             last = now
             since = self._call_since
+            if self._closing and since is not None and time.monotonic() - since >= limit:
+                # this rank is ending (its program raised) and cannot tell the store so: the store's
+                # host is cut off. Its error is printed already; nothing is left to wait for
+                sys.stderr.write(
+                    f"stratagem: rank {self.rank}: the rendezvous store at {self.master_addr}:{self.master_port} "
+                    f"did not answer for {limit:.0f}s while this rank reported its error; ending (exit code 1)\n"
+                )
+                sys.stderr.flush()
+                os._exit(1)
             if self.failure is not None or self._closing or self._store_errors >= 2:
                 if self.failure is not None and self.failure.silent:
                     self._abort_when_due()
@@ -360,23 +427,55 @@ class FailureMonitor:
             stalled = time.monotonic() - since
             if stalled >= limit and not self._host_ended():
                 self._store_errors = 2  # no more store calls: each would wait as this one does
+                who, where = self._store_side()
                 self._set_failure(Failure(
-                    self.store_host_rank,
-                    f"this host ({self._address or '?'}) got no answer from the rendezvous store it "
-                    f"hosts at {self.master_addr}:{self.master_port} for {stalled:.0f}s (no reply and "
+                    who,
+                    f"this host ({self._address or '?'}) got no answer from the rendezvous store {where} "
+                    f"{self.master_addr}:{self.master_port} for {stalled:.0f}s (no reply and "
                     "no reset: the network between the two hosts is cut, or that host is gone)",
                     silent=True,
                 ))
                 self._abort_when_due()
 
+    def _store_side(self) -> tuple[int | None, str]:
+        """The rank to blame when the store cannot be reached, and how to say where the store
+        is: the rank hosting it, or, when a launcher hosts it (``stratagem run``, torchrun), the
+        first other rank at the store's address (on the host that is cut off)."""
+        if self.store_host_rank is not None:
+            return self.store_host_rank, "it hosts at"
+        near = sorted(r for r, (_, _, address) in self._peers.items()
+                      if address == self.master_addr and r != self.rank)
+        if near:
+            return near[0], f"on worker {near[0]}'s host, at"
+        return None, "at"
+
     def _abort_when_due(self) -> None:
+        due = self._abort_due_in()
+        if due is not None and due <= 0:
+            self._abort()
+
+    def _abort_due_in(self) -> float | None:
+        """Seconds until the watchdog stops this process (<= 0: now; None: it will not, as things
+        stand)."""
         if self.failure is None or self._closing or self._reported:
-            return
+            return None
+        now = time.monotonic()
+        probing = self._probe_since
+        if probing is not None and now - probing < self._probe_bound():
+            return self._probe_bound() - (now - probing)  # the main thread is about to raise itself
         # a silent peer was already waited for (dead_after_seconds): no collective with it can
         # finish, so there is nothing to give the main thread time for
         grace = 0.0 if self.failure.silent else self.options.grace_seconds
-        if time.monotonic() - self._failure_at >= grace:
-            self._abort()
+        if _waiting_in_collective_since() is not None:
+            # blocked in a collective: it cannot finish with a failed peer, and no error may come
+            # (the peer's connections open): a moment for a reset to arrive and be raised, then
+            # the process is stopped
+            grace = min(grace, RESET_WAIT_S)
+        return grace - (now - self._failure_at)
+
+    def _probe_bound(self) -> float:
+        """How long explaining a failed collective may take before it counts as stuck."""
+        return min(self.options.dead_after_seconds, 10.0) + 2 * self.options.heartbeat_seconds
 
     def _store_host_stopped(self) -> int | None:
         """The pid of the store host when it is a local process stopped by a signal."""
@@ -419,8 +518,13 @@ class FailureMonitor:
         except Exception as e:  # noqa: BLE001 - a store that stopped answering
             self._call_since = None
             self._store_errors += 1
+            if _RESET.search(str(e)):
+                # its process is gone (a reset, not a silence): the next call would try to connect
+                # again until its timeout (6 s more, where a launcher that hosted it had ended)
+                self._store_errors = max(self._store_errors, 2)
             if self._store_errors >= 2 and self.failure is None and not self._closing and not self._host_ended():
-                self._set_failure(self._store_gone(e))
+                gone = self._store_host_gone()  # a local store host's pid says more than its store
+                self._set_failure(Failure(self.store_host_rank, self._host_gone_why()) if gone else self._store_gone(e))
 
     def _store_gone(self, exc: BaseException) -> Failure:
         where = f"{self.master_addr}:{self.master_port}"
@@ -478,9 +582,20 @@ class FailureMonitor:
             if not self._has(key):
                 continue
             rec = json.loads(self._store.get(key))
-            if rec["rank"] != self.rank:
-                return Failure(int(rec["rank"]), f"it raised {rec['summary']} (its traceback is in its output)")
+            if rec["rank"] == self.rank:
+                continue
+            if "why" in rec:  # another rank's verdict on a peer that fell silent, died or stopped
+                return Failure(int(rec["rank"]), f"{rec['why']} (seen by worker {rec['by']})", silent=bool(rec["silent"]))
+            return Failure(int(rec["rank"]), f"it raised {rec['summary']} (its traceback is in its output)")
         return None
+
+    def _publish(self, found: Failure) -> None:
+        """Tell every rank what this one found (holding the lock): each reads it at its next
+        beat, rather than waiting out the same silence on its own clock, which restarts when its
+        watcher was starved on a loaded machine."""
+        rec = json.dumps({"rank": found.rank, "why": found.why, "silent": found.silent, "by": self.rank})
+        n = self._add(self._key("nfail"), 1)
+        self._store.set(self._key("fail", n), rec)
 
     def _detect(self) -> Failure | None:
         """One look at the store and the peers (holding the lock); records what it finds."""
@@ -500,8 +615,15 @@ class FailureMonitor:
                     self._stopped_peer = peer[1]
                     break
                 if not self._alive(p):
-                    found = Failure(p, self._silence_why(peer), silent=True)
+                    if peer is not None and peer[0] == self._host and not _pid_alive(peer[1]):
+                        # it died between the look above and _alive's own: gone, not silent
+                        found = Failure(p, f"its process (pid {peer[1]}) is gone: killed or crashed")
+                    else:
+                        found = Failure(p, self._silence_why(peer), silent=True)
                     break
+            if found is not None and found.rank is not None:
+                with contextlib.suppress(Exception):  # the store may be going: the verdict stands here
+                    self._publish(found)
         if found is not None:
             self._set_failure(found)
         return found
@@ -517,7 +639,14 @@ class FailureMonitor:
     # --- explaining a failed collective ---------------------------------------------------------
     def probe(self, exc: BaseException) -> tuple[int | None, str]:
         """Which rank failed, for ``classify_failure`` (called on the main thread)."""
-        self._reported = True
+        self._probe_since = time.monotonic()
+        try:
+            return self._probe(exc)
+        finally:
+            self._reported = True
+            self._probe_since = None
+
+    def _probe(self, exc: BaseException) -> tuple[int | None, str]:
         timed_out = "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
         peer_lost = not timed_out and looks_like_peer_loss(str(exc))
         wait = self.options.heartbeat_seconds if timed_out else min(self.options.dead_after_seconds, 10.0)
@@ -527,11 +656,15 @@ class FailureMonitor:
             self._store_errors = 2
             self._set_failure(Failure(self.store_host_rank, self._host_gone_why()))
         while self.failure is None and not self._ended and self._store_errors < 2:
-            try:
-                with self._lock:
+            # never blocked for long on the lock: the watcher may hold it, stuck in a store call
+            # that a cut-off host never answers (its stall watcher then sets the failure)
+            if self._lock.acquire(timeout=0.2):
+                try:
                     self._detect()
-            except Exception as e:  # noqa: BLE001
-                self._set_failure(self._store_gone(e))
+                except Exception as e:  # noqa: BLE001
+                    self._set_failure(self._store_gone(e))
+                finally:
+                    self._lock.release()
             if self.failure is not None:
                 break
             now = time.monotonic()
@@ -558,12 +691,15 @@ class FailureMonitor:
     def _mark(self, state: str) -> None:
         if self._store_errors >= 2:
             return  # the store is gone or cannot be reached: the call would wait or fail
+        self._call_since = time.monotonic()  # watched, as the report's own call is
         try:
             with self._lock:
                 if not self._released:
                     self._store.set(self._key("end", self.rank), state)
         except Exception:  # noqa: BLE001
             pass
+        finally:
+            self._call_since = None
 
     def _abort(self) -> None:
         """The main thread is stuck (in a collective that cannot be interrupted): end the process."""
@@ -588,11 +724,15 @@ class FailureMonitor:
         """Publish that this rank failed with ``exc`` (its traceback), once."""
         summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
         rec = json.dumps({"rank": self.rank, "summary": summary, "traceback": tb_text[-20000:]})
-        with self._lock:
-            if self._released:  # the store host has ended: nobody is left to read the record
-                return
-            n = self._add(self._key("nfail"), 1)
-            self._store.set(self._key("fail", n), rec)
+        self._call_since = time.monotonic()  # watched: a store cut off must not hold the exit
+        try:
+            with self._lock:
+                if self._released:  # the store host has ended: nobody is left to read the record
+                    return
+                n = self._add(self._key("nfail"), 1)
+                self._store.set(self._key("fail", n), rec)
+        finally:
+            self._call_since = None
 
     def _excepthook(
         self, etype: type[BaseException], value: BaseException, tb: TracebackType | None
@@ -612,9 +752,21 @@ class FailureMonitor:
                 record_followed(f"{etype.__name__}: {value}",
                                 follows if follows is not None else getattr(value, "rank", None))
                 self._mark("aborted")
+                if self._store_errors >= 2 and self._call_since is not None:
+                    # the watcher is stuck in a store call that a cut-off host never answers:
+                    # joining it at exit (``_halt``) would hold this failed process for seconds
+                    sys.stdout.flush()
+                    os._exit(ABORT_EXIT_CODE)
             else:
                 text = "".join(traceback.format_exception(etype, value, tb))
-                self._prev_hook(etype, value, tb)
+                if self._prev_hook is sys.__excepthook__:
+                    # in one write, as Python's hook prints it: the ranks of a job share one stderr
+                    # (a launcher's), where a peer's one-line report written meanwhile would
+                    # otherwise land inside this traceback, mid-line
+                    sys.stderr.write(text)
+                    sys.stderr.flush()
+                else:
+                    self._prev_hook(etype, value, tb)
                 self.record_exception(value, text)
                 self._mark("failed")
                 # a peer blocked in a collective with this rank fails now (its connection closed)

@@ -30,7 +30,7 @@ from typing import Any
 
 from stratagem.core import tree
 from stratagem.distribute.engines import rpc_membership
-from stratagem.distribute.engines.parameter_server import ParameterServerExtended
+from stratagem.distribute.engines.parameter_server import ParameterServerExtended, TaskLostError
 from stratagem.distribute.engines.ps_client import ParameterServerError, rebuilt_error
 from stratagem.distribute.engines.ps_pickle import dumps
 
@@ -352,16 +352,20 @@ class ClusterCoordinator:
             metric.add_totals(totals)
 
     # --- the worker threads --------------------------------------------------------------------
-    def _next(self, worker: str) -> _Closure | str | None:
+    def _next(self, worker: str) -> _Closure | _Lost | str | None:
         """The next function for ``worker``; None when the coordinator is done; a rejoin request's
         id when the worker restarted while it waited for work."""
         with self._cond:
             while (not self._queue or self._changing) and not self._closed and self._fatal is None:
+                if worker in self._ext.failed:
+                    return _Lost(self._ext.failed[worker])
                 self._cond.wait(1.0)
                 if not self._queue and (request := self._ext.rejoin_request(worker)) is not None:
                     return request
             if self._closed or self._fatal is not None:
                 return None
+            if worker in self._ext.failed:
+                return _Lost(self._ext.failed[worker])
             self._inflight += 1
             closure = self._queue.popleft()
             self._running.add(closure)
@@ -393,6 +397,11 @@ class ClusterCoordinator:
                 if not self._await_return(worker, closure):
                     return
                 continue
+            if isinstance(closure, _Lost):  # the watch found it lost while it waited for work
+                self._lost(worker, TaskLostError(closure.why), force=True, holding=False)
+                if not self._await_return(worker):
+                    return
+                continue
             try:
                 if self._configured.get(worker) != len(ext.plans):
                     ext.configure_worker(worker)
@@ -412,6 +421,12 @@ class ClusterCoordinator:
                 continue
             try:
                 status, value, *updates = ext.run_on(worker, payload, self._timeout)
+            except ParameterServerError as e:  # a ps task is lost (the watch): training cannot go on
+                with self._cond:
+                    self._fail_all(e)
+                closure.value._fail(e)
+                self._finish(closure, e)
+                return
             except Exception as e:
                 self._lost(worker, e, force=True)
                 self._finish(closure, requeue=True)
@@ -515,6 +530,15 @@ class ClusterCoordinator:
                 self._held -= int(holding)
                 self._cond.notify_all()
 
+    def task_lost(self, task: str) -> None:
+        """The cluster watch found ``task`` lost (``ext.failed`` says why): a worker's thread
+        takes it out (its function, if one runs, goes to the others); a lost ps task ends
+        training (``ext.fatal``)."""
+        with self._cond:
+            if self._ext.fatal is not None:
+                self._fail_all(self._ext.fatal)
+            self._cond.notify_all()
+
     def _fail_all(self, error: BaseException) -> None:
         """Nothing more can run: every waiting function gets ``error`` (the caller holds the lock)."""
         self._fatal = self._fatal or error
@@ -555,6 +579,13 @@ class ClusterCoordinator:
                 request = None
             with self._cond:
                 self._cond.wait(0.5)
+
+
+class _Lost:
+    """What ``_next`` gives a worker's thread whose worker the watch found lost."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
 
 
 def _noop() -> None:

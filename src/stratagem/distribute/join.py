@@ -87,6 +87,7 @@ def join(
         timeout=timeout,
         is_store_server=spec.rank == 0 and not spec.agent_store,
         probe=job_probe(monitor if options.enabled else None),
+        attempt=spec.restart_count,
     )
     _joined["comm"] = comm
     _joined["store"] = store

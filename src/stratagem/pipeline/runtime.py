@@ -238,10 +238,13 @@ INTERRUPT_WAIT_S = 1.0
 
 
 def _notify(plan: Schedule | None, links: dict[int, _Links], rank: int, num_ranks: int, origin: int,
-            message: str, starter: int, src: int | None, wait: float | None = None) -> None:  # fmt: skip
+            message: str, starter: int, src: int | None, wait: float | None = None,
+            gone: int | None = None) -> None:  # fmt: skip
     """Spread the news that stage ``origin`` failed, raised on rank ``starter`` (this rank, or
     learned from neighbour ``src``), and return once every marker sent or due has been received
-    (or after the channel's ``error_wait``, or ``wait`` if given).
+    (or after the channel's ``error_wait``, or ``wait`` if given). ``gone``: a rank whose process
+    is lost (dead, or on a host cut off): nothing is sent to it or awaited from it, as a send to
+    a host that does not answer would hold this rank for the whole wait.
 
     Who sends what is fixed, so that each marker has a receiver: the starter tells every
     neighbouring rank; every other rank tells each neighbour but the starter (it may be blocked on
@@ -255,7 +258,7 @@ def _notify(plan: Schedule | None, links: dict[int, _Links], rank: int, num_rank
     handshake = {p for p in (rank - 1, rank + 1) if 0 <= p < num_ranks}
     ring = {ln.prev for ln in links.values() if not ln.stage.is_first}
     ring |= {ln.next for ln in links.values() if not ln.stage.is_last}  # rank 0 and K-1 when interleaved
-    peers = sorted((handshake | ring) - {rank})
+    peers = sorted((handshake | ring) - {rank, gone})
     posted: list[Any] = []
     for peer in peers:
         if peer == starter:
@@ -524,7 +527,7 @@ def _with_handshake(
             # which process it was; this one raises the WorkerFailedError itself (one line)
             lost = _pipeline_rank(channel, e.rank)
             origin = lost if lost is not None else here
-            _notify(plan, links, rank, num_ranks, origin, str(e), starter=rank, src=None)
+            _notify(plan, links, rank, num_ranks, origin, str(e), starter=rank, src=None, gone=lost)
             raise
         origin = e.stage if isinstance(e, PipelineError) and e.stage is not None else here
         message = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"

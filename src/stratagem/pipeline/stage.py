@@ -4,6 +4,7 @@ recomputed) and the backward -- whole, or split into the input gradient and the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +148,18 @@ def _foreign_uses(out: torch.Tensor, leaves: Sequence[tuple[torch.Tensor, Sequen
     return foreign
 
 
+#: what torch says when a layer cannot take its input's shape or dtype (a Linear's "mat1 and mat2
+#: shapes cannot be multiplied", a conv's "expected input[...] to have 3 channels", a norm's
+#: "expected input with shape", an embedding's "Expected tensor for argument #1 'indices' to have
+#: one of the following scalar types")
+_SHAPE_WORDS = re.compile(r"shape|size|dimension|\bdims?\b|channels|mat1|mat2|scalar type|dtype", re.IGNORECASE)
+
+
+def _rejects_its_input(e: Exception) -> bool:
+    """Whether a first layer's error says the input does not fit it (not a failure of its own)."""
+    return isinstance(e, (RuntimeError, ValueError, IndexError, TypeError)) and bool(_SHAPE_WORDS.search(str(e)))
+
+
 class Stage:
     """Stage ``index`` of ``num_stages``: the layers it holds and its micro-batches in flight.
 
@@ -206,7 +219,7 @@ class Stage:
             try:
                 h = layer(h)
             except Exception as e:
-                if j == 0 and not self.is_first:
+                if j == 0 and not self.is_first and _rejects_its_input(e):
                     prev = self.first_layer - 1
                     raise StageShapeError(
                         f"stage {self.index} cannot take the activation stage {self.index - 1} "

@@ -46,6 +46,20 @@ PREFIX = "sgt"  # every namespace this module makes is called sgt<pid>n<k>-<role
 _counter = itertools.count()
 
 
+#: the variables that place a process in a job (a rank, a cluster, a pinned interface)
+JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TF_CONFIG", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID")
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a process started on a host as a user would start it: none
+    of the job variables it may have inherited (:data:`JOB_VARIABLES`), except those in
+    ``extra``, which is added."""
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
+    env.update(extra)
+    return env
+
+
 def unavailable() -> str:
     """Why hosts cannot be made here ("" when they can)."""
     if not sys.platform.startswith("linux"):

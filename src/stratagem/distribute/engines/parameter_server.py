@@ -16,6 +16,7 @@ import contextlib
 import gc
 import itertools
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -29,6 +30,8 @@ from torch import nn
 
 from stratagem.cluster.ps_spec import PSClusterSpec
 from stratagem.comm import Communicator, LocalCommunicator, interfaces
+from stratagem.comm.communicator import await_keys
+from stratagem.comm.failure import FailureOptions
 from stratagem.distribute import ownership
 from stratagem.distribute.engines import rpc_membership
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
@@ -37,10 +40,12 @@ from stratagem.distribute.engines.ps_client import (
     VariableClient,
     embedding_rows_hook,
     tagged,
+    until_answered,
 )
 from stratagem.distribute.engines.ps_pickle import dumps, loads
 from stratagem.distribute.engines.ps_plan import Partitioner, VariablePlan, plan_variables
-from stratagem.distribute.engines.ps_store import OptimizerSpec, ParameterStore
+from stratagem.distribute.engines.ps_store import OptimizerSpec, open_store
+from stratagem.distribute.engines.ps_watch import ClusterWatch, Loss
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.strategy import StrategyExtended
 
@@ -276,13 +281,26 @@ def _stop(task: str) -> None:
         runtime.stopped.set()
 
 
+class TaskLostError(RuntimeError):
+    """A task the cluster watch found lost (its process gone or stopped, or silent)."""
+
+
 class ParameterServerExtended(StrategyExtended):
     """The engine of ParameterServerStrategy (one replica per worker, variables on ps tasks)."""
 
-    def __init__(self, spec: PSClusterSpec, partitioner: Partitioner | None, timeout: float) -> None:
+    def __init__(self, spec: PSClusterSpec, partitioner: Partitioner | None, timeout: float,
+                 failure: FailureOptions | None = None) -> None:
         self.spec = spec
         self.partitioner = partitioner
         self.timeout = timeout
+        if failure is not None and not failure.enabled:
+            raise ValueError(
+                "ParameterServerStrategy: FailureOptions(enabled=False) is not supported: the chief "
+                "must watch its workers and ps tasks to go on without a lost worker; set "
+                "dead_after_seconds (and heartbeat_seconds) to change how fast a task is declared lost"
+            )
+        #: how fast a silent task is declared lost (None: ps_watch's defaults)
+        self.failure = failure
         self._local = DataParallelExtended(LocalCommunicator("cpu"), torch.device("cpu"), mirror=False, name="ParameterServerStrategy")
         self.num_workers = spec.num_workers
         self.num_ps = spec.num_ps
@@ -307,20 +325,31 @@ class ParameterServerExtended(StrategyExtended):
         #: cluster manager saying so in STRATAGEM_WORKER_RESTARTS): the chief then waits for a
         #: restarted worker when every worker is lost, instead of failing at once
         self.worker_restarts = int(os.environ.get("STRATAGEM_WORKER_RESTARTS", "0") or 0)
-        self._join()
+        #: the tasks this task's watch found lost (rpc name -> what was observed), this process of each
+        self.failed: dict[str, str] = {}
+        #: the error that ends training (a ps task lost), once known
+        self.fatal: BaseException | None = None
+        self._watch: ClusterWatch | None = None
+        self._chief_lost: str | None = None  # a task: why it leaves (the chief is gone or failed)
+        self._ended_by_error = False  # the chief's program raised: its tasks were told, no graceful leave
+        self._abandoned: list[Any] = []  # calls to lost workers given up on (still pending in torch)
 
     def bind(self, strategy: Any) -> None:
         super().bind(strategy)
         self._local.bind(strategy)  # a worker's one replica runs as the strategy's
 
     # --- the rpc world --------------------------------------------------------------------
-    def _join(self) -> None:
+    def join(self) -> None:
         """Meet the cluster in the chief's store, then join its rpc group: a dynamic group, so a
-        worker that died can come back (``_ask_to_rejoin``, ``readmit``)."""
+        worker that died can come back (``_ask_to_rejoin``, ``readmit``). Called once bound to
+        its strategy: the chief may schedule a function onto a worker as soon as it is in the
+        group, and the function runs in the strategy's scope."""
+        self.owner()  # bound first (a function arriving before ``bind`` found no strategy)
         s = self.spec
         rejoining = False
         store = self._meet()
         self._store = store  # the chief's TCPStore, shared with rpc's rendezvous (multi-tenant)
+        self._start_watch()  # from here this process is watched, and watches (before a rejoin: its new pid)
         rank = s.rank
         if s.task_type == "worker" and store.check([f"stratagem/joined/{s.rpc_name}"]):
             rank, rejoining = self._ask_to_rejoin(store), True  # this worker ran before and died
@@ -343,13 +372,20 @@ class ParameterServerExtended(StrategyExtended):
             ) from e
         store.set(f"stratagem/joined/{s.rpc_name}", self._nonce)
         if not rejoining:
-            self._await_group(store)
-        rpc = _rpc()
+            try:
+                self._await_group(store)
+            except Exception as e:
+                if s.is_chief:
+                    raise
+                # in the group, this task may have run the chief's functions already, and the
+                # chief may be done with them (and gone) before every task was here
+                first = str(e).splitlines()[0] if str(e) else ""
+                self._leave_without_chief(self._chief_lost or f"is lost (its store at {s.master_addr}:"
+                                          f"{s.master_port} cannot be reached ({type(e).__name__}: {first}))")
         if s.is_chief:
             for i, name in enumerate(self.ps_names):
                 try:
-                    self.stores.append(rpc.remote(name, ParameterStore, args=(name,), timeout=self.timeout))
-                    self.stores[-1].rpc_sync(timeout=self.timeout).ping()
+                    self.stores.append(open_store(name, self.timeout))
                 except Exception as e:
                     raise ParameterServerError(
                         f"parameter server {name} ({s.ps[i]}) is unreachable ({type(e).__name__}: "
@@ -357,10 +393,60 @@ class ParameterServerExtended(StrategyExtended):
                         "check that its task runs and its address in TF_CONFIG"
                     ) from e
             self.client = VariableClient("chief", self.stores, self.ps_names, self.timeout)
+            self.client.give_up = lambda ps: self.fatal  # a lost ps task: every read and write fails now
             _install_step_guard()
             import atexit
 
             atexit.register(self.shutdown)
+
+    # --- who is still there (ps_watch) ------------------------------------------------------
+    def _start_watch(self) -> None:
+        s = self.spec
+        bounds = {} if self.failure is None else {
+            "silent_after": self.failure.dead_after_seconds, "beat": self.failure.heartbeat_seconds}
+        self._watch = ClusterWatch(
+            s.master_addr, s.master_port, s.rpc_name, self._watched, self._on_loss, nonce=self._nonce, **bounds,
+        ).start()
+        if s.is_chief:
+            previous = sys.excepthook
+
+            def excepthook(*exc: Any) -> None:
+                self._ended_by_error = True  # the tasks are told at once (they leave), then the traceback
+                if self._watch is not None:
+                    first = str(exc[1]).splitlines()[0] if str(exc[1]) else ""
+                    first = first if len(first) <= 300 else first[:300].rsplit(" ", 1)[0] + " ..."
+                    self._watch.end(f"failed ({exc[0].__name__}: {first})" if first else f"failed ({exc[0].__name__})")
+                previous(*exc)
+
+            sys.excepthook = excepthook
+
+    def _watched(self) -> list[str]:
+        if not self.spec.is_chief:
+            return ["chief"]
+        return [n for n in [*self.worker_names, *self.ps_names] if n not in self.lost_tasks and n not in self.failed]
+
+    def _on_loss(self, loss: Loss) -> None:
+        """What the watch found (on its thread): the chief goes on without a lost worker, and
+        ends training on a lost ps task; a task leaves when the chief is lost."""
+        if not self.spec.is_chief:  # the chief's own record says "failed (...)"
+            self._chief_lost = loss.why if loss.why.startswith("failed (") else f"is lost ({loss.why})"
+            return
+        if self._closed:
+            return
+        self.failed[loss.task] = loss.why
+        if loss.stopped_pid is not None:  # a stopped process on this host is ended (it holds nothing now)
+            with contextlib.suppress(OSError):
+                os.kill(loss.stopped_pid, signal.SIGKILL)
+        if loss.task in self.ps_names:
+            address = self.spec.ps[self.ps_names.index(loss.task)]
+            last = self.last_checkpoint
+            self.fatal = ParameterServerError(
+                f"parameter server {loss.task} ({address}) failed: {loss.why}; the variables it holds are "
+                f"lost: restart the job and restore the last checkpoint "
+                f"({f'the last checkpoint this job saved: {last}' if last else 'this job saved no checkpoint'})"
+            )
+        if self.coordinator is not None:
+            self.coordinator.task_lost(loss.task)
 
     def _await_group(self, store: Any) -> None:
         """Wait (bounded) until every task of the cluster is in the rpc group."""
@@ -373,16 +459,10 @@ class ParameterServerExtended(StrategyExtended):
     def _await_tasks(self, store: Any, key: str, says: Callable[[list[str]], str]) -> None:
         """Wait until every task has set ``stratagem/{key}/{task}`` in the chief's store; after
         the timeout, a RuntimeError saying ``says(missing tasks)``."""
-        import time
-
-        deadline = time.monotonic() + self.timeout
-        while True:
-            missing = [n for n in self.spec.rpc_names if not store.check([f"stratagem/{key}/{n}"])]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"ParameterServerStrategy: {says(missing)}")
-            time.sleep(0.02)
+        names = self.spec.rpc_names
+        missing = await_keys(store, [f"stratagem/{key}/{n}" for n in names], self.timeout)
+        if missing:
+            raise RuntimeError(f"ParameterServerStrategy: {says([names[i] for i in missing])}")
 
     def _ask_to_rejoin(self, store: Any) -> int:
         """A restarted worker asks the chief to take it back; the chief answers with a new rank
@@ -444,8 +524,10 @@ class ParameterServerExtended(StrategyExtended):
                 time.sleep(0.05)
             # the agent's table is read only now that nothing changes it
             back = joined() and rpc_membership.members().get(worker) == rank
-        if back and worker in self.lost_tasks:
-            self.lost_tasks.remove(worker)
+        if back:
+            self.failed.pop(worker, None)  # a new process: watched again
+            if worker in self.lost_tasks:
+                self.lost_tasks.remove(worker)
         return back
 
     def _meet(self) -> Any:
@@ -479,34 +561,34 @@ class ParameterServerExtended(StrategyExtended):
         return store
 
     def serve(self) -> None:
-        """A worker or ps task: answer the chief until it is done (or gone), then leave. The
-        chief is watched through its TCPStore (every 2 s), not over rpc: an rpc call in flight
+        """A worker or ps task: answer the chief until it is done (or lost), then leave. The
+        chief is watched through its TCPStore (``ps_watch``), not over rpc: an rpc call in flight
         while a member joins or is taken out can crash this process (``rpc_membership``)."""
-        rpc = _rpc()
         name = self.spec.rpc_name
         runtime = _RUNTIMES.get(name)
         if runtime is None:
             runtime = _RUNTIMES[name] = WorkerRuntime(name, lambda: self.owner())
-        code = 0
-        while not runtime.stopped.wait(2.0):
-            try:
-                self._store.check(["stratagem/present/chief"])  # raises once the chief is gone
-            except Exception:
-                if runtime.stopped.is_set():
-                    break
-                print(f"stratagem: {name}: the chief is gone; leaving", file=sys.stderr, flush=True)
-                code = 1
-                break
+        while not runtime.stopped.wait(0.05):
+            if self._chief_lost is not None:
+                self._leave_without_chief(self._chief_lost)
+        if self._watch is not None:
+            self._watch.close()  # told to stop: the chief ending is no news now
         _RUNTIMES.pop(name, None)
         gc.collect()
-        if code:  # the chief is gone: nobody to leave with
-            with contextlib.suppress(Exception):
-                rpc.shutdown(graceful=False)
-            os._exit(code)
         rpc_membership.leave_together(
             self._store, LEAVE_PREFIX, timeout=min(self.timeout, 10.0), owner=self.spec.task_type == "ps"
         )
         sys.exit(0)
+
+    def _leave_without_chief(self, why: str) -> None:
+        """A worker or ps task whose chief is lost or failed: say so in one line and end (exit
+        code 1); nobody is left to leave the rpc group with."""
+        print(f"stratagem: {self.spec.rpc_name}: the chief {why}; leaving", file=sys.stderr, flush=True)
+        if self._watch is not None:
+            self._watch.close()
+        with contextlib.suppress(Exception):
+            _rpc().shutdown(graceful=False)
+        os._exit(1)
 
     def shutdown(self) -> None:
         """The chief is done: tell every task to leave (each answers once it has stopped taking
@@ -517,6 +599,23 @@ class ParameterServerExtended(StrategyExtended):
             self.coordinator.close()
         self._closed = True
         rpc = _rpc()
+        if self._watch is not None:
+            self._watch.close()
+        if self._ended_by_error:  # the tasks were told and are leaving: nobody to leave with
+            with contextlib.suppress(Exception):
+                rpc.shutdown(graceful=False)
+            # the program raised and its traceback is out: end now (exit code 1). Tearing the
+            # interpreter down with torch's rpc in it took 0.8 s more (of 1.1 s, on a loaded
+            # machine), past the 2 s in which every task of a failed job ends; the exit
+            # functions registered after the strategy was made have run (atexit is LIFO)
+            import logging
+
+            with contextlib.suppress(Exception):
+                logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(1)
         leaving = 1  # the tasks that answered leave together with the chief
         with rpc_membership.LOCK:  # after a rejoin under way, if any
             lost = set(self.lost_tasks)
@@ -535,7 +634,12 @@ class ParameterServerExtended(StrategyExtended):
                     leaving += 1
         with contextlib.suppress(Exception):
             self._store.set(f"{LEAVE_PREFIX}/count", str(leaving))
-        rpc_membership.leave_together(self._store, LEAVE_PREFIX, timeout=min(self.timeout, 10.0))
+        # a call given up on (its worker was lost, unreachable) would hold torch's wait for this
+        # process's calls until its own timeout: the others have answered, so do not wait
+        pending = any(not f.done() for f in self._abandoned)
+        rpc_membership.leave_together(
+            self._store, LEAVE_PREFIX, timeout=min(self.timeout, 10.0), wait_for_calls=not pending
+        )
 
     # --- variables --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -712,8 +816,19 @@ class ParameterServerExtended(StrategyExtended):
         rpc.rpc_sync(worker, _configure, args=(worker, self.stores, self.ps_names, self.plans, self.timeout), timeout=self.timeout)
 
     def run_on(self, worker: str, payload: bytes, timeout: float) -> tuple[Any, ...]:
+        """Run a scheduled function on ``worker``; raises TaskLostError as soon as the watch finds
+        the worker lost, and the fatal error once training cannot go on (not after ``timeout``)."""
         rpc = _rpc()
-        return rpc.rpc_sync(worker, _run_closure, args=(worker, payload), timeout=timeout)  # type: ignore[no-any-return]
+        fut = rpc.rpc_async(worker, _run_closure, args=(worker, payload), timeout=timeout)
+
+        def give_up() -> BaseException | None:
+            if self.fatal is None and worker not in self.failed:
+                return None
+            self._abandoned.append(fut)  # torch cannot cancel it: it ends at its timeout
+            return self.fatal if self.fatal is not None else TaskLostError(self.failed[worker])
+
+        until_answered(fut, give_up)
+        return fut.wait()  # type: ignore[no-any-return]
 
     def traffic(self) -> list[tuple[int, int]]:
         """Bytes each ps task received and sent."""
@@ -733,14 +848,12 @@ class ParameterServerExtended(StrategyExtended):
             return
         plans = self.plans if vids is None else [self.plans[v] for v in vids]
         self.client.pull(p.vid for p in plans)
-        rpc_futs = []
+        client = self.client
+        shards = [(plan, s) for plan in plans if plan.rows for s in plan.shards]
         with rpc_membership.LOCK, torch.no_grad():
-            for plan in plans:
-                if plan.rows:
-                    for s in plan.shards:
-                        rpc_futs.append((plan, s, self.stores[s.ps].rpc_async(timeout=self.timeout).get([s.key])))
-            for plan, s, fut in rpc_futs:
-                self.client.local[plan.vid][s.start : s.stop].copy_(fut.wait()[0])
+            values = client.answers([(s.ps, client.call(s.ps, "get", [s.key])) for _, s in shards])
+            for (plan, s), value in zip(shards, values):
+                client.local[plan.vid][s.start : s.stop].copy_(value[0])
 
     def push_all(self, vids: Sequence[int] | None = None) -> None:
         """The chief's tensors written to the ps tasks (a restored checkpoint)."""

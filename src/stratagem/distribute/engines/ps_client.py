@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,19 +68,35 @@ def tag(t: torch.Tensor, client: VariableClient, vid: int) -> None:
 def tagged(t: object) -> tuple[VariableClient, int] | None:
     return getattr(t, TAG, None) if isinstance(t, torch.Tensor) else None
 
+def until_answered(fut: Any, give_up: Callable[[], BaseException | None]) -> None:
+    """Wait for rpc future ``fut``, raising what ``give_up()`` returns as soon as it returns one
+    (torch cannot cancel the call: it ends at its own timeout)."""
+    if fut.done():
+        return
+    answered = threading.Event()
+    fut.add_done_callback(lambda _: answered.set())
+    while not answered.wait(0.05):
+        error = give_up()
+        if error is not None:
+            raise error
+
 
 class VariableClient:
     """The variables of one ParameterServerStrategy as this process sees them."""
 
     def __init__(self, task: str, stores: Sequence[Any], ps_names: Sequence[str], timeout: float) -> None:
         self.task = task
-        self.stores = list(stores)  # RRefs to each ps task's ParameterStore
+        self.stores = list(stores)  # each ps task's ParameterStore (ps_store.StoreHandle)
         self.ps_names = list(ps_names)
         self.timeout = timeout
         self.plans: dict[int, VariablePlan] = {}
         self.local: dict[int, torch.Tensor] = {}
         self.bindings: dict[int, Binding] = {}
         self._lock = threading.Lock()
+        #: (on the chief) the error to raise now for a call to ps task ``i`` still unanswered, once
+        #: its watch found that task lost (None: keep waiting): a stopped or cut-off ps task
+        #: never answers, and the call's own timeout is the whole job's
+        self.give_up: Callable[[int], BaseException | None] | None = None
 
     # --- the local tensors ------------------------------------------------------------------
     def adopt(self, plan: VariablePlan, tensor: torch.Tensor) -> None:
@@ -105,7 +121,7 @@ class VariableClient:
             return t
 
     # --- reads -------------------------------------------------------------------------------
-    def _call(self, ps: int, method: str, *args: Any) -> Any:
+    def call(self, ps: int, method: str, *args: Any) -> Any:
         store = self.stores[ps]
         try:
             return getattr(store.rpc_async(timeout=self.timeout), method)(*args)
@@ -130,16 +146,23 @@ class VariableClient:
             "variables it holds are lost: restart the job and restore the last checkpoint"
         )
 
-    def _wait(self, futures: Iterable[tuple[int, Any]]) -> list[Any]:
-        """The answers of calls made by :meth:`_call` (the caller holds ``rpc_membership.LOCK``
+    def answers(self, futures: Iterable[tuple[int, Any]]) -> list[Any]:
+        """The answers of calls made by :meth:`call` (the caller holds ``rpc_membership.LOCK``
         around both)."""
         out = []
         for ps, fut in futures:
+            self._until_answered(ps, fut)
             try:
                 out.append(fut.wait())
             except Exception as e:
                 raise self.lost(ps, e) from e
         return out
+
+    def _until_answered(self, ps: int, fut: Any) -> None:
+        give_up = self.give_up
+        if give_up is not None:
+            until_answered(fut, lambda: give_up(ps))
+
 
     def pull(self, vids: Iterable[int]) -> None:
         """Copy the current value of every dense variable in ``vids`` into its local tensor."""
@@ -151,8 +174,8 @@ class VariableClient:
             for s in plan.shards:
                 by_ps[s.ps].append((vid, s.start, s.stop, s.key))
         with rpc_membership.LOCK:
-            futures = [(ps, self._call(ps, "get", [k for *_, k in items])) for ps, items in by_ps.items()]
-            results = self._wait(futures)
+            futures = [(ps, self.call(ps, "get", [k for *_, k in items])) for ps, items in by_ps.items()]
+            results = self.answers(futures)
         with torch.no_grad():
             for (_, items), values in zip(by_ps.items(), results):
                 for (vid, start, stop, _), value in zip(items, values):
@@ -172,9 +195,9 @@ class VariableClient:
             for i, s in enumerate(plan.shards):
                 mask = which == i
                 if bool(mask.any()):
-                    futures.append((s.ps, self._call(s.ps, "rows", [(s.key, ids[mask] - s.start)])))
+                    futures.append((s.ps, self.call(s.ps, "rows", [(s.key, ids[mask] - s.start)])))
                     order.append(mask)
-            values = self._wait(futures)
+            values = self.answers(futures)
         out = torch.empty((ids.numel(), *plan.shape[1:]), dtype=plan.dtype)
         for mask, value in zip(order, values):
             out[mask] = value[0]
@@ -190,7 +213,7 @@ class VariableClient:
             for s in plan.shards:
                 by_ps[s.ps][s.key] = local if len(plan.shards) == 1 else local[s.start : s.stop]
         with rpc_membership.LOCK:
-            self._wait([(ps, self._call(ps, "put", values)) for ps, values in by_ps.items()])
+            self.answers([(ps, self.call(ps, "put", values)) for ps, values in by_ps.items()])
 
     def push_gradients(self, opt_key: str, spec: OptimizerSpec, params: Iterable[torch.Tensor]) -> None:
         """One optimizer step on the ps tasks: dense gradients whole, embedding gradients as the
@@ -226,7 +249,7 @@ class VariableClient:
                 dense[s.ps].append((s.key, g if len(plan.shards) == 1 else g[s.start : s.stop]))
         targets = sorted(set(dense) | set(sparse))
         with rpc_membership.LOCK:
-            results = self._wait([(ps, self._call(ps, "apply", opt_key, spec, dense[ps], sparse[ps])) for ps in targets])
+            results = self.answers([(ps, self.call(ps, "apply", opt_key, spec, dense[ps], sparse[ps])) for ps in targets])
         for ps, failed in zip(targets, results):
             if failed is not None:  # the optimizer raised on the ps task (which is fine)
                 name, message, remote_tb = failed

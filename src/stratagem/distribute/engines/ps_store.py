@@ -160,3 +160,63 @@ def _constructor_kwargs(cls: type, hyper: dict[str, Any]) -> dict[str, Any]:
         return dict(hyper)
     names = {p.name for p in params}
     return {k: v for k, v in hyper.items() if k in names}
+
+
+# --- reaching a ps task's store by name -------------------------------------------------------
+#: the ParameterStore of this process, by task name (a ps task holds one; made by the chief's call)
+_HERE: dict[str, ParameterStore] = {}
+
+
+def _open(task: str) -> str:
+    """(On a ps task.) Make its ParameterStore, once; what ``ping`` answers."""
+    return _HERE.setdefault(task, ParameterStore(task)).ping()
+
+
+def _call(task: str, method: str, args: tuple[Any, ...]) -> Any:
+    """(On a ps task.) One call to its ParameterStore."""
+    return getattr(_HERE[task], method)(*args)
+
+
+class StoreHandle:
+    """A ps task's ParameterStore, reached by the task's name: ``handle.rpc_sync(timeout=t).get(keys)``
+    and ``handle.rpc_async(timeout=t).apply(...)`` as on torch's RRef proxies, but plain rpc calls.
+    No RRef is made or shared: torch's RRef protocol sends its fork, accept and delete messages
+    with retries, and the agent's retry thread holds the destination's WorkerInfo by reference;
+    one pending to a worker that died, once the worker was taken out of the group, crashed the ps
+    task (a segfault in ``RpcAgent::retryExpiredRpcs``, formatting ``findWorkerURL``'s error).
+    Picklable (a name): the chief hands the handles to every worker."""
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+
+    def rpc_sync(self, timeout: float) -> _Calls:
+        return _Calls(self.task, timeout, sync=True)
+
+    def rpc_async(self, timeout: float) -> _Calls:
+        return _Calls(self.task, timeout, sync=False)
+
+    def __repr__(self) -> str:
+        return f"StoreHandle({self.task!r})"
+
+
+class _Calls:
+    def __init__(self, task: str, timeout: float, sync: bool) -> None:
+        self.task, self.timeout, self.sync = task, timeout, sync
+
+    def __getattr__(self, method: str) -> Any:
+        import torch.distributed.rpc as rpc
+
+        call = rpc.rpc_sync if self.sync else rpc.rpc_async
+
+        def invoke(*args: Any) -> Any:
+            return call(self.task, _call, args=(self.task, method, args), timeout=self.timeout)
+
+        return invoke
+
+
+def open_store(task: str, timeout: float) -> StoreHandle:
+    """(On the chief.) Make ps task ``task``'s ParameterStore there; its handle."""
+    import torch.distributed.rpc as rpc
+
+    rpc.rpc_sync(task, _open, args=(task,), timeout=timeout)
+    return StoreHandle(task)

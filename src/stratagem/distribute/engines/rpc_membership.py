@@ -121,7 +121,7 @@ def _forget(dead: Any) -> None:
         rpc_utils._update_group_membership(dead, [], {}, False)
 
 
-def leave_together(store: Any, prefix: str, timeout: float, *, owner: bool = False) -> None:
+def leave_together(store: Any, prefix: str, timeout: float, *, owner: bool = False, wait_for_calls: bool = True) -> None:
     """Leave the group with the other members that reach this too (their number is at
     ``{prefix}/count``, set by the one who decides the group is done): first every member's
     references to the others' objects are released (torch's RRef deletion, as its graceful
@@ -129,7 +129,9 @@ def leave_together(store: Any, prefix: str, timeout: float, *, owner: bool = Fal
     down. So nobody closes a connection that another still reads: a clean exit, without torch's
     one-member-at-a-time graceful leave of a dynamic group. Bounded by ``timeout`` per phase;
     a member that does not come is not waited for longer. An ``owner`` (a parameter server, whose
-    objects the others reference) does not wait for references a dead member held."""
+    objects the others reference) does not wait for references a dead member held. Without
+    ``wait_for_calls`` this process does not wait for its own calls under way (torch's wait is
+    unbounded: a call to a member that is unreachable ends only at its own timeout)."""
     import torch.distributed.rpc as rpc
 
     def barrier(phase: str) -> None:
@@ -145,8 +147,9 @@ def leave_together(store: Any, prefix: str, timeout: float, *, owner: bool = Fal
         with contextlib.suppress(Exception):
             rpc.api._delete_all_user_and_unforked_owner_rrefs(timedelta(seconds=timeout))
     barrier("released")
-    with contextlib.suppress(Exception):
-        rpc.api._get_current_rpc_agent().join()  # dynamic group: wait for own calls, mark leaving
+    if wait_for_calls:
+        with contextlib.suppress(Exception):
+            rpc.api._get_current_rpc_agent().join()  # dynamic group: wait for own calls, mark leaving
     barrier("leaving")
     with contextlib.suppress(Exception):
         rpc.shutdown(graceful=False)
