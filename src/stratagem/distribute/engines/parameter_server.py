@@ -434,9 +434,6 @@ class ParameterServerExtended(StrategyExtended):
         if self._closed:
             return
         self.failed[loss.task] = loss.why
-        if loss.stopped_pid is not None:  # a stopped process on this host is ended (it holds nothing now)
-            with contextlib.suppress(OSError):
-                os.kill(loss.stopped_pid, signal.SIGKILL)
         if loss.task in self.ps_names:
             address = self.spec.ps[self.ps_names.index(loss.task)]
             last = self.last_checkpoint
@@ -445,6 +442,11 @@ class ParameterServerExtended(StrategyExtended):
                 f"lost: restart the job and restore the last checkpoint "
                 f"({f'the last checkpoint this job saved: {last}' if last else 'this job saved no checkpoint'})"
             )
+        # only now (the error that names the loss is in place: a call the kill fails must raise
+        # it, not the bare "eof" of a closed connection) is a stopped process on this host ended
+        if loss.stopped_pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(loss.stopped_pid, signal.SIGKILL)
         if self.coordinator is not None:
             self.coordinator.task_lost(loss.task)
 
@@ -781,11 +783,9 @@ class ParameterServerExtended(StrategyExtended):
                 info = tagged(p)
                 if info is not None:
                     plan = self.plans[info[1]]
-                    with rpc_membership.LOCK:
-                        parts = [
-                            self.stores[sh.ps].rpc_sync(timeout=self.timeout).optimizer_state(key, [sh.key])[0]
-                            for sh in plan.shards
-                        ]
+                    with rpc_membership.LOCK:  # a lost ps task fails the save within seconds
+                        futures = [(sh.ps, self.client.call(sh.ps, "optimizer_state", key, [sh.key])) for sh in plan.shards]
+                        parts = [answer[0] for answer in self.client.answers(futures)]
                     merged = _merge_shard_states(parts, plan)
                     if merged:
                         state[index] = merged
@@ -794,6 +794,7 @@ class ParameterServerExtended(StrategyExtended):
 
     def load_optimizer_state(self, opt: torch.optim.Optimizer, key: str) -> None:
         """Write ``opt``'s state (just loaded on the chief) to the ps tasks."""
+        assert self.client is not None
         groups = optimizer_spec(opt)
         for (spec, vids), group in zip(groups, opt.param_groups):
             for vid, p in zip(vids, group["params"]):
@@ -808,7 +809,8 @@ class ParameterServerExtended(StrategyExtended):
                         for k, v in st.items()
                     }  # fmt: skip
                     with rpc_membership.LOCK:
-                        self.stores[sh.ps].rpc_sync(timeout=self.timeout).load_optimizer_state(key, spec, {sh.key: part})
+                        fut = self.client.call(sh.ps, "load_optimizer_state", key, spec, {sh.key: part})
+                        self.client.answers([(sh.ps, fut)])
         opt.state.clear()  # the ps tasks hold it; the chief's optimizer never steps
 
     def configure_worker(self, worker: str) -> None:
@@ -828,7 +830,13 @@ class ParameterServerExtended(StrategyExtended):
             return self.fatal if self.fatal is not None else TaskLostError(self.failed[worker])
 
         until_answered(fut, give_up)
-        return fut.wait()  # type: ignore[no-any-return]
+        try:
+            return fut.wait()  # type: ignore[no-any-return]
+        except Exception as e:  # ended with the task the watch found lost: say what it saw
+            known = give_up()
+            if known is None:
+                raise
+            raise known from None
 
     def traffic(self) -> list[tuple[int, int]]:
         """Bytes each ps task received and sent."""

@@ -126,7 +126,7 @@ class VariableClient:
         try:
             return getattr(store.rpc_async(timeout=self.timeout), method)(*args)
         except Exception as e:  # the send itself failed
-            raise self.lost(ps, e) from e
+            raise self.lost(ps, e) from None
 
     def lost(self, ps: int, e: BaseException) -> BaseException:
         """The error for a failed call to ps task ``ps``: the exception it raised, if it raised
@@ -155,7 +155,11 @@ class VariableClient:
             try:
                 out.append(fut.wait())
             except Exception as e:
-                raise self.lost(ps, e) from e
+                # a task the watch found lost fails its calls too (the chief ends a stopped one):
+                # what the watch saw names the cause, the call's own error does not. One
+                # traceback: the error names what the call raised, the rpc internals add nothing
+                known = self.give_up(ps) if self.give_up is not None else None
+                raise (known if known is not None else self.lost(ps, e)) from None
         return out
 
     def _until_answered(self, ps: int, fut: Any) -> None:
