@@ -832,7 +832,7 @@ class ParameterServerExtended(StrategyExtended):
         until_answered(fut, give_up)
         try:
             return fut.wait()  # type: ignore[no-any-return]
-        except Exception as e:  # ended with the task the watch found lost: say what it saw
+        except Exception:  # ended with the task the watch found lost: say what it saw
             known = give_up()
             if known is None:
                 raise
