@@ -272,6 +272,41 @@ os._exit(0)  # no shutdown: the others find the chief gone by themselves
 """
 
 
+CHIEF_RAISES = """
+import torch
+import stratagem as sg
+
+strategy = sg.ParameterServerStrategy()
+with strategy.scope():
+    model = torch.nn.Linear(2, 1)
+coordinator = sg.coordinator.ClusterCoordinator(strategy)
+coordinator.schedule(lambda: model(torch.ones(1, 2))).fetch()
+raise ValueError("a bug in the chief's script")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_chief_that_raises_under_stratagem_run_is_the_one_failure_reported(tmp_path):
+    """The tasks leave as soon as the chief says it failed, before its traceback is out and it
+    ends: `stratagem run` must still report the chief (its exit code), not the first task to exit."""
+    script = tmp_path / "job.py"
+    script.write_text(CHIEF_RAISES)
+    argv = ["-m", "stratagem", "run", "--workers", "1", "--ps", "1", str(script)]
+    r = run_script(argv, timeout=80)
+    assert r.returncode == 1, r.stderr
+    lines = sorted(stratagem_lines(r.stderr))
+    assert len(lines) == 3, r.stderr
+    assert lines[0] == "stratagem run: chief failed (exit code 1)", r.stderr
+    for line, task in zip(lines[1:], ["ps:0", "worker:0"]):
+        # told by the chief, or (a task busy for a second) finding it gone
+        assert re.fullmatch(
+            rf"stratagem: {task}: the chief (failed \(ValueError: a bug in the chief's script\)|is lost \(.+\)); leaving",
+            line,
+        ), r.stderr
+    assert tracebacks(r.stderr) == 1, r.stderr  # the chief's
+    assert "ValueError: a bug in the chief's script" in r.stderr.strip().splitlines()
+
+
 @pytest.mark.timeout(90)
 def test_when_the_chief_vanishes_the_other_tasks_leave_by_themselves(tmp_path):
     """Workers and ps tasks watch the chief through its TCPStore (no rpc pings: an rpc call in

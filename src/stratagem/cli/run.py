@@ -194,18 +194,18 @@ def main(args: argparse.Namespace) -> int:
         try:
             job = ps_job(args)
         except ValueError as e:
-            print(f"stratagem run: {e}", file=sys.stderr)
+            sys.stderr.write(f"stratagem run: {e}\n")
             return 2
         return job.run()
     try:
         targs, env = torchrun_args(args)
     except ValueError as e:
-        print(f"stratagem run: {e}", file=sys.stderr)
+        sys.stderr.write(f"stratagem run: {e}\n")
         return 2
     if args.rdzv_endpoint and args.node_rank is None:
         problem = check_endpoint(*split_address(args.rdzv_endpoint, "--rdzv-endpoint"))
         if problem:
-            print(f"stratagem run: {problem}", file=sys.stderr)
+            sys.stderr.write(f"stratagem run: {problem}\n")
             return 2
     os.environ.update(env)
     from torch.distributed import run as torchrun
@@ -225,7 +225,7 @@ def main(args: argparse.Namespace) -> int:
         torchrun.main(targs)
     except ChildFailedError as e:
         rank, failure = first_failure(e.failures)
-        print(f"stratagem run: replica {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
+        sys.stderr.write(f"stratagem run: replica {rank} failed (exit code {failure.exitcode})\n")
         # the job failed: this process ends without Python's last full collection over torch's
         # heap (most of a second on a busy machine), as its replicas do
         gc.freeze()

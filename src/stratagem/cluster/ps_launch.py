@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from stratagem.cluster.launch import _die_with_parent, find_free_port
+from stratagem.cluster.ps_spec import EXIT_CHIEF_LOST
 
 #: seconds between SIGTERM and SIGKILL when the launcher stops a task
 TERMINATE_WAIT = 5.0
@@ -62,6 +63,11 @@ def task_environ(cluster: Mapping[str, Sequence[str]], task_type: str, index: in
     return {"TF_CONFIG": json.dumps(config), "STRATAGEM_RESTART_COUNT": str(restart_count)}
 
 
+#: seconds a task that left because it found the chief gone or failed (EXIT_CHIEF_LOST) waits for
+#: the chief to end before it counts as failed (a failing chief tells its tasks first, then
+#: writes its traceback and ends: about a second)
+CHIEF_DECIDES_S = 5.0
+
 @dataclass
 class _Task:
     task_type: str
@@ -69,6 +75,7 @@ class _Task:
     proc: subprocess.Popen[bytes]
     restarts: int = 0
     done: bool = False  # exited, and will not be started again
+    left_at: float | None = None  # when it exited with EXIT_CHIEF_LOST while the chief still ran
 
     @property
     def name(self) -> str:
@@ -180,9 +187,20 @@ class PSJob:
                 code = task.proc.poll()
                 if task.done or code is None:
                     continue
+                if chief.proc.poll() is not None:  # it ended since the look above: it decides
+                    break
                 if code == 0:  # a task that finished (a ps or worker told to stop by the chief)
                     task.done = True
-                elif task.task_type == "ps":
+                    continue
+                if code == EXIT_CHIEF_LOST:
+                    # it left because it found the chief gone or failed: the chief's end (its
+                    # traceback is still being written, say) is the job's, and this is no news;
+                    # only a chief still running CHIEF_DECIDES_S later makes it a failure
+                    task.left_at = task.left_at or time.monotonic()
+                    if time.monotonic() - task.left_at < CHIEF_DECIDES_S:
+                        continue
+                    task.left_at = None
+                if task.task_type == "ps":
                     again = self.job_restarts < self.max_restarts
                     if again:
                         self.job_restarts += 1

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 #: the task types of a parameter-server cluster
 PS_TASK_TYPES = ("chief", "worker", "ps")
+#: the exit code of a worker or ps task that left because its chief is gone or failed: the job's
+#: outcome is the chief's (`stratagem run` reports the chief, not this task)
+EXIT_CHIEF_LOST = 75  # EX_TEMPFAIL: it can run again once a chief is back
 
 
 def _split(address: str, what: str) -> tuple[str, int]:

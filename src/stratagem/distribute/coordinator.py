@@ -474,11 +474,10 @@ class ClusterCoordinator:
             except Exception:
                 pass
         first = (str(e).splitlines()[0] if str(e) else type(e).__name__).split(" (this error originated")[0]
-        print(
-            f"stratagem: {worker} failed ({first}); its functions run on the other workers",
-            file=sys.stderr,
-            flush=True,
+        sys.stderr.write(
+            f"stratagem: {worker} failed ({first}); its functions run on the other workers\n"
         )
+        sys.stderr.flush()
         self._evict(worker, holding)
         with self._cond:
             self._live.discard(worker)
@@ -486,11 +485,10 @@ class ClusterCoordinator:
             if not self._live:
                 if self._ext.worker_restarts > 0:  # the launcher restarts workers: wait for one, bounded
                     self._all_lost_at = time.monotonic()
-                    print(
-                        f"stratagem: every worker is lost; waiting up to {self._ext.timeout:g}s for one to be restarted",
-                        file=sys.stderr,
-                        flush=True,
+                    sys.stderr.write(
+                        f"stratagem: every worker is lost; waiting up to {self._ext.timeout:g}s for one to be restarted\n"
                     )
+                    sys.stderr.flush()
                 else:
                     self._fail_all(
                         WorkerLostError(
@@ -574,7 +572,8 @@ class ClusterCoordinator:
                         self._live.add(worker)
                         self._all_lost_at = None
                         self._cond.notify_all()
-                    print(f"stratagem: {worker} restarted and rejoined; it runs functions again", file=sys.stderr, flush=True)
+                    sys.stderr.write(f"stratagem: {worker} restarted and rejoined; it runs functions again\n")
+                    sys.stderr.flush()
                     return True
                 request = None
             with self._cond:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.cluster.ps_spec import PSClusterSpec
+from stratagem.cluster.ps_spec import EXIT_CHIEF_LOST, PSClusterSpec
 from stratagem.comm import Communicator, LocalCommunicator, interfaces
 from stratagem.comm.communicator import await_keys
 from stratagem.comm.failure import FailureOptions
@@ -478,12 +478,11 @@ class ParameterServerExtended(StrategyExtended):
             store.wait([key], timedelta(seconds=self.timeout))
             return int(store.get(key).decode())
         except Exception as e:
-            print(
+            sys.stderr.write(
                 f"stratagem: {name} restarted, but the chief did not take it back within {self.timeout:g}s "
-                f"({type(e).__name__}; training may be over); leaving",
-                file=sys.stderr,
-                flush=True,
+                f"({type(e).__name__}; training may be over); leaving\n"
             )
+            sys.stderr.flush()
             os._exit(0)
 
     # --- the chief: workers that die and come back ---------------------------------------------
@@ -584,13 +583,14 @@ class ParameterServerExtended(StrategyExtended):
 
     def _leave_without_chief(self, why: str) -> None:
         """A worker or ps task whose chief is lost or failed: say so in one line and end (exit
-        code 1); nobody is left to leave the rpc group with."""
-        print(f"stratagem: {self.spec.rpc_name}: the chief {why}; leaving", file=sys.stderr, flush=True)
+        code ``EXIT_CHIEF_LOST``); nobody is left to leave the rpc group with."""
+        sys.stderr.write(f"stratagem: {self.spec.rpc_name}: the chief {why}; leaving\n")
+        sys.stderr.flush()
         if self._watch is not None:
             self._watch.close()
         with contextlib.suppress(Exception):
             _rpc().shutdown(graceful=False)
-        os._exit(1)
+        os._exit(EXIT_CHIEF_LOST)
 
     def shutdown(self) -> None:
         """The chief is done: tell every task to leave (each answers once it has stopped taking
