@@ -6,7 +6,10 @@ micro-batches), so it lands in a send or a receive. Prints READY once it trains 
 uses it only to know the job started). scripts/interrupt_trials.py signals it at random moments.
 """
 
+import contextlib
+import os
 import sys
+import time
 
 import torch
 from torch import nn
@@ -14,6 +17,10 @@ from torch import nn
 import stratagem as sg
 
 mode, directory = sys.argv[1], sys.argv[2]
+# when `import torch` returned (CLOCK_MONOTONIC: the same clock in every process here). A Ctrl-C
+# before this is torch's to lose (docs/MULTIWORKER.md, "Stopping a job"): the trials tell it apart
+with contextlib.suppress(FileExistsError), open(os.path.join(directory, "torch-imported"), "x") as f:
+    f.write(repr(time.monotonic()))
 g = torch.Generator().manual_seed(0)
 batches = [(torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(8)]
 

@@ -96,16 +96,25 @@ def as_from_a_terminal() -> None:
 
 def interrupt_job(
     argv: Sequence[str], how: str, delay: float, bound: float, *, env: Mapping[str, str] | None = None,
+    after: str | os.PathLike[str] | None = None, after_timeout: float = 120.0,
 ) -> Interrupted:
     """Start ``argv`` in a session of its own, stop it as ``how`` says (a key of :data:`STOPS`)
     after ``delay`` seconds, and wait at most ``bound`` seconds for every process of the session
-    to end. Whatever is left is then killed (after a ``py-spy dump`` of each, where installed)."""
+    to end. Whatever is left is then killed (after a ``py-spy dump`` of each, where installed).
+    With ``after`` (a file the job writes when it reaches a point, e.g. its imports done), the
+    delay counts from when that file appears (at most ``after_timeout`` s): a moment of the job's
+    own progress, the same on a busy machine as on an idle one."""
     sig, group = STOPS[how]
     proc = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=dict(os.environ if env is None else env),
                             preexec_fn=as_from_a_terminal)
     job = JobProcesses(proc.pid)
     try:
+        if after is not None:
+            give_up = time.monotonic() + after_timeout
+            while not os.path.exists(after) and proc.poll() is None and time.monotonic() < give_up:
+                job.alive()
+                time.sleep(0.02)
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline:  # learn the job's processes as they start
             job.alive()
