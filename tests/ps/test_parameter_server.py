@@ -258,7 +258,7 @@ def test_tasks_that_never_come_are_named(tmp_path):
     )
 
 
-CHIEF_VANISHES = """
+CHIEF_RUNS_ONE_FUNCTION = """
 import os
 import torch
 import stratagem as sg
@@ -268,21 +268,10 @@ with strategy.scope():
     model = torch.nn.Linear(2, 1)
 coordinator = sg.coordinator.ClusterCoordinator(strategy)
 coordinator.schedule(lambda: model(torch.ones(1, 2))).fetch()
-os._exit(0)  # no shutdown: the others find the chief gone by themselves
 """
-
-
-CHIEF_RAISES = """
-import torch
-import stratagem as sg
-
-strategy = sg.ParameterServerStrategy()
-with strategy.scope():
-    model = torch.nn.Linear(2, 1)
-coordinator = sg.coordinator.ClusterCoordinator(strategy)
-coordinator.schedule(lambda: model(torch.ones(1, 2))).fetch()
-raise ValueError("a bug in the chief's script")
-"""
+# no shutdown: the others find the chief gone by themselves
+CHIEF_VANISHES = CHIEF_RUNS_ONE_FUNCTION + "os._exit(0)\n"
+CHIEF_RAISES = CHIEF_RUNS_ONE_FUNCTION + "raise ValueError(\"a bug in the chief's script\")\n"
 
 
 @pytest.mark.timeout(90)
