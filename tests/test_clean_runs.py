@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -121,7 +122,14 @@ def test_the_problem_filter_needs_a_reason_and_sees_warnings():
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
     # read until every process holding stderr (the replicas too) has ended
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=100, env=env)
+    # and a failed job leaves nothing in the temporary folder (torch's agent made a
+    # /tmp/torchelastic_* on every `stratagem run`, and left it)
+    with tempfile.TemporaryDirectory() as tmp:
+        env["TMPDIR"] = tmp
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=100, env=env)
+        left = [f for f in os.listdir(tmp) if not f.startswith("torchinductor_")]  # torch's cache, kept by design
+        assert not left, f"left behind in TMPDIR: {left}\n{r.stderr}"
+    return r
 
 
 def _no_noise(stderr: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -79,9 +80,14 @@ def test_run_builds_torchrun_arguments():
 
 
 @pytest.mark.timeout(120)
-def test_stratagem_run_two_replicas():
-    r = run_script(["-m", "stratagem.cli.run", "-n", "2", str(HERE / "mw_script.py")], timeout=100)
+def test_stratagem_run_two_replicas(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = run_script(["-m", "stratagem.cli.run", "-n", "2", str(HERE / "mw_script.py")], timeout=100,
+                   env={**os.environ, "TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stderr[-3000:]
+    left = [f.name for f in tmp.iterdir() if not f.name.startswith("torchinductor_")]  # torch's cache, kept by design
+    assert not left, f"left behind in TMPDIR: {left}"  # torch's agent's folder too
     digests = re.findall(r"rank=(\d) world=2 worker=0 digest=([0-9a-f]{16})", r.stdout)
     assert sorted(d[0] for d in digests) == ["0", "1"] and digests[0][1] == digests[1][1], r.stdout
 

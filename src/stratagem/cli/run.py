@@ -216,8 +216,14 @@ def main(args: argparse.Namespace) -> int:
     # torchrun's main copies the first failed replica's error file (a replica that ended because
     # another failed writes one) into this process's, and logs an error where it has none: give it
     # one (unless a launcher above gave this process its own)
-    scratch = None if os.environ.get("TORCHELASTIC_ERROR_FILE") else tempfile.mkdtemp(prefix="stratagem-run-")
-    if scratch is not None:
+    # torch's agent also makes a folder of its own for the replicas' error files (a new
+    # /tmp/torchelastic_* on every run, never removed): both go in one folder of ours, removed at
+    # the end, also when the stop guard ends the command
+    scratch = tempfile.mkdtemp(prefix="stratagem-run-")
+    stop_guard.at_end(lambda: shutil.rmtree(scratch, ignore_errors=True))
+    targs.insert(0, f"--log-dir={os.path.join(scratch, 'agent')}")
+    own_error_file = not os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if own_error_file:
         os.environ["TORCHELASTIC_ERROR_FILE"] = os.path.join(scratch, "error.json")
     # a Ctrl-C or SIGTERM that torch's agent swallows still ends the job (core/stop_guard,
     # installed when this command started)
@@ -233,9 +239,9 @@ def main(args: argparse.Namespace) -> int:
     finally:
         stop_guard.release()
         agent_log.removeFilter(_said_by_us)
-        if scratch is not None:
+        if own_error_file:
             del os.environ["TORCHELASTIC_ERROR_FILE"]
-            shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

@@ -84,6 +84,13 @@ def stop_children(kill_after: float = KILL_AFTER_S) -> None:
 
 
 _release: list[Callable[[], None]] = []
+_at_end: list[Callable[[], None]] = []
+
+
+def at_end(fn: Callable[[], None]) -> None:
+    """Run ``fn`` (removing the command's scratch files, say) if the guard ends the command: its
+    ``finally`` blocks do not run then."""
+    _at_end.append(fn)
 
 
 def is_command() -> bool:
@@ -179,5 +186,10 @@ def _end(sig: signal.Signals, grace: float) -> None:
         )
         sys.stderr.flush()
         stop_children()
+        for fn in _at_end:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - ending the command matters more than tidying up
+                pass
     finally:
         os._exit(128 + int(sig))
