@@ -58,6 +58,26 @@ def test_a_silent_task_on_another_host_is_lost_after_the_configured_silence_and_
     assert silent_after <= took < silent_after + 1.0, took
 
 
+@pytest.mark.timeout(60)
+def test_once_closed_the_watch_asks_nothing_more_of_the_store():
+    """close() returns when the watch's threads are out of the store: its server may go next (the
+    chief's at its end); a call in flight then printed torch's warning with a C++ stack trace."""
+    port = find_free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    inside = threading.Event()
+
+    def watched() -> list[str]:  # a look at the tasks that takes a while (a busy machine)
+        inside.set()
+        time.sleep(0.5)
+        return []
+
+    watch = ClusterWatch("127.0.0.1", port, "chief", watched, print, nonce="chief", silent_after=2.0, beat=0.05).start()
+    assert inside.wait(10)
+    watch.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("stratagem-ps-")]
+    del store
+
+
 def test_the_bounds_are_checked():
     with pytest.raises(ValueError, match="need 0 < beat < silent_after, got 2.0 and 1.0"):
         ClusterWatch("127.0.0.1", 1, "chief", list, print, nonce="x", silent_after=1.0, beat=2.0)

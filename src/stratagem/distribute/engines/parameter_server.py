@@ -587,7 +587,7 @@ class ParameterServerExtended(StrategyExtended):
         sys.stderr.write(f"stratagem: {self.spec.rpc_name}: the chief {why}; leaving\n")
         sys.stderr.flush()
         if self._watch is not None:
-            self._watch.close()
+            self._watch.close(wait=0)  # its store may not answer (the chief's host cut off): leave now
         with contextlib.suppress(Exception):
             _rpc().shutdown(graceful=False)
         os._exit(EXIT_CHIEF_LOST)

@@ -119,8 +119,14 @@ class ClusterWatch:
         self._here.start()
         return self
 
-    def close(self) -> None:
+    def close(self, wait: float = 2.0) -> None:
+        """Stop beating and watching; return once the watch's threads are out of the store (at
+        most ``wait`` seconds): a store call still in flight when its server goes (the chief's
+        store at its end, a test's) makes torch's client print a warning with a C++ stack trace."""
         self._stop.set()
+        for t in (self._thread, self._here):
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(wait)
 
     def end(self, why: str, wait: float = 1.0) -> None:
         """This task (the chief) failed: say so to every task, and give them up to ``wait``
