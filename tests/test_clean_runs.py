@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -200,3 +202,46 @@ def test_the_launcher_names_the_replica_the_other_followed_when_both_end_in_one_
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
     record_followed("outside torch's agent: nothing is written", 0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"error{follower}.json"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ending", ["raising", "clean"])
+def test_a_replica_ending_on_its_own_exception_keeps_its_exit_code_through_the_launchers_sigterm(tmp_path, ending):
+    """torch's agent SIGTERMs every replica once one has ended in failure; a replica that raised
+    and whose peer followed it may still be in its last teardown then. It must end with its own
+    exit code (1: `stratagem run: replica 0 failed (exit code 1)`), not be reported as killed by
+    SIGTERM (-15); a replica ending cleanly is still ended by SIGTERM as by default."""
+    here, go = tmp_path / "in-teardown", tmp_path / "go"
+    script = tmp_path / "replica.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, os, time
+
+        def last():  # registered first, so it runs last: after the reporter is uninstalled
+            open({str(here)!r}, "w").close()
+            deadline = time.monotonic() + 30
+            while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        atexit.register(last)
+        from stratagem.cluster.stopping import report_stops
+        assert report_stops(0)
+        if {ending == "raising"}:
+            raise RuntimeError("boom on replica 0")
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 40
+        while not here.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert here.exists(), f"the script did not reach its teardown (exit code {proc.poll()})"
+        proc.send_signal(signal.SIGTERM)  # the launcher's, while the replica is in its teardown
+        time.sleep(0.5)
+        go.touch()
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    if ending == "raising":
+        assert code == 1 and tracebacks(err) == 1 and "RuntimeError: boom on replica 0" in err, (code, err)
+    else:
+        assert code == -signal.SIGTERM, (code, err)

@@ -142,10 +142,16 @@ def report_stops(rank: int, *, parent_pid: int | None = None, wait_for_report: f
     _installed.append(thread)
 
     def uninstall() -> None:
-        # at exit, in the main thread: hand SIGTERM back, wake the watcher so it returns
+        # at exit, in the main thread: hand SIGTERM back, wake the watcher so it returns. A
+        # replica ending on its own exception (its traceback is out) ignores SIGTERM from here
+        # on and ends with its own exit code: torch's agent stops every replica once a peer
+        # that followed this one has ended, and that SIGTERM, in the last moments of this
+        # process's exit, made `stratagem run` report the replica that raised as "exit code
+        # -15" (seen beside a busy machine). Python's exit keeps an ignored signal ignored.
         try:
             signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            failing = getattr(sys, "last_value", None) is not None
+            signal.signal(signal.SIGTERM, signal.SIG_IGN if failing else signal.SIG_DFL)
         except ValueError:
             pass
         ring.close()
