@@ -108,11 +108,16 @@ def _threads_at_exit() -> None:
 
 
 def leave_worker(how: str) -> str:
-    """Join a job, then end (normally or by raising) and report the threads left at exit."""
+    """Join a job, then end (normally, after torch.compile, or by raising) and report the threads
+    left at exit."""
     import atexit
 
     atexit.register(_threads_at_exit)
     connect_to_cluster(TorchrunClusterResolver(), FAST)
+    if how == "compile":
+        # what a program compiling its step does after joining: torch.compile imports torch._dynamo,
+        # which imports torch.distributed.nn.functional (its functions' defaults bind group.WORLD)
+        torch.compile(nn.Linear(2, 2))
     if how == "raise":
         raise ValueError("ended by raising, on purpose")
     return "ok"

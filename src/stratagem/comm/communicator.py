@@ -378,6 +378,20 @@ class _GuardedWork:
             return bool(self.work.wait())
 
 
+def before_world_group() -> None:
+    """Call before the world process group is made: torch modules that bind ``group.WORLD`` into
+    their functions' defaults at import are imported now, while it is None.
+
+    ``torch.distributed.nn.functional`` does (``def broadcast(..., group=group.WORLD)``), and
+    ``torch.compile`` imports it (through ``torch._dynamo``). Imported after the group exists, it
+    holds the world group for the life of the process: the group outlives its destruction at exit
+    and its gloo threads run into interpreter finalization, where a thread dropping a tensor
+    aborts the process ("terminate called without an active exception", exit code -6, after the
+    program's work is done; seen once in CI). Imported before, those defaults are None, which
+    means the default group at call time: the same behaviour."""
+    import torch.distributed.nn.functional  # noqa: F401
+
+
 def init_process_group(
     rank: int,
     world_size: int,
@@ -417,6 +431,7 @@ def init_process_group(
             "--rdzv-endpoint, and that its host can reach this address)"
         )
     delta = datetime.timedelta(seconds=max(1.0, timeout - (time.monotonic() - start)))
+    before_world_group()
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
     except (RuntimeError, dist.DistError) as e:

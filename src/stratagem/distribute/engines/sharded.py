@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.comm import Communicator
+from stratagem.comm.communicator import before_world_group
 from stratagem.comm.failure import collectives_explained
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
@@ -54,6 +55,7 @@ def device_mesh_1d(comm: Communicator, device: torch.device) -> Any:
     if group is None:
         if not dist.is_initialized():
             # one process: fully_shard still needs a process group (of one)
+            before_world_group()
             dist.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
             )
