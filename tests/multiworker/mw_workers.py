@@ -107,12 +107,39 @@ def _threads_at_exit() -> None:
     sys.stderr.flush()
 
 
+def _tensor_parallel_steps() -> None:
+    from stratagem.distribute import DeviceMesh, LayoutMap, ModelParallelStrategy
+
+    mesh = DeviceMesh((2,), ("model",))
+    layout = LayoutMap(mesh)
+    layout[r"^0\.weight$"] = ("model", None)
+    layout[r"^1\.weight$"] = (None, "model")
+    strategy = ModelParallelStrategy(mesh, layout, devices="cpu")
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.Linear(8, 1, bias=False))
+        opt = torch.optim.Adam(model.parameters())
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    for _ in range(2):
+        strategy.run(step, args=(torch.ones(4, 4),))
+
+
 def leave_worker(how: str) -> str:
-    """Join a job, then end (normally, after torch.compile, or by raising) and report the threads
-    left at exit."""
+    """Join a job, then end (normally, after torch.compile, after tensor-parallel steps, or by
+    raising) and report the threads left at exit."""
     import atexit
 
     atexit.register(_threads_at_exit)
+    if how == "tensor_parallel":
+        # torch's DeviceMesh holds its process groups, and DTensor's sharding cache holds the mesh
+        _tensor_parallel_steps()
+        return "ok"
     connect_to_cluster(TorchrunClusterResolver(), FAST)
     if how == "compile":
         # what a program compiling its step does after joining: torch.compile imports torch._dynamo,

@@ -26,7 +26,7 @@ def _threads(stderr: str) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["ok", "compile", "raise"])
+@pytest.mark.parametrize("how", ["ok", "compile", "tensor_parallel", "raise"])
 def test_nothing_of_torch_distributed_outlives_exit(how):
     results = run_workers(leave_worker, 2, args=(how,), timeout=90, check=False)
     for r in results:

@@ -261,11 +261,33 @@ class _Done:
 _live_groups: weakref.WeakSet[ProcessGroupCommunicator] = weakref.WeakSet()
 
 
+#: every torch DeviceMesh stratagem made (held weakly): they hold their process groups too
+_live_meshes: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def owned_mesh(mesh: Any) -> Any:
+    """``mesh`` (a torch DeviceMesh stratagem made), remembered so that ``release_groups`` makes
+    it let go of its process groups at exit; returns it."""
+    _live_meshes.add(mesh)
+    return mesh
+
+
 def release_groups() -> None:
-    """Every live communicator lets go of its process group (at exit, after the groups are
-    destroyed), so their C++ objects go while the interpreter is whole."""
+    """Every live communicator and torch DeviceMesh stratagem made lets go of its process groups
+    (at exit, after the groups are destroyed), so their C++ objects (gloo's threads) go while the
+    interpreter is whole.
+
+    A torch DeviceMesh (torch >= 2.10) keeps its groups in ``_pg_registry``, and DTensor's
+    sharding-propagation cache keeps every mesh a DTensor op saw, for the life of the process:
+    without this, a sharded job's groups outlived their destruction and their threads ran into
+    interpreter finalization."""
     for comm in list(_live_groups):
         comm.group = None
+    for mesh in list(_live_meshes):
+        for m in (mesh, getattr(mesh, "_root_mesh", None)):
+            registry = getattr(m, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 class ProcessGroupCommunicator(Communicator):

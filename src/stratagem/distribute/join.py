@@ -121,8 +121,10 @@ def failure_monitor() -> FailureMonitor | None:
 def _leave() -> None:
     """Leave the job at exit, in the one order that ends cleanly on every rank:
 
-    1. destroy the process group and let every communicator drop it, so its C++ object (gloo's
-       threads, its connections) goes while the interpreter is whole, bounded in time;
+    1. destroy the process group and let every communicator and torch DeviceMesh stratagem made
+       drop it, so its C++ object (gloo's threads, its connections) goes while the interpreter is
+       whole, bounded in time (a group a user's object still holds, e.g. FSDP's state on a
+       sharded model, lives on into finalization);
     2. close the failure monitor: say this rank ended; the store host waits until every peer has
        ended (so the store outlives every peer's teardown); its watcher thread is joined;
     3. drop the store (the store host's server stops) while Python can still run destructors,

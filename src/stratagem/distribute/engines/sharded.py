@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.comm import Communicator
-from stratagem.comm.communicator import before_world_group
+from stratagem.comm.communicator import before_world_group, owned_mesh
 from stratagem.comm.failure import collectives_explained
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
@@ -60,7 +60,7 @@ def device_mesh_1d(comm: Communicator, device: torch.device) -> Any:
                 "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
             )
         group = dist.group.WORLD
-    return DeviceMesh.from_group(group, device.type)  # type: ignore[arg-type]
+    return owned_mesh(DeviceMesh.from_group(group, device.type))  # type: ignore[arg-type]
 
 
 class ShardedExtended(OverReplicas):
@@ -103,7 +103,9 @@ class ShardedExtended(OverReplicas):
             else:  # HSDP: sharded within groups of `size` consecutive ranks, replicated across them
                 from torch.distributed.device_mesh import init_device_mesh
 
-                self._mesh = init_device_mesh(self._device.type, (n // size, size), mesh_dim_names=("replicate", "shard"))
+                self._mesh = owned_mesh(
+                    init_device_mesh(self._device.type, (n // size, size), mesh_dim_names=("replicate", "shard"))
+                )
         return self._mesh
 
     # --- facts ------------------------------------------------------------------------------

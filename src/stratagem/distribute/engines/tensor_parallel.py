@@ -162,7 +162,11 @@ class TensorParallelExtended(OverReplicas):
         if self._torch_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._torch_mesh = init_device_mesh(self._device.type, self.mesh.shape, mesh_dim_names=self.mesh.axis_names)
+            from stratagem.comm.communicator import owned_mesh
+
+            self._torch_mesh = owned_mesh(
+                init_device_mesh(self._device.type, self.mesh.shape, mesh_dim_names=self.mesh.axis_names)
+            )
         return self._torch_mesh
 
     # --- facts ------------------------------------------------------------------------------
