@@ -26,12 +26,12 @@ ALLOWED = {
 ROOMS = {
     "api": 0,  # strategy, context, reduce_op, ownership, function (what users and train see)
     "engines": 1,  # data_parallel, mirror, input, pipeline (what strategies are made of)
-    "setup": 1,  # join, bootstrap, devices (meeting the peers, choosing devices)
+    "setup": 1,  # join, bootstrap, devices, startup (meeting the peers, choosing devices)
     "strategies": 2,  # the final strategy classes
     "top": 3,  # current (the default strategy), loss, the package itself
 }
 API = {"strategy", "context", "reduce_op", "ownership", "function", "mixed_precision", "input_options", "partitioners"}
-SETUP = {"join", "bootstrap", "devices"}
+SETUP = {"join", "bootstrap", "devices", "startup"}
 
 
 def layer_of(module: str) -> str | None:

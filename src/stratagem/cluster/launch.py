@@ -162,6 +162,8 @@ class ReplicaProcesses:
 
 
 _children: ReplicaProcesses | None = None
+#: the job this process started (a later strategy of the same size joins it again)
+_started: ClusterSpec | None = None
 
 
 def ensure_replicas(
@@ -173,9 +175,11 @@ def ensure_replicas(
     """This process's place in a job of ``num_replicas`` processes, starting the others if needed.
 
     Joins the job a launcher (torchrun, ``stratagem run``) set up; otherwise re-runs this script
-    ``num_replicas - 1`` times with the launch variables set and becomes rank 0.
+    ``num_replicas - 1`` times with the launch variables set and becomes rank 0. A second
+    strategy of the same size in this process is in the job already started (as the replicas
+    the script started are, by their launch variables).
     """
-    global _children
+    global _children, _started
     env = ClusterSpec.from_environ(environ)
     if env is not None:
         if num_replicas is not None and env.world_size != num_replicas:
@@ -187,8 +191,14 @@ def ensure_replicas(
         return env
     if num_replicas is None or num_replicas == 1:
         return ClusterSpec.single()
-    if _children is not None:
-        raise RuntimeError("replicas were already started by an earlier strategy in this process")
+    if _started is not None:
+        if _started.world_size == num_replicas:
+            return _started
+        raise RuntimeError(
+            f"an earlier strategy in this process started a job of {_started.world_size} replicas; "
+            f"a strategy of {num_replicas} cannot start another: make them agree, or launch the "
+            "job of the size you need with `stratagem run -n N ...`"
+        )
     cmd = relaunch_command()
     port = find_free_port()
     base = dict(os.environ)
@@ -199,7 +209,8 @@ def ensure_replicas(
             subprocess.Popen(cmd, env={**base, **child.to_environ()}, preexec_fn=_die_with_parent)
         )
     _children = ReplicaProcesses(procs, grace)
-    return ClusterSpec.local(0, num_replicas, port)
+    _started = ClusterSpec.local(0, num_replicas, port)
+    return _started
 
 
 def children() -> ReplicaProcesses | None:

@@ -1,6 +1,7 @@
 """distribute: the Strategy API (strategy, context, reduce ops, function, loss), the engines
 strategies are made of (``engines/``), and the strategies themselves (``strategies/``)."""
 
+from stratagem.core.mesh import DeviceMesh
 from stratagem.distribute.current import (
     get_replica_context,
     get_strategy,
@@ -8,7 +9,7 @@ from stratagem.distribute.current import (
     in_cross_replica_context,
 )
 from stratagem.distribute.engines.input import InputContext
-from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap
+from stratagem.distribute.engines.layout import LayoutMap
 from stratagem.distribute.function import function
 from stratagem.distribute.loss import compute_average_loss, scale_regularization_loss
 from stratagem.distribute.ownership import OutsideScopeError, StrategyMismatchError, strategy_of

@@ -1,12 +1,13 @@
 """PipelineConfig: the settings of a pipeline (stages, micro-batches, schedule, re-materialization,
 balance, data parallelism), validated when the strategy is built, with errors that say what was
-received; and the rank layout of stages and data-parallel copies."""
+received; and the mesh of stages and data-parallel copies."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from stratagem.core.mesh import DATA, PIPELINE, DeviceMesh
 from stratagem.pipeline.errors import PipelineConfigError
 from stratagem.pipeline.rematerialize import MODES
 from stratagem.pipeline.schedule import (
@@ -123,8 +124,14 @@ class PipelineConfig:
         return cls(num_stages, num_microbatches, key, str(rematerialize), bal, data_parallel, virtual_stages)
 
     @property
+    def mesh(self) -> DeviceMesh:
+        """The processes: ``data_parallel`` copies x ``num_stages`` stages (the stage axis
+        innermost, so a copy's stages are consecutive ranks)."""
+        return DeviceMesh.of((DATA, self.data_parallel), (PIPELINE, self.num_stages))
+
+    @property
     def world_size(self) -> int:
-        return self.num_stages * self.data_parallel
+        return self.mesh.size
 
     def check_world(self, world_size: int) -> None:
         if world_size != self.world_size:
@@ -137,20 +144,18 @@ class PipelineConfig:
             )
 
     def stage_of(self, rank: int) -> int:
-        return rank % self.num_stages
+        return self.mesh.coordinates(rank)[PIPELINE]
 
     def copy_of(self, rank: int) -> int:
-        return rank // self.num_stages
+        return self.mesh.coordinates(rank)[DATA]
 
     def pipeline_groups(self) -> list[list[int]]:
         """Ranks of each data-parallel copy's pipeline, stage order."""
-        k = self.num_stages
-        return [[d * k + s for s in range(k)] for d in range(self.data_parallel)]
+        return self.mesh.groups(PIPELINE)
 
     def replica_groups(self) -> list[list[int]]:
         """Ranks holding the same stage in every copy (their gradients are summed)."""
-        k = self.num_stages
-        return [[d * k + s for d in range(self.data_parallel)] for s in range(k)]
+        return self.mesh.groups(DATA)
 
     def make_schedule(self) -> Schedule:
         return make_schedule(self.schedule, self.num_stages, self.num_microbatches, self.virtual_stages)

@@ -1,5 +1,5 @@
-"""Mesh layouts, Keras 3 style: a DeviceMesh with named axes, a LayoutMap of parameter-path patterns,
-and the tensor-parallel plan (pure) they give a model.
+"""Layouts, Keras 3 style: a LayoutMap of parameter-path patterns over a DeviceMesh
+(``core/mesh.py``), and the tensor-parallel plan (pure) they give a model.
 
 ``LayoutMap`` keys are regular expressions matched (``re.search``) against parameter paths
 (``blocks.0.attn.q.weight``); values are layouts, one mesh axis name (or None) per tensor
@@ -12,60 +12,17 @@ all-reduce). :func:`tensor_parallel_plan` turns the matches into ``{module path:
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from stratagem.core.mesh import DeviceMesh
+
+__all__ = ["DeviceMesh", "Layout", "LayoutMap", "is_conv1d", "tensor_parallel_plan"]
+
 Layout = tuple[str | None, ...]
-
-
-@dataclass(frozen=True)
-class DeviceMesh:
-    """Processes arranged in a grid with named axes: ``DeviceMesh((2, 2), ("data", "model"))``."""
-
-    shape: tuple[int, ...]
-    axis_names: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
-        object.__setattr__(self, "axis_names", tuple(self.axis_names))
-        if len(self.shape) != len(self.axis_names):
-            raise ValueError(f"DeviceMesh: shape {self.shape} has {len(self.shape)} axes but axis_names {self.axis_names} names {len(self.axis_names)}")
-        if len(set(self.axis_names)) != len(self.axis_names):
-            raise ValueError(f"DeviceMesh: axis names must differ, got {self.axis_names}")
-        if any(n < 1 for n in self.shape):
-            raise ValueError(f"DeviceMesh: every axis needs at least one process, got shape {self.shape}")
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    def axis_size(self, name: str) -> int:
-        """The number of processes along ``name`` (1 for an axis the mesh does not have)."""
-        return self.shape[self.axis_names.index(name)] if name in self.axis_names else 1
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Where process ``rank`` sits on each axis (row-major, as torch's DeviceMesh)."""
-        out = {}
-        for name, n in reversed(list(zip(self.axis_names, self.shape))):
-            out[name] = rank % n
-            rank //= n
-        return {name: out[name] for name in self.axis_names}
-
-    def groups(self, axis: str) -> list[list[int]]:
-        """The ranks that differ only along ``axis``, one list per group (row-major order)."""
-        if axis not in self.axis_names:
-            return [[r] for r in range(self.size)]
-        found: dict[tuple[int, ...], list[int]] = {}
-        for r in range(self.size):
-            c = self.coordinates(r)
-            key = tuple(v for k, v in c.items() if k != axis)
-            found.setdefault(key, []).append(r)
-        return list(found.values())
 
 
 class LayoutMap:

@@ -21,17 +21,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from stratagem.comm import Communicator
-from stratagem.comm.communicator import before_world_group, owned_mesh
 from stratagem.comm.failure import collectives_explained
+from stratagem.core.mesh import DATA_REPLICATE, DATA_SHARD, DeviceMesh
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.engines.shard_plan import UnitPlan, UnitSpec, plan_units
+from stratagem.distribute.engines.torch_mesh import build_torch_mesh
 from stratagem.distribute.strategy import Strategy
 
 
@@ -45,22 +45,6 @@ class ShardingOptions:
     offload: Any = None  # torch.distributed.fsdp.CPUOffloadPolicy
     gradient_op: str = "sum"
     shard_size: int | None = None  # processes one copy is sharded over (None: all; else HSDP)
-
-
-def device_mesh_1d(comm: Communicator, device: torch.device) -> Any:
-    """A 1-D DeviceMesh over the job's process group (a 1-process group when alone)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    group = getattr(comm, "group", None)
-    if group is None:
-        if not dist.is_initialized():
-            # one process: fully_shard still needs a process group (of one)
-            before_world_group()
-            dist.init_process_group(
-                "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
-            )
-        group = dist.group.WORLD
-    return owned_mesh(DeviceMesh.from_group(group, device.type))  # type: ignore[arg-type]
 
 
 class ShardedExtended(OverReplicas):
@@ -97,16 +81,17 @@ class ShardedExtended(OverReplicas):
     def mesh(self) -> Any:
         """The DeviceMesh the parameters are sharded over."""
         if self._mesh is None:
-            n, size = self.comm.world_size, self.options.shard_size
-            if size is None or size == n:
-                self._mesh = device_mesh_1d(self.comm, self._device)
-            else:  # HSDP: sharded within groups of `size` consecutive ranks, replicated across them
-                from torch.distributed.device_mesh import init_device_mesh
-
-                self._mesh = owned_mesh(
-                    init_device_mesh(self._device.type, (n // size, size), mesh_dim_names=("replicate", "shard"))
-                )
+            self._mesh = build_torch_mesh(self.layout, self.comm, self._device)
         return self._mesh
+
+    @property
+    def layout(self) -> DeviceMesh:
+        """The processes: sharded over all of them, or (HSDP, ``shard_size``) within groups of
+        ``shard_size`` consecutive ranks and replicated across the groups."""
+        n, size = self.comm.world_size, self.options.shard_size
+        if size is None or size == n:
+            return DeviceMesh.of((DATA_SHARD, n))
+        return DeviceMesh.of((DATA_REPLICATE, n // size), (DATA_SHARD, size))
 
     # --- facts ------------------------------------------------------------------------------
     @property

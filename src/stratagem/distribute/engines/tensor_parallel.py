@@ -32,6 +32,7 @@ from stratagem.distribute.engines.layout import (
 )
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
+from stratagem.distribute.engines.torch_mesh import build_torch_mesh
 from stratagem.distribute.strategy import Strategy
 
 _RULES: list[bool] = []
@@ -127,8 +128,7 @@ class TensorParallelExtended(OverReplicas):
         name: str,
         init: str = "auto",
     ) -> None:
-        if mesh.size != world.world_size:
-            raise ValueError(f"{name}: the mesh {mesh.shape} has {mesh.size} processes but the job has {world.world_size}")
+        mesh.check_world(world.world_size, name)
         if model_axis not in mesh.axis_names:
             raise ValueError(f"{name}: the mesh has axes {mesh.axis_names}, none named {model_axis!r}")
         if batch_axis is not None and batch_axis not in mesh.axis_names:
@@ -160,13 +160,7 @@ class TensorParallelExtended(OverReplicas):
     def torch_mesh(self) -> Any:
         """torch's DeviceMesh with the same shape and axis names."""
         if self._torch_mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            from stratagem.comm.communicator import owned_mesh
-
-            self._torch_mesh = owned_mesh(
-                init_device_mesh(self._device.type, self.mesh.shape, mesh_dim_names=self.mesh.axis_names)
-            )
+            self._torch_mesh = build_torch_mesh(self.mesh, self.world_comm, self._device)
         return self._torch_mesh
 
     # --- facts ------------------------------------------------------------------------------

@@ -10,13 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import final
 
-import torch
-
-from stratagem.cluster import ClusterSpec, ensure_replicas
-from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
-from stratagem.distribute.join import join
 from stratagem.distribute.reduce_op import ReduceOp
+from stratagem.distribute.startup import start
 from stratagem.distribute.strategy import Strategy
 
 
@@ -43,19 +39,11 @@ class MirroredStrategy(Strategy):
         timeout: float = 120.0,
         bucket_cap_mb: float = 25.0,
     ) -> None:
-        launched = ClusterSpec.from_environ()
-        if launched is None:
-            plan = plan_devices(devices, num_replicas, torch.cuda.device_count(), what="MirroredStrategy")
-            spec = ensure_replicas(len(plan))
-        else:  # torchrun / stratagem run made the processes: plan this machine's
-            spec = ensure_replicas(num_replicas)
-            local = None if isinstance(devices, (list, tuple)) else spec.local_world_size
-            plan = plan_devices(devices, local, torch.cuda.device_count(), what="MirroredStrategy")
-        device = torch.device(plan[spec.local_rank % len(plan)])
+        started = start("MirroredStrategy", devices, timeout=timeout, replicas=num_replicas)
+        spec, device, comm = started.spec, started.device, started.comm
         self.cluster_spec = spec
         self.device = device
-        self.devices = tuple(plan)
-        comm = join(spec, device, timeout=timeout)
+        self.devices = started.devices
         op = ReduceOp.of(gradient_reduction).value
         super().__init__(
             DataParallelExtended(

@@ -19,21 +19,16 @@ from typing import Any, final
 import torch
 from torch import nn
 
-from stratagem.cluster import ClusterSpec, ensure_replicas
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.core.warn import warn_user
-from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.engines.pipeline import PipelineExtended
-from stratagem.distribute.join import join
+from stratagem.distribute.startup import start
 from stratagem.distribute.strategy import Strategy
 from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.partition import Partition
 from stratagem.pipeline.pipe import Pipe
 from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.timeline import Timeline
-
-#: the job this process joined (a second strategy in the same script reuses it)
-_launched: dict[str, ClusterSpec] = {}
 
 
 @final
@@ -77,18 +72,8 @@ class PipelineStrategy(Strategy):
             num_stages, num_microbatches, schedule=schedule, rematerialize=rematerialize,
             balance=balance, data_parallel=data_parallel, virtual_stages=virtual_stages,
         )  # fmt: skip
-        launched = ClusterSpec.from_environ()
-        if launched is not None:
-            config.check_world(launched.world_size)
-        env = _launched.get("env")
-        if env is None or env.world_size != config.world_size:
-            env = ensure_replicas(config.world_size)
-            _launched["env"] = env
-        local = None if isinstance(devices, (list, tuple)) else env.local_world_size
-        plan = plan_devices(devices, local, torch.cuda.device_count(), what="PipelineStrategy")
-        device = torch.device(plan[env.local_rank % len(plan)])
-        world = join(env, device, timeout=timeout)
-        config.check_world(world.world_size)
+        started = start("PipelineStrategy", devices, timeout=timeout, mesh=config.mesh, check_world=config.check_world)
+        env, device, world = started.spec, started.device, started.comm
         pipeline_comm: Communicator
         replicas: Communicator
         if config.data_parallel == 1:

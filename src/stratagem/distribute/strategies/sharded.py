@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from typing import Any, final
 
-import torch
-
-from stratagem.cluster import ClusterSpec, ensure_replicas
-from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.engines.build import check_init
 from stratagem.distribute.engines.shard_plan import UnitSpec
 from stratagem.distribute.engines.sharded import ShardedExtended, ShardingOptions
-from stratagem.distribute.join import join
 from stratagem.distribute.reduce_op import ReduceOp
+from stratagem.distribute.startup import start
 from stratagem.distribute.strategy import Strategy
 
 
@@ -64,14 +60,8 @@ class ShardedStrategy(Strategy):
         check_init(init, "ShardedStrategy")
         if num_replicas is not None and num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        launched = ClusterSpec.from_environ()
-        if launched is None:
-            plan = plan_devices(devices, num_replicas, torch.cuda.device_count(), what="ShardedStrategy")
-            spec = ensure_replicas(len(plan))
-        else:
-            spec = ensure_replicas(num_replicas)
-            plan = plan_devices(devices, spec.local_world_size, torch.cuda.device_count(), what="ShardedStrategy")
-        device = torch.device(plan[spec.local_rank % len(plan)])
+        started = start("ShardedStrategy", devices, timeout=timeout, replicas=num_replicas)
+        device = started.device
         if offload is True:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -84,7 +74,6 @@ class ShardedStrategy(Strategy):
             gradient_op=ReduceOp.of(gradient_reduction).value,
             shard_size=shard_size,
         )
-        self.cluster_spec = spec
+        self.cluster_spec = started.spec
         self.device = device
-        comm = join(spec, device, timeout=timeout)
-        super().__init__(ShardedExtended(comm, device, options, name="ShardedStrategy", init=init))
+        super().__init__(ShardedExtended(started.comm, device, options, name="ShardedStrategy", init=init))

@@ -13,14 +13,10 @@ from __future__ import annotations
 
 from typing import final
 
-import torch
-
-from stratagem.cluster import ClusterSpec, ensure_replicas
-from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.engines.build import check_init
 from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap
 from stratagem.distribute.engines.tensor_parallel import TensorParallelExtended
-from stratagem.distribute.join import join
+from stratagem.distribute.startup import start
 from stratagem.distribute.strategy import Strategy
 
 
@@ -42,17 +38,10 @@ class ModelParallelStrategy(Strategy):
         check_init(init, "ModelParallelStrategy")
         if layout_map.mesh != mesh:
             raise ValueError(f"ModelParallelStrategy: the layout map is for mesh {layout_map.mesh}, not {mesh}")
-        launched = ClusterSpec.from_environ()
-        if launched is not None and launched.world_size != mesh.size:
-            raise ValueError(
-                f"ModelParallelStrategy: the mesh {mesh.shape} needs {mesh.size} processes; this job has {launched.world_size}"
-            )
-        spec = ensure_replicas(mesh.size)
-        plan = plan_devices(devices, spec.local_world_size, torch.cuda.device_count(), what="ModelParallelStrategy")
-        device = torch.device(plan[spec.local_rank % len(plan)])
-        self.cluster_spec = spec
-        self.device = device
-        comm = join(spec, device, timeout=timeout)
+        started = start("ModelParallelStrategy", devices, timeout=timeout, mesh=mesh)
+        self.cluster_spec = started.spec
+        self.device = device = started.device
+        comm = started.comm
         super().__init__(
             TensorParallelExtended(
                 comm, device, mesh, layout_map, model_axis=model_axis, batch_axis=batch_axis, name="ModelParallelStrategy",

@@ -1,0 +1,58 @@
+"""The one start-up path of a strategy: find or start the job's processes, choose this one's device, join."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stratagem.cluster import ClusterSpec, ensure_replicas
+from stratagem.comm import Communicator
+from stratagem.core.mesh import DeviceMesh
+from stratagem.distribute.devices import plan_devices
+from stratagem.distribute.join import join
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a strategy starts from: this process's place in the job, its device, the devices
+    of this machine's processes, and the job's communicator."""
+
+    spec: ClusterSpec
+    device: torch.device
+    devices: tuple[str, ...]
+    comm: Communicator
+
+
+def start(
+    what: str,
+    devices: str | Sequence[str] | None,
+    *,
+    timeout: float,
+    replicas: int | None = None,
+    mesh: DeviceMesh | None = None,
+    check_world: Callable[[int], None] | None = None,
+) -> Started:
+    """Join the job a launcher made (torchrun, ``stratagem run``), or start it: re-run this
+    script as the other processes (``cluster.launch.ensure_replicas``). Its size is ``mesh``'s
+    when the strategy places its processes on one (a pipeline, a tensor-parallel mesh: a
+    launched job of another size is an error naming both), else ``replicas`` (None: one process
+    per device ``devices`` names, or the launcher's count). ``devices`` as MirroredStrategy takes
+    them (see ``distribute/devices.py``); a list names this machine's devices. ``check_world``
+    says, in the strategy's own words, that a launched job has the wrong size for ``mesh``."""
+    launched = ClusterSpec.from_environ()
+    cuda = torch.cuda.device_count()
+    if mesh is not None and launched is not None:
+        if check_world is not None:
+            check_world(launched.world_size)
+        mesh.check_world(launched.world_size, what)
+    if mesh is None and launched is None:
+        plan = plan_devices(devices, replicas, cuda, what=what)
+        spec = ensure_replicas(len(plan))
+    else:
+        spec = ensure_replicas(mesh.size if mesh is not None else replicas)
+        local = None if isinstance(devices, (list, tuple)) else spec.local_world_size
+        plan = plan_devices(devices, local, cuda, what=what)
+    device = torch.device(plan[spec.local_rank % len(plan)])
+    return Started(spec, device, tuple(plan), join(spec, device, timeout=timeout))
