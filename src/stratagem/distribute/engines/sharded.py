@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,23 +27,12 @@ from stratagem.comm.failure import collectives_explained
 from stratagem.core.mesh import DATA_REPLICATE, DATA_SHARD, DeviceMesh
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
+from stratagem.distribute.engines.fsdp import ShardingOptions, apply_fsdp
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
-from stratagem.distribute.engines.shard_plan import UnitPlan, UnitSpec, plan_units
+from stratagem.distribute.engines.shard_plan import UnitPlan
 from stratagem.distribute.engines.torch_mesh import build_torch_mesh
 from stratagem.distribute.strategy import Strategy
-
-
-@dataclass(frozen=True)
-class ShardingOptions:
-    """How modules are sharded: units, resharding, precision, offload, gradient reduction."""
-
-    units: UnitSpec = None
-    reshard_after_forward: bool = True
-    mixed_precision: Any = None  # torch.distributed.fsdp.MixedPrecisionPolicy
-    offload: Any = None  # torch.distributed.fsdp.CPUOffloadPolicy
-    gradient_op: str = "sum"
-    shard_size: int | None = None  # processes one copy is sharded over (None: all; else HSDP)
 
 
 class ShardedExtended(OverReplicas):
@@ -130,30 +118,9 @@ class ShardedExtended(OverReplicas):
         return self.build.scope()
 
     def _shard(self, root: nn.Module, materialized: bool) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        opts = self.options
-        plan = plan_units(root, opts.units)
-        self.plans.append(plan)
-        kw: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": opts.reshard_after_forward}
-        if opts.mixed_precision is not None:
-            kw["mp_policy"] = opts.mixed_precision
-        if opts.offload is not None:
-            kw["offload_policy"] = opts.offload
         # built on meta: real (empty) storage once sharded, initialised by the replay after
         with allocated_keeping_buffers(root, self._device) if not materialized else contextlib.nullcontext():
-            for path in plan.units:
-                fully_shard(root.get_submodule(path), **kw)
-            fully_shard(root, **kw)
-        # summed gradients (tf.distribute's contract) or FSDP's mean; sum-type collectives only
-        # (gloo has neither AVG nor PREMUL_SUM), FSDP divides before and after when needed
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in root.modules():
-            if isinstance(m, FSDPModule):
-                if opts.gradient_op == "sum":
-                    m.set_gradient_divide_factor(1.0)
-                m.set_force_sum_reduction_for_comms(True)
+            self.plans.append(apply_fsdp(root, self.mesh, self.options))
 
     # --- run ----------------------------------------------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:

@@ -5,8 +5,8 @@ The scope builds on the host as on one device (or, with ``init="meta"``, on the 
 along the model axis are parallelized with torch's ``parallelize_module`` (column-wise: output
 features split, row-wise: input features split and the partial outputs all-reduced, Megatron's
 pair), the rest replicated, every shard equal to what one device builds. On a
-2-D mesh the tensor-parallel model is also sharded with ``fully_shard`` over the data axis
-(FSDP x TP), so each data-parallel replica holds 1/D of it and gradients are reduce-scattered
+2-D mesh the tensor-parallel model is also sharded over the data axis, block by block, by the
+one FSDP path (``fsdp.apply_fsdp``: FSDP x TP), so each data-parallel replica holds 1/D of it and gradients are reduce-scattered
 across replicas. Replicas are the data axis: processes along the model axis read the same batch.
 """
 
@@ -24,6 +24,7 @@ from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.failure import collectives_explained
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
+from stratagem.distribute.engines.fsdp import ShardingOptions, apply_fsdp
 from stratagem.distribute.engines.layout import (
     DeviceMesh,
     LayoutMap,
@@ -228,12 +229,9 @@ class TensorParallelExtended(OverReplicas):
             if materialized:
                 root.to(self._device)  # what stays whole (the split parts are on it already)
             if self.batch_axis is not None and self.mesh.axis_size(self.batch_axis) > 1:
-                from torch.distributed.fsdp import FSDPModule, fully_shard
-
-                fully_shard(root, mesh=self.torch_mesh[self.batch_axis])
-                assert isinstance(root, FSDPModule)
-                root.set_gradient_divide_factor(1.0)  # summed across replicas (compute_average_loss)
-                root.set_force_sum_reduction_for_comms(True)
+                # each block's tensor-parallel parts sharded over the data axis as a unit, as
+                # ShardedStrategy shards (torchtitan's FSDP x TP), summed across replicas
+                apply_fsdp(root, self.torch_mesh[self.batch_axis], ShardingOptions())
 
     # --- run (reductions and input: OverReplicas) ----------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any, final
 
 from stratagem.distribute.engines.build import check_init
+from stratagem.distribute.engines.fsdp import ShardingOptions
 from stratagem.distribute.engines.shard_plan import UnitSpec
-from stratagem.distribute.engines.sharded import ShardedExtended, ShardingOptions
+from stratagem.distribute.engines.sharded import ShardedExtended
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.startup import start
 from stratagem.distribute.strategy import Strategy
