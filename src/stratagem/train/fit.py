@@ -28,7 +28,7 @@ import copy
 import itertools
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Union, overload
 
 import numpy as np
@@ -356,15 +356,7 @@ def fit(
     loss_fn = loss_names.resolve(loss_fn)
     options = TrainOptions(gradient_accumulation_steps, clipnorm, clipvalue, global_clipnorm,
                            dict(class_weight) if class_weight is not None else None)
-    if initial_epoch < 0:
-        raise ValueError(f"initial_epoch must be >= 0, got {initial_epoch}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
-    if epochs < 0:
-        raise ValueError(f"epochs must be >= 0, got {epochs}")
-    if loss_fn is not None:
-        check_loss_fn(loss_fn)
-    _check_scheduler(lr_scheduler, lr_scheduler_interval, strategy, optimizer)
+    _check_fit(strategy, optimizer, loss_fn, epochs, initial_epoch, lr_scheduler, lr_scheduler_interval)
     train_metrics = _tracked_metrics(model, loss_fn, metrics, weighted_metrics)
     if weighted_metrics and strategy.extended.is_pipeline:
         raise ValueError(
@@ -376,6 +368,8 @@ def fit(
     if validation_data is not None:
         check_iterable(validation_data, "validation_data")
         check_finite(validation_data, validation_steps, "validation_data", "validation_steps")
+    params = {"epochs": epochs, "verbose": verbose, "do_validation": validation_data is not None,
+              "metrics": _log_names(tracked, validation_data is not None), "num_replicas": strategy.num_replicas_in_sync}
     if strategy.extended.coordinates_workers:  # ParameterServerStrategy: steps scheduled onto workers
         from stratagem.train import coordinated_fit
 
@@ -389,124 +383,172 @@ def fit(
             runner = _make_steps(strategy, model, None, loss_fn)
             return _run_test(strategy, runner, validation_data, val_tracked, None, validation_steps)  # type: ignore[arg-type]
 
-        names = [m.name for m in tracked]
         assert isinstance(model, nn.Module)  # a Pipe exists only under PipelineStrategy
         return coordinated_fit.fit_coordinated(
             strategy, model, optimizer, loss_fn, data, epochs=epochs, steps_per_epoch=steps_per_epoch,
             tracked=tracked, callbacks=callbacks, verbose=verbose, initial_epoch=initial_epoch,
-            validate=validate if validation_data is not None else None,
-            params={"epochs": epochs, "verbose": verbose, "do_validation": validation_data is not None,
-                    "metrics": names + ([f"val_{n}" for n in names] if validation_data is not None else []),
-                    "num_replicas": strategy.num_replicas_in_sync},
+            validate=validate if validation_data is not None else None, params=params,
         )  # fmt: skip
     steps = _make_steps(strategy, model, optimizer, loss_fn, policy, options)
     if lr_scheduler is not None and lr_scheduler_interval == "step":
         steps.after_update = lr_scheduler.step
     batches = GlobalBatches(strategy, data, steps_per_epoch)
-    names = [m.name for m in tracked]
-    params: dict[str, Any] = {
-        "epochs": epochs,
-        "steps": batches.steps(),
-        "verbose": verbose,
-        "metrics": names + ([f"val_{n}" for n in names] if validation_data is not None else []),
-        "do_validation": validation_data is not None,
-        "num_replicas": strategy.num_replicas_in_sync,
-    }
-    history = History(params)
-    state = FitState(steps.module, optimizer, strategy, history, params, is_chief=steps.is_chief)
-    cbs = list(callbacks)
-    mode = resolve_mode(verbose)
-    if mode is not None and not any(isinstance(cb, Progress) for cb in cbs):
-        cbs.insert(0, Progress(mode))
-    cblist = CallbackList(cbs, state)
-    cadence = _Cadence(steps_per_execution, cbs)
+    loop = _Loop(strategy, steps, optimizer, batches, tracked, val_tracked, {**params, "steps": batches.steps()},
+                 callbacks, verbose, steps_per_execution, options.accumulate)
+    loop.validation = (validation_data, validation_steps) if validation_data is not None else None
+    loop.epoch_scheduler = lr_scheduler if lr_scheduler_interval == "epoch" else None
+    return loop.run(initial_epoch, epochs)
 
-    def capture(progress: FitProgress, *, epoch_end: bool) -> None:
+
+def _check_fit(
+    strategy: Strategy, optimizer: Any, loss_fn: Any, epochs: int, initial_epoch: int, lr_scheduler: Any, interval: str
+) -> None:
+    if initial_epoch < 0:
+        raise ValueError(f"initial_epoch must be >= 0, got {initial_epoch}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    if epochs < 0:
+        raise ValueError(f"epochs must be >= 0, got {epochs}")
+    if loss_fn is not None:
+        check_loss_fn(loss_fn)
+    _check_scheduler(lr_scheduler, interval, strategy, optimizer)
+
+
+def _log_names(tracked: Sequence[Metric], validation: bool) -> list[str]:
+    names = [m.name for m in tracked]
+    return names + ([f"val_{n}" for n in names] if validation else [])
+
+
+class _Loop:
+    """fit's epochs when the replicas step together (every strategy but ParameterServerStrategy):
+    executions of up to ``steps_per_execution`` steps, each ended by one sync of the logs, then
+    validation, the callbacks and the stop agreed by every replica."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        steps: Any,
+        optimizer: torch.optim.Optimizer,
+        batches: GlobalBatches,
+        tracked: list[Metric],
+        val_tracked: list[Metric],
+        params: dict[str, Any],
+        callbacks: Sequence[Callback],
+        verbose: int | str,
+        steps_per_execution: int | str,
+        accumulate: int,
+    ) -> None:
+        self.strategy, self.steps, self.batches = strategy, steps, batches
+        self.tracked, self.val_tracked = tracked, val_tracked
+        self.accumulate = accumulate
+        self.validation: tuple[Iterable[Any], int | None] | None = None
+        self.epoch_scheduler: Any = None
+        self.history = History(params)
+        self.state = state = FitState(steps.module, optimizer, strategy, self.history, params, is_chief=steps.is_chief)
+        cbs = list(callbacks)
+        mode = resolve_mode(verbose)
+        if mode is not None and not any(isinstance(cb, Progress) for cb in cbs):
+            cbs.insert(0, Progress(mode))
+        self.cblist = CallbackList(cbs, state)
+        self.cadence = _Cadence(steps_per_execution, cbs)
+        self.per_batch_stop = any(_may_stop_per_batch(cb) for cb in cbs)
+        state.capture = self.capture
+        state.restore = self.restore
+
+    def capture(self, progress: FitProgress, *, epoch_end: bool) -> None:
+        state = self.state
         progress.capture(
             epoch=state.epoch + 1 if epoch_end else state.epoch,
             step=0 if epoch_end else state.step,
             iterations=state.iterations,
-            data=batches.state_dict(),
-            metrics=tracked,
-            history=history.state_dict(),
-            loss_scale=steps.loss_scale_state(),
+            data=self.batches.state_dict(),
+            metrics=self.tracked,
+            history=self.history.state_dict(),
+            loss_scale=self.steps.loss_scale_state(),
         )
 
-    def restore(progress: FitProgress) -> None:
-        saved = progress.state
-        batches.load_state_dict(saved["data"])
-        history.load_state_dict(saved["history"])
+    def restore(self, progress: FitProgress) -> None:
+        saved, state = progress.state, self.state
+        self.batches.load_state_dict(saved["data"])
+        self.history.load_state_dict(saved["history"])
         if saved["step"] > 0:
-            progress.restore_metrics(tracked)
+            progress.restore_metrics(self.tracked)
         state.initial_epoch, state.initial_step = int(saved["epoch"]), int(saved["step"])
         state.iterations = int(saved["iterations"])
         if saved.get("loss_scale") is not None:
-            steps.load_loss_scale_state(saved["loss_scale"])
+            self.steps.load_loss_scale_state(saved["loss_scale"])
 
-    state.capture = capture
-    state.restore = restore
-
-    logs: Logs = {}
-    per_batch_stop = any(_may_stop_per_batch(cb) for cb in cbs)
-    _set_model_flag(state.model, False)  # as Keras: model.stop_training is reset by each fit
-    with context.strategy_scope(strategy):
-        cblist.call("on_train_begin", None)
-        if state.initial_epoch == 0 and state.initial_step == 0:
-            state.initial_epoch = initial_epoch  # a backup restored by on_train_begin wins
-        for epoch in range(state.initial_epoch, epochs):
-            state.epoch = epoch
-            if epoch == state.initial_epoch and state.initial_step > 0:
-                state.step = state.initial_step  # resumed mid-epoch: data, metrics already restored
-            else:
-                state.step = 0
-                _reset(tracked)
-                batches.begin_epoch()
-            sync_metrics(strategy, tracked)
-            state.samples = int(tracked[0].global_totals()[1])
-            steps.set_training(True)
-            cblist.call("on_epoch_begin", epoch, None)
-            epoch_batches = batches.epoch()
-            while True:  # an execution: up to cadence.size steps in one strategy.run, then one sync
-                group = list(itertools.islice(epoch_batches, cadence.size * options.accumulate))
-                if not group:
-                    break
-                cblist.call("on_train_batch_begin", state.step, None)
-                t0 = time.perf_counter()
-                in_steps = steps.train(group, tracked[0], tracked[1:])
-                t1 = time.perf_counter()
-                state.step += len(group)
-                state.iterations += len(group)
-                # the sync also carries whether a callback asked to stop before this execution's
-                # end (on_epoch_begin, on_train_batch_begin): every replica stops after this batch,
-                # as Keras does, at no extra collective
-                proposal = cadence.proposal(t1 - t0, in_steps, len(group))
-                summed = _end_execution(strategy, tracked, state, cblist, [float(_stop_asked(state)), *proposal])
-                if cadence.measuring:
-                    cadence.timed(len(group), t1 - t0, in_steps, time.perf_counter() - t1)
-                    cadence.agreed(summed[1:], strategy.num_replicas_in_sync)
-                # asked in on_train_batch_end (Keras checks after each batch): agreed now, so every
-                # replica stops after this batch (one small collective, only with such callbacks)
-                if summed[0] > 0 or (per_batch_stop and steps.agree(_stop_asked(state))):
+    def run(self, initial_epoch: int, epochs: int) -> History:
+        state, cblist = self.state, self.cblist
+        logs: Logs = {}
+        _set_model_flag(state.model, False)  # as Keras: model.stop_training is reset by each fit
+        with context.strategy_scope(self.strategy):
+            cblist.call("on_train_begin", None)
+            if state.initial_epoch == 0 and state.initial_step == 0:
+                state.initial_epoch = initial_epoch  # a backup restored by on_train_begin wins
+            for epoch in range(state.initial_epoch, epochs):
+                logs = self._epoch(epoch)
+                if self.steps.agree(_stop_asked(state)):
                     state.stop_training = True
                     _set_model_flag(state.model, True)
                     break
-            logs = _logs(tracked)
-            if validation_data is not None:
-                steps.set_training(False)
-                val = _run_test(strategy, steps, validation_data, val_tracked, cblist, validation_steps)
-                logs.update({f"val_{k}": v for k, v in val.items()})
-                steps.set_training(True)
-            history.record(epoch, logs)
-            cblist.call("on_epoch_end", epoch, logs)  # callbacks may add logs (learning_rate)
-            history.update_last(logs)
-            if lr_scheduler is not None and lr_scheduler_interval == "epoch":
-                lr_scheduler.step()
-            if steps.agree(_stop_asked(state)):
+            cblist.call("on_train_end", dict(logs))
+        return self.history
+
+    def _epoch(self, epoch: int) -> Logs:
+        state, steps, tracked = self.state, self.steps, self.tracked
+        state.epoch = epoch
+        if epoch == state.initial_epoch and state.initial_step > 0:
+            state.step = state.initial_step  # resumed mid-epoch: data, metrics already restored
+        else:
+            state.step = 0
+            _reset(tracked)
+            self.batches.begin_epoch()
+        sync_metrics(self.strategy, tracked)
+        state.samples = int(tracked[0].global_totals()[1])
+        steps.set_training(True)
+        self.cblist.call("on_epoch_begin", epoch, None)
+        self._train(self.batches.epoch())
+        logs = _logs(tracked)
+        if self.validation is not None:
+            steps.set_training(False)
+            val = _run_test(self.strategy, steps, self.validation[0], self.val_tracked, self.cblist, self.validation[1])
+            logs.update({f"val_{k}": v for k, v in val.items()})
+            steps.set_training(True)
+        self.history.record(epoch, logs)
+        self.cblist.call("on_epoch_end", epoch, logs)  # callbacks may add logs (learning_rate)
+        self.history.update_last(logs)
+        if self.epoch_scheduler is not None:
+            self.epoch_scheduler.step()
+        return logs
+
+    def _train(self, epoch_batches: Iterator[Any]) -> None:
+        """The epoch's executions: up to ``cadence.size`` steps in one ``strategy.run``, then one sync."""
+        state, cadence, tracked = self.state, self.cadence, self.tracked
+        while True:
+            group = list(itertools.islice(epoch_batches, cadence.size * self.accumulate))
+            if not group:
+                return
+            self.cblist.call("on_train_batch_begin", state.step, None)
+            t0 = time.perf_counter()
+            in_steps = self.steps.train(group, tracked[0], tracked[1:])
+            t1 = time.perf_counter()
+            state.step += len(group)
+            state.iterations += len(group)
+            # the sync also carries whether a callback asked to stop before this execution's
+            # end (on_epoch_begin, on_train_batch_begin): every replica stops after this batch,
+            # as Keras does, at no extra collective
+            proposal = cadence.proposal(t1 - t0, in_steps, len(group))
+            summed = _end_execution(self.strategy, tracked, state, self.cblist, [float(_stop_asked(state)), *proposal])
+            if cadence.measuring:
+                cadence.timed(len(group), t1 - t0, in_steps, time.perf_counter() - t1)
+                cadence.agreed(summed[1:], self.strategy.num_replicas_in_sync)
+            # asked in on_train_batch_end (Keras checks after each batch): agreed now, so every
+            # replica stops after this batch (one small collective, only with such callbacks)
+            if summed[0] > 0 or (self.per_batch_stop and self.steps.agree(_stop_asked(state))):
                 state.stop_training = True
                 _set_model_flag(state.model, True)
-                break
-        cblist.call("on_train_end", dict(logs))
-    return history
+                return
 
 
 #: Keras's default ``batch_size`` for array inputs.
