@@ -233,6 +233,8 @@ class FailureMonitor:
         #: a peer process on this host found stopped: ended (SIGKILL) when this process aborts,
         #: as nothing else can end it (it runs no code of its own until continued)
         self._stopped_peer: int | None = None
+        #: the silent peer this process published a verdict on (the others may not see it alone)
+        self._published_silent: int | None = None
         self._prev_hook = sys.excepthook
         #: the longest one store call of the watcher can block (then it raises)
         self._store_timeout = max(5.0, 2 * self.options.heartbeat_seconds)
@@ -596,6 +598,8 @@ class FailureMonitor:
         rec = json.dumps({"rank": found.rank, "why": found.why, "silent": found.silent, "by": self.rank})
         n = self._add(self._key("nfail"), 1)
         self._store.set(self._key("fail", n), rec)
+        if found.silent:
+            self._published_silent = found.rank
 
     def _detect(self) -> Failure | None:
         """One look at the store and the peers (holding the lock); records what it finds."""
@@ -712,6 +716,7 @@ class FailureMonitor:
         sys.stderr.write(f"stratagem: rank {self.rank}: WorkerFailedError: {err}\n")
         sys.stderr.flush()
         record_followed(f"WorkerFailedError: {err}", err.rank)
+        self._let_the_verdict_spread()
         self._mark("aborted")
         for child in multiprocessing.active_children():
             child.terminate()
@@ -719,6 +724,30 @@ class FailureMonitor:
             with contextlib.suppress(OSError):
                 os.kill(self._stopped_peer, signal.SIGKILL)
         os._exit(ABORT_EXIT_CODE)
+
+    def _let_the_verdict_spread(self) -> None:
+        """Before this process ends on a silent peer it found (a host cut off or gone): wait, at
+        most two heartbeats, until the other live ranks have read that verdict. Its end may take
+        the store with it (torchrun's agent, on this host, ends once its replica has), and a rank
+        that had not read the verdict then learned only that the store went away: it named the
+        store instead of the peer (seen across hosts, the store on the finder's host)."""
+        failed = self._published_silent
+        if failed is None or self._store_errors >= 2:
+            return
+        want = self.world_size - 1  # every rank but the silent one (this one counted itself)
+        deadline = time.monotonic() + 2 * self.options.heartbeat_seconds
+        while time.monotonic() < deadline:
+            # never blocked on the lock: a store call stuck in another thread may hold it
+            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return
+            try:
+                if self._add(self._key("seen", failed), 0) >= want:
+                    return
+            except Exception:  # noqa: BLE001 - the store is going: nothing more to wait for
+                return
+            finally:
+                self._lock.release()
+            time.sleep(0.05)
 
     def record_exception(self, exc: BaseException, tb_text: str) -> None:
         """Publish that this rank failed with ``exc`` (its traceback), once."""

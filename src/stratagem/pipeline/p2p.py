@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from stratagem.comm import Communicator, ProcessGroupCommunicator
 from stratagem.comm.communicator import classify_failure
+from stratagem.comm.failure import in_collective
 
 TENSOR, NONE, ERROR = 1, 2, 3
 MAX_DIMS = 8
@@ -174,13 +175,19 @@ class Channel:
             raise self._fail(e, f"receive from stage {src}") from e
 
     def _wait_recv(self, work: Any) -> None:
-        """Wait for a receive: without limit, or until ``deadline`` (then TimeoutError)."""
+        """Wait for a receive: without limit, or until ``deadline`` (then TimeoutError). Marked
+        as a collective under way: once the failure monitor knows of a failed peer, a stage
+        blocked here is stopped at once, not after the grace meant for a stage still computing
+        (a stage waiting on a peer whose host vanished heard of it only as the store going away,
+        and waited that grace: 11.5 s where the bound across hosts is 10 s)."""
         if self.deadline is None:
-            work.wait()
+            with in_collective():
+                work.wait()
             return
         left = self.deadline - time.monotonic()
         try:
-            done = left > 0 and work.wait(timeout=datetime.timedelta(seconds=left))
+            with in_collective():
+                done = left > 0 and work.wait(timeout=datetime.timedelta(seconds=left))
         except (RuntimeError, dist.DistError) as e:  # gloo raises on a timeout: no probing then
             raise TimeoutError(f"no message before the deadline ({str(e).splitlines()[0] if str(e) else ''})") from e
         if not done:
@@ -353,8 +360,9 @@ class Channel:
         posted, so the step's buffers may serve the next one)."""
         pending, self._pending = self._pending, []
         try:
-            for w, _ in pending:
-                w.wait()
+            with in_collective():
+                for w, _ in pending:
+                    w.wait()
         except (RuntimeError, dist.DistError) as e:
             self._buffers.drop()
             raise self._fail(e, "send") from e
