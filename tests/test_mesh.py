@@ -25,9 +25,7 @@ def test_groups_along_one_axis_and_several():
     assert mesh.groups("model") == [[0, 1, 2], [3, 4, 5]]
     assert mesh.groups("data", "model") == [[0, 1, 2, 3, 4, 5]]
     assert mesh.groups("context") == [[r] for r in range(6)]  # an axis the mesh lacks: alone
-    assert mesh.group_of(4, "data") == [1, 4]
     assert mesh.axis_size("model") == 3 and mesh.axis_size("context") == 1
-    assert mesh.enabled("model") and not mesh.enabled("context")
     assert str(mesh) == "data 2 x model 3"
 
 

@@ -283,11 +283,10 @@ def release_groups() -> None:
     interpreter finalization."""
     for comm in list(_live_groups):
         comm.group = None
-    for mesh in list(_live_meshes):
-        for m in (mesh, getattr(mesh, "_root_mesh", None)):
-            registry = getattr(m, "_pg_registry", None)
-            if isinstance(registry, dict):
-                registry.clear()
+    for mesh in list(_live_meshes):  # roots: a slice of one registers its groups in the root's
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 class ProcessGroupCommunicator(Communicator):

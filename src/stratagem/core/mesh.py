@@ -62,10 +62,6 @@ class DeviceMesh:
         """The number of processes along ``name`` (1 for an axis the mesh does not have)."""
         return self.shape[self.axis_names.index(name)] if name in self.axis_names else 1
 
-    def enabled(self, name: str) -> bool:
-        """Whether the mesh really splits along ``name`` (more than one process on it)."""
-        return self.axis_size(name) > 1
-
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where process ``rank`` sits on each axis (row-major, as torch's DeviceMesh)."""
         if not 0 <= rank < self.size:
@@ -99,10 +95,6 @@ class DeviceMesh:
             key = tuple(v for k, v in c.items() if k not in along)
             found.setdefault(key, []).append(r)
         return list(found.values())
-
-    def group_of(self, rank: int, *axes: str) -> list[int]:
-        """The group of ``groups(*axes)`` that holds ``rank``."""
-        return next(g for g in self.groups(*axes) if rank in g)
 
     def check_world(self, world_size: int, what: str) -> None:
         """A clear error unless the job has exactly the processes the mesh places."""

@@ -46,7 +46,8 @@ def start(
     if mesh is not None and launched is not None:
         if check_world is not None:
             check_world(launched.world_size)
-        mesh.check_world(launched.world_size, what)
+        else:
+            mesh.check_world(launched.world_size, what)
     if mesh is None and launched is None:
         plan = plan_devices(devices, replicas, cuda, what=what)
         spec = ensure_replicas(len(plan))

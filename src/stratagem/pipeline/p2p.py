@@ -180,16 +180,15 @@ class Channel:
         blocked here is stopped at once, not after the grace meant for a stage still computing
         (a stage waiting on a peer whose host vanished heard of it only as the store going away,
         and waited that grace: 11.5 s where the bound across hosts is 10 s)."""
-        if self.deadline is None:
-            with in_collective():
+        with in_collective():
+            if self.deadline is None:
                 work.wait()
-            return
-        left = self.deadline - time.monotonic()
-        try:
-            with in_collective():
+                return
+            left = self.deadline - time.monotonic()
+            try:
                 done = left > 0 and work.wait(timeout=datetime.timedelta(seconds=left))
-        except (RuntimeError, dist.DistError) as e:  # gloo raises on a timeout: no probing then
-            raise TimeoutError(f"no message before the deadline ({str(e).splitlines()[0] if str(e) else ''})") from e
+            except (RuntimeError, dist.DistError) as e:  # gloo raises on a timeout: no probing then
+                raise TimeoutError(f"no message before the deadline ({str(e).splitlines()[0] if str(e) else ''})") from e
         if not done:
             raise TimeoutError("no message before the deadline")
 
