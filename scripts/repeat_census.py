@@ -25,8 +25,20 @@ MARK = "multiprocess and not slow and not matrix"
 
 def files_with_multiprocess_tests() -> list[str]:
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "-m", MARK],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "--collect-only",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            MARK,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     counts = collections.Counter(line.split("::")[0] for line in out.splitlines() if "::" in line)
     return sorted(counts)
@@ -49,27 +61,50 @@ def failures(junit: Path) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--count", type=int, default=20)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds for one file's run")
+    parser.add_argument(
+        "--timeout", type=float, default=3 * 3600, help="seconds for one file's run"
+    )
     parser.add_argument("files", nargs="*")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     summary = args.out / "SUMMARY.tsv"
-    todo = [f for f in (args.files or files_with_multiprocess_tests()) if f not in done_files(summary)]
+    todo = [
+        f for f in (args.files or files_with_multiprocess_tests()) if f not in done_files(summary)
+    ]
     print(f"{len(todo)} files to run, {args.count} times each", flush=True)
     for path in todo:
         name = re.sub(r"[^A-Za-z0-9]+", "_", path)
         junit = args.out / f"{name}.xml"
         log = args.out / f"{name}.log"
         start = time.monotonic()
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", MARK,
-               "--count", str(args.count), f"--junitxml={junit}", path]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            MARK,
+            "--count",
+            str(args.count),
+            f"--junitxml={junit}",
+            path,
+        ]
         with log.open("w") as sink:
             try:
-                subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=args.timeout,
-                               env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                subprocess.run(
+                    cmd,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    timeout=args.timeout,
+                    env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                )
             except subprocess.TimeoutExpired:
                 sink.write(f"\nrepeat_census: the run passed {args.timeout} s and was stopped\n")
         seconds = time.monotonic() - start
