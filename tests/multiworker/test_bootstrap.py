@@ -37,5 +37,7 @@ def test_connect_names_the_unreachable_address():
     resolver = SimpleClusterResolver(f"127.0.0.1:{port}", 2, 1)  # nobody hosts the store
     start = time.monotonic()
     with pytest.raises(CollectiveError, match=f"could not reach the rendezvous at 127.0.0.1:{port}"):
-        connect_to_cluster(resolver, CommunicationOptions(timeout_seconds=2, failure=FAST.failure), device="cpu")
-    assert time.monotonic() - start < 30  # promise: the 2 s rendezvous timeout holds, never a hang
+        connect_to_cluster(resolver, CommunicationOptions(timeout_seconds=5, failure=FAST.failure), device="cpu")
+    # promise: the 5 s rendezvous timeout holds (torch's own client, alone, gave up after 5.7 to
+    # 13.6 s); 1.5 s more for a loaded machine
+    assert time.monotonic() - start < 5 + 1.5

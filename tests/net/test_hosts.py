@@ -94,7 +94,9 @@ def test_a_vanished_host_has_no_process_left_and_cannot_be_reached():
     with Hosts(2) as hosts:
         a, b = hosts
         server = _server(a)
-        sleeper = a.popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        sleeper = a.popen([sys.executable, "-c", "import time; print('asleep', flush=True); time.sleep(600)"],
+                          stdout=subprocess.PIPE, text=True)
+        assert sleeper.stdout is not None and sleeper.stdout.readline().strip() == "asleep"  # inside by now
         assert len(a.pids()) >= 2
         a.vanish()
         assert a.pids() == []

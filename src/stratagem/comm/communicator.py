@@ -493,12 +493,18 @@ def connect_store(
 
     torch's client waits for the store's answer to its first message without a time limit: a
     process that accepts the connection and never answers (a stale listener, another service, a
-    wrong address) would hold every worker forever. The client is made on a helper thread; past
-    the deadline its connection is shut down (which ends the wait inside torch) and the error
-    names the address, the rank and the phase.
+    wrong address) would hold every worker forever. And while nothing accepts connections there,
+    its retries outlive its own deadline (torch 2.13, timeout 5 s: it gave up after 5.7 to 13.6 s).
+    So a client first waits here, within the deadline, until something accepts a connection at
+    the address; then torch's client is made on a helper thread; past the deadline its connection
+    is shut down (which ends the wait inside torch). The error names the address, the rank and
+    the phase.
     """
     where = f"{master_addr}:{master_port}"
     delta = datetime.timedelta(seconds=timeout)
+    deadline = time.monotonic() + timeout
+    if not is_master and not _await_listener(master_addr, master_port, deadline):
+        raise _store_error(rank, where, timeout, TimeoutError("nobody accepts connections there"))
     box: dict[str, Any] = {}
 
     def connect() -> None:
@@ -512,7 +518,7 @@ def connect_store(
 
     thread = threading.Thread(target=connect, name="stratagem-store-connect", daemon=True)
     thread.start()
-    thread.join(timeout + 2.0)
+    thread.join(max(deadline - time.monotonic(), 0.0) + 2.0)
     if thread.is_alive():
         end = time.monotonic() + timeout + 5.0
         while thread.is_alive() and time.monotonic() < end:  # torch's client reconnects: again
@@ -532,6 +538,24 @@ def connect_store(
             raise _store_error(rank, where, timeout, e) from e
         raise e
     return box["store"]
+
+
+def _await_listener(host: str, port: int, deadline: float) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` before ``deadline`` (tried
+    again every 10 ms at first, then every 0.2 s; a host that drops the attempts silently is
+    waited for only until the deadline)."""
+    pause = 0.01
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            socket.create_connection((host, port), timeout=min(left, 1.0)).close()
+        except OSError:
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, 0.2)
+            continue
+        return True
 
 
 def _listening(host: str, port: int) -> bool:
