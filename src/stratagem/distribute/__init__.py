@@ -8,6 +8,7 @@ from stratagem.distribute.current import (
     has_strategy,
     in_cross_replica_context,
 )
+from stratagem.distribute.engines.fsdp import ShardingOptions
 from stratagem.distribute.engines.input import InputContext
 from stratagem.distribute.engines.layout import LayoutMap
 from stratagem.distribute.function import function
@@ -48,6 +49,7 @@ __all__ = [
     "PerReplica",
     "ReplicaContext",
     "ShardedStrategy",
+    "ShardingOptions",
     "Strategy",
     "StrategyExtended",
     "TPUStrategy",

@@ -46,6 +46,7 @@ class Pipe:
         loss_reduction: str,
         replicas: Communicator,
         tied: TiedGradients | None = None,
+        sharded: bool = False,
     ) -> None:
         self.model = model
         #: this process's chunks of the model, in model order (one but under interleaved plans)
@@ -59,6 +60,7 @@ class Pipe:
         self.loss_reduction = loss_reduction
         self.replicas = replicas
         self.tied = tied  # weights tied to another stage's: gradients summed after each backward
+        self.sharded = sharded  # the layers are sharded over the copies (FSDP reduces the gradients)
         self.num_microbatches = schedule.num_microbatches
         owned = {id(p) for p in self.module.parameters()}
         self._named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
@@ -74,7 +76,7 @@ class Pipe:
             old.remove()
         self._trainable = [p.requires_grad for _, p in self._named]
         trainable = [(n, p) for n, p in self._named if p.requires_grad]
-        if self.replicas.world_size > 1 and trainable:
+        if self.replicas.world_size > 1 and trainable and not self.sharded:
             self.reducer = GradientReducer(
                 self.replicas, [p for _, p in trainable], [n for n, _ in trainable], op="sum"
             )
@@ -94,9 +96,10 @@ class Pipe:
         return ((n, b) for n, b in self.model.named_buffers() if id(b) in owned)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters and buffers under their original names."""
-        out = {n: p.detach() for n, p in self._named}
-        out.update({n: b.detach() for n, b in self.named_buffers()})
+        """This stage's parameters and buffers under their original names, whole (a stage sharded
+        over its copies gathers them: call it on every copy)."""
+        out = {n: _whole(p.detach()) for n, p in self._named}
+        out.update({n: _whole(b.detach()) for n, b in self.named_buffers()})
         return out
 
     def train(self, mode: bool = True) -> Pipe:
@@ -152,7 +155,10 @@ class Pipe:
         scales = loss_scales(sizes, self.loss_reduction, total)
         xs = scatter(self._place(x), sizes) if self.is_first else [None] * len(sizes)
         ys = scatter(self._place(y), sizes) if self.is_last else [None] * len(sizes)
-        if self.replicas.world_size > 1 and [p.requires_grad for _, p in self._named] != self._trainable:
+        if (
+            self.replicas.world_size > 1 and not self.sharded
+            and [p.requires_grad for _, p in self._named] != self._trainable
+        ):
             self._build_reducer()  # every replica of this stage runs the same program: all do
         reducer = self.reducer
 
@@ -191,3 +197,10 @@ class Pipe:
             f"Pipe(stage {self.stage.index} of {self.num_stages}, layers {held}, "
             f"{self.schedule.name}, {self.num_microbatches} micro-batches, rematerialize={self.rematerialize!r})"
         )
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the whole tensor of a DTensor (a collective over its mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -15,6 +15,7 @@ from torch import nn
 from stratagem.comm import Communicator
 from stratagem.distribute import context, ownership
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
+from stratagem.distribute.engines.fsdp import ShardingOptions, apply_fsdp
 from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.strategy import ReplicaContext
 from stratagem.pipeline.config import PipelineConfig
@@ -42,8 +43,11 @@ class PipelineExtended(OverReplicas):
         replicas: Communicator,
         device: torch.device,
         upstream: Communicator | None = None,
+        *,
+        sharding: ShardingOptions | None = None,
     ) -> None:
         self.config = config
+        self.sharding = sharding  # each stage's layers sharded over its copies (FSDP), or None
         self.upstream_comm = upstream  # the pipeline's ranks again, for messages to a lower stage
         self._world = world
         self.pipeline_comm = pipeline
@@ -211,6 +215,13 @@ class PipelineExtended(OverReplicas):
             if self.replicas.world_size > 1:
                 tensors = [*modules.parameters(), *modules.buffers()]
                 self.replicas.broadcast_tensors_([t.data for t in tensors], src=0)
+            if self.sharding is not None:
+                if ties:
+                    raise PipelineConfigError(
+                        f"sharding does not take weights tied across stages yet ({'; '.join(map(str, ties))}); "
+                        "untie them or leave sharding=None"
+                    )
+                self._shard(stages)
             channel = Channel(self.pipeline_comm, upstream=self.upstream_comm) if cfg.num_stages > 1 else None
             tied = (
                 TiedGradients(ties, layers, owned, self.stage, self._world, self.config.pipeline_groups())
@@ -219,7 +230,7 @@ class PipelineExtended(OverReplicas):
             pipe = Pipe(
                 model, stages, channel, self.schedule, partition,
                 rematerialize=cfg.rematerialize, loss_reduction=reduction, replicas=self.replicas,
-                tied=tied,
+                tied=tied, sharded=self.sharding is not None,
             )  # fmt: skip
         for t in (*modules.parameters(), *modules.buffers()):
             ownership.claim(t, self.owner())
@@ -231,6 +242,21 @@ class PipelineExtended(OverReplicas):
             for tie in ties:
                 print(f"stratagem PipelineStrategy: tied across stages, gradients summed: {tie}", flush=True)
         return pipe
+
+    def _shard(self, stages: Sequence[Stage]) -> None:
+        """Shard every layer of this process's stages over the stage's copies (the replica
+        group, a 1-D mesh): each layer with parameters is FSDP's unit and root (a stage runs its
+        layers one by one), with ``sharding``'s options; gradients are summed across the copies
+        (reduce-scattered at each micro-batch's backward and accumulated in the shards)."""
+        from stratagem.core.mesh import DATA, DeviceMesh
+        from stratagem.distribute.engines.torch_mesh import build_torch_mesh
+
+        assert self.sharding is not None
+        mesh = build_torch_mesh(DeviceMesh.of((DATA, self.replicas.world_size)), self.replicas, self._device)
+        for st in stages:
+            for layer in st.layers:
+                if any(True for _ in layer.parameters()):
+                    apply_fsdp(layer, mesh, self.sharding)
 
     # --- the timeline ------------------------------------------------------------------------------
     @contextlib.contextmanager

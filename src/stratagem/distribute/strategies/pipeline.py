@@ -21,10 +21,12 @@ from torch import nn
 
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.core.warn import warn_user
+from stratagem.distribute.engines.fsdp import ShardingOptions
 from stratagem.distribute.engines.pipeline import PipelineExtended
 from stratagem.distribute.startup import start
 from stratagem.distribute.strategy import Strategy
 from stratagem.pipeline.config import PipelineConfig
+from stratagem.pipeline.errors import PipelineConfigError
 from stratagem.pipeline.partition import Partition
 from stratagem.pipeline.pipe import Pipe
 from stratagem.pipeline.schedule import Schedule
@@ -43,7 +45,10 @@ class PipelineStrategy(Strategy):
     (default) or ``"never"`` (torchgpipe's re-materialization modes); ``balance``: a list of
     layer counts per stage, ``"params"`` (default) or ``"time"``. ``devices``: as for
     MirroredStrategy (None: a GPU per process when there are enough, else the CPU; ``"cpu"``). ``timeout`` bounds every
-    communication (seconds). See docs/PIPELINE.md.
+    communication (seconds). ``sharding``: ``ShardingOptions(...)`` shards each stage's layers over
+    its ``data_parallel`` copies (FSDP: every copy holds 1/``data_parallel`` of its stage's
+    parameters, gradients and optimizer state) instead of each copy holding them whole; None
+    (default) keeps whole copies. See docs/PIPELINE.md.
     """
 
     def __init__(
@@ -59,6 +64,7 @@ class PipelineStrategy(Strategy):
         devices: str | Sequence[str] | None = None,
         checkpoint: str | None = None,
         virtual_stages: int | None = None,
+        sharding: ShardingOptions | None = None,
     ) -> None:
         if checkpoint is not None:
             warn_user(
@@ -72,6 +78,7 @@ class PipelineStrategy(Strategy):
             num_stages, num_microbatches, schedule=schedule, rematerialize=rematerialize,
             balance=balance, data_parallel=data_parallel, virtual_stages=virtual_stages,
         )  # fmt: skip
+        _check_sharding(sharding, config)
         started = start("PipelineStrategy", devices, timeout=timeout, mesh=config.mesh, check_world=config.check_world)
         env, device, world = started.spec, started.device, started.comm
         pipeline_comm: Communicator
@@ -86,7 +93,7 @@ class PipelineStrategy(Strategy):
         self.cluster_spec = env
         self.config = config
         self.device = device
-        self._pipeline_ext = PipelineExtended(config, world, pipeline_comm, replicas, device, upstream)
+        self._pipeline_ext = PipelineExtended(config, world, pipeline_comm, replicas, device, upstream, sharding=sharding)
         super().__init__(self._pipeline_ext)
 
     # --- pipeline facts -----------------------------------------------------------------------------
@@ -155,5 +162,36 @@ class PipelineStrategy(Strategy):
             f"PipelineStrategy(num_stages={c.num_stages}, num_microbatches={c.num_microbatches}, "
             f"schedule={c.schedule!r}, "
             + (f"virtual_stages={c.virtual_stages}, " if c.virtual_stages > 1 else "")
-            + f"rematerialize={c.rematerialize!r}, data_parallel={c.data_parallel})"
+            + f"rematerialize={c.rematerialize!r}, data_parallel={c.data_parallel}"
+            + (f", sharding={self._pipeline_ext.sharding!r})" if self._pipeline_ext.sharding is not None else ")")
+        )
+
+
+def _check_sharding(sharding: object, config: PipelineConfig) -> None:
+    """What ``sharding=`` can be with this pipeline, or a PipelineConfigError saying why not."""
+    if sharding is None:
+        return
+    if not isinstance(sharding, ShardingOptions):
+        raise PipelineConfigError(
+            f"sharding must be a stratagem.ShardingOptions (or None), got {type(sharding).__name__}: "
+            f"{sharding!r}"
+        )
+    if config.data_parallel < 2:
+        raise PipelineConfigError(
+            f"sharding shards each stage over its data-parallel copies, and data_parallel="
+            f"{config.data_parallel} leaves one copy: pass data_parallel >= 2 (the processes are "
+            "num_stages x data_parallel), or leave sharding=None"
+        )
+    if config.schedule == "zero_bubble":
+        raise PipelineConfigError(
+            "sharding does not take schedule='zero_bubble' yet: its split backward (input "
+            "gradients, then weight gradients) runs outside FSDP's backward hooks; use 'gpipe', "
+            "'1f1b' or 'interleaved_1f1b'"
+        )
+    if sharding.shard_size is not None or sharding.gradient_op != "sum":
+        raise PipelineConfigError(
+            "sharding=ShardingOptions(...) under PipelineStrategy takes units, "
+            "reshard_after_forward, mixed_precision and offload; each stage is sharded over all "
+            f"its copies and gradients are summed (got shard_size={sharding.shard_size!r}, "
+            f"gradient_op={sharding.gradient_op!r})"
         )

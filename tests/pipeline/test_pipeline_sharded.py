@@ -1,0 +1,155 @@
+"""Pipeline x sharded (issue 32): ``PipelineStrategy(..., data_parallel=2, sharding=ShardingOptions())``
+shards each stage's layers over its copies (FSDP); training matches one device on the global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import stratagem as sg
+from stratagem.distribute.strategies.pipeline import PipelineStrategy
+from stratagem.pipeline import PipelineConfigError
+from stratagem.testing import run_workers
+
+RTOL, ATOL = 1e-5, 4e-5
+
+
+def build() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(5, 16), nn.Tanh(), nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, 8), nn.Tanh(),
+        nn.Linear(8, 3),
+    )  # fmt: skip
+
+
+def batches(sizes: list[int], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+
+def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _compare(pipe: Any, ref: nn.Module, what: str, errors: list[str], *, grads: bool) -> None:
+    refs = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        a = _whole(p.grad) if grads else _whole(p.detach())
+        b = refs[name].grad if grads else refs[name].detach()
+        if a is None or b is None or not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
+            diff = None if a is None or b is None else float((a - b).abs().max())
+            errors.append(f"{what}: {'grad' if grads else 'value'} of {name} differs (max {diff})")
+
+
+def custom_loop_worker() -> dict[str, Any]:
+    """Every schedule the sharding takes, both loss reductions, against one device."""
+    from torch.distributed.tensor import DTensor
+
+    errors: list[str] = []
+    out: dict[str, Any] = {}
+    cases = (("gpipe", "mean", "except_last"), ("1f1b", "sum", "always"), ("interleaved_1f1b", "mean", "never"))
+    for schedule, reduction, remat in cases:
+        what = f"{schedule}/{reduction}/{remat}"
+        s = PipelineStrategy(
+            2, 2, schedule=schedule, data_parallel=2, rematerialize=remat, devices="cpu", sharding=sg.ShardingOptions()
+        )
+        loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+        with s.scope():
+            torch.manual_seed(0)
+            pipe = s.pipeline(build(), loss_fn, verbose=False)
+            opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+        torch.manual_seed(0)
+        ref = build()
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+        _compare(pipe, ref, what + " init", errors, grads=False)
+        shards = {n: (p.to_local().shape[0], p.shape[0]) for n, p in pipe.named_parameters() if isinstance(p, DTensor)}
+        out.setdefault("shards", {})[schedule] = shards
+        global_batches = batches([12, 11, 12])  # the second splits 6/5 across the copies
+        for step, (x, y) in enumerate(s.experimental_distribute_dataset(global_batches)):
+            loss = s.reduce("sum", s.run(pipe.train_step, args=(x, y)))
+            gx, gy = global_batches[step]
+            ref_loss = loss_fn(ref(gx), gy)
+            ref_loss.backward()
+            if not torch.allclose(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL):
+                errors.append(f"{what} step {step}: loss {float(loss)} != {float(ref_loss)}")
+            _compare(pipe, ref, f"{what} step {step}", errors, grads=True)
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        _compare(pipe, ref, what + " after 3 steps", errors, grads=False)
+        state = pipe.state_dict()  # whole tensors, gathered from the copies
+        refs = dict(ref.named_parameters())
+        if sorted(state) != sorted(n for n, _ in pipe.named_parameters()) or any(
+            not torch.allclose(v, refs[k].detach(), rtol=RTOL, atol=ATOL) for k, v in state.items()
+        ):
+            errors.append(f"{what}: state_dict() is not the whole trained parameters")
+        pred = pipe.predict(global_batches[0][0])
+        if not torch.allclose(pred, ref(global_batches[0][0]).detach(), rtol=RTOL, atol=ATOL):
+            errors.append(f"{what}: predict differs from one device")
+    out["errors"] = errors
+    out["repr"] = repr(s)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_x_sharded_custom_loop_matches_one_device():
+    results = run_workers(custom_loop_worker, 4, timeout=200)
+    for r in results:
+        out = r.value
+        assert out["errors"] == [], out["errors"]
+        # every stage's weights are split over its 2 copies: each process holds half the rows
+        for schedule, shards in out["shards"].items():
+            assert shards, f"{schedule}: no parameter of this stage is sharded"
+            assert all(local == -(-whole // 2) or local == whole // 2 for local, whole in shards.values()), shards
+        assert "sharding=ShardingOptions(" in out["repr"]
+
+
+def fit_worker() -> dict[str, Any]:
+    """fit on a Pipe whose stages are sharded, against fit under OneDeviceStrategy."""
+    s = PipelineStrategy(2, 2, schedule="1f1b", data_parallel=2, devices="cpu", sharding=sg.ShardingOptions())
+    data = batches([8, 8, 6])
+    with s.scope():
+        torch.manual_seed(0)
+        pipe = s.pipeline(build(), nn.CrossEntropyLoss(), verbose=False)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    hist = sg.fit(pipe, opt, nn.CrossEntropyLoss(), data, strategy=s, epochs=2, verbose=0)
+    got = pipe.state_dict()
+    one = sg.OneDeviceStrategy()
+    with one.scope():
+        torch.manual_seed(0)
+        ref = build()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_hist = sg.fit(ref, ref_opt, nn.CrossEntropyLoss(), data, strategy=one, epochs=2, verbose=0)
+    refs = dict(ref.named_parameters())
+    return {
+        "params": {k: float((v - refs[k].detach()).abs().max()) for k, v in got.items()},
+        "loss": (hist.history["loss"], ref_hist.history["loss"]),
+    }
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_x_sharded_fit_matches_one_device():
+    results = run_workers(fit_worker, 4, timeout=200)
+    for r in results:
+        out = r.value
+        assert out["params"] and max(out["params"].values()) < 1e-5, out["params"]
+        got, want = out["loss"]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(data_parallel=1, sharding=sg.ShardingOptions()), "data_parallel=1 leaves one copy"),
+        (dict(data_parallel=2, schedule="zero_bubble", sharding=sg.ShardingOptions()), "zero_bubble"),
+        (dict(data_parallel=2, sharding=sg.ShardingOptions(shard_size=1)), "shard_size=1"),
+        (dict(data_parallel=2, sharding=True), "must be a stratagem.ShardingOptions"),
+    ],
+)
+def test_pipeline_sharding_arguments_it_cannot_take_are_clear_errors(kw, match):
+    with pytest.raises(PipelineConfigError, match=match):
+        PipelineStrategy(2, 2, devices="cpu", **kw)
