@@ -38,6 +38,7 @@ from torch import nn
 from stratagem.core.warn import warn_user
 from stratagem.distribute import current, ownership
 from stratagem.distribute.strategy import Strategy
+from stratagem.train.checkpoint import dtensors
 from stratagem.train.checkpoint.codec import CheckpointCorruptError, encode_value
 from stratagem.train.checkpoint.files import (
     _payload,
@@ -222,6 +223,8 @@ class Checkpoint:
         for name, obj in self._objects.items():
             if shared is None or _is_shared(obj) == shared:
                 state = _state_of(name, obj)
+                if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+                    state = dtensors.whole(state)  # sharded parameters and moments, whole
                 if ties is not None and isinstance(obj, nn.Module):
                     state = ties.saved(obj, state)
                 struct[name] = encode_value(state, tensors, name)
@@ -245,9 +248,11 @@ class Checkpoint:
                 elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
                     self._objects[name] = type(obj)(state)
                 elif isinstance(obj, nn.Module):
-                    obj.load_state_dict(_module_subset(obj, state), strict=False)
+                    obj.load_state_dict(dtensors.for_module(obj, _module_subset(obj, state)), strict=False)
                 else:
                     before = obj.state_dict() if _apply_rank(obj) == 0 else None
+                    if isinstance(obj, torch.optim.Optimizer):
+                        state = dtensors.for_optimizer(obj, state)
                     obj.load_state_dict(state)
                     if before is not None:
                         done.append((obj, before))
