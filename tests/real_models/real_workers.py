@@ -188,12 +188,16 @@ def pieces(x: Any, n: int) -> list[Any]:
     return list(x.chunk(n))
 
 
-def pipeline(names: list[str], data_parallel: int = 1) -> dict[str, Any]:
+def pipeline(names: list[str], data_parallel: int = 1, sharded: bool = False) -> dict[str, Any]:
     """GPTs in 2 stages (embeddings + block 0 | block 1 + head: the tie crosses the stages), BERT
     (its padding mask crossing beside the hidden states), a ResNet, through fit and the custom
     loop, against the unsplit model on one device; with ``data_parallel`` copies of the pipeline,
-    each stage's gradients also summed over copies."""
-    s = stratagem.PipelineStrategy(num_stages=2, num_microbatches=2, balance=[2, 2], data_parallel=data_parallel)
+    each stage's gradients also summed over copies; ``sharded``: each stage's layers sharded over
+    the copies (``sharding=ShardingOptions()``)."""
+    s = stratagem.PipelineStrategy(
+        num_stages=2, num_microbatches=2, balance=[2, 2], data_parallel=data_parallel,
+        sharding=stratagem.ShardingOptions() if sharded else None,
+    )  # fmt: skip
     out: dict[str, Any] = {}
     for name in names:
         case = M.CASES[name]

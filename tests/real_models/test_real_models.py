@@ -127,6 +127,24 @@ def test_pipeline_tie_with_two_data_parallel_copies() -> None:
 
 
 @pytest.mark.timeout(200)
+def test_pipeline_x_sharded_nanogpt_with_its_tie() -> None:
+    """nanoGPT as published in 2 stages x 2 copies, each stage's layers sharded over its copies
+    (FSDP): the tie's two ends, each sharded, summed shard by shard across the stages; the model
+    equal to one device on the global batch, through fit and the custom loop."""
+    outs = [r.value for r in run_workers(w.pipeline, 4, args=(["nanogpt"], 2, True), timeout=190)]
+    for how in ("fit", "loop"):
+        key = f"nanogpt/pipeline/{how}"
+        ends = []
+        for out in outs:
+            got = out[key]
+            assert got["init_diff"] == 0.0 and got["diff"] < TOL, (key, got["diff"])
+            assert got["predict_diff"] < TOL, (key, got["predict_diff"])
+            ends.append(got["tied_end"])
+        assert sorted(out[key]["stage"] for out in outs) == [0, 0, 1, 1]
+        assert all(end.equal(ends[0]) for end in ends)
+
+
+@pytest.mark.timeout(200)
 def test_model_parallel_gpt_attention_and_mlp_column_row() -> None:
     """nanoGPT as written under ModelParallelStrategy (2 processes on the "model" axis): each
     attention's fused c_attn and each MLP's c_fc column-parallel, their c_proj row-parallel, the

@@ -87,5 +87,12 @@ class TiedGradients:
                 continue
             if p.grad is None:  # this end took no part in the step: it adds nothing
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce_(p.grad, "sum")
+            # a stage sharded over its copies holds a shard of each end (a DTensor): copy c of
+            # every stage holds the same rows (shard c of the same shape), so the shards are summed
+            comm.all_reduce_(_local(p.grad), "sum")
 
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or this process's shard of a DTensor (its storage: reduced in place)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t

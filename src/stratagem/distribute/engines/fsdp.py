@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from stratagem.distribute.engines.shard_plan import UnitPlan, UnitSpec, plan_units
@@ -44,4 +45,24 @@ def apply_fsdp(root: nn.Module, mesh: Any, options: ShardingOptions) -> UnitPlan
             if options.gradient_op == "sum":
                 m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+            m.register_forward_hook(_not_a_view, prepend=True)
     return plan
+
+
+def _not_a_view(module: nn.Module, args: Any, output: Any) -> Any:
+    """A unit's output that is a view of another tensor (``nn.Linear`` on a 3-D input returns one)
+    is replaced by a copy, before FSDP hooks its backward on it: an in-place op on a view (the
+    next layer's ``x += y``) would drop that hook, and the unit's gradient with it (FSDP warns
+    "returned a view tensor"). Run before FSDP's own forward hook."""
+    if not torch.is_grad_enabled():
+        return None
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._base is not None and output.requires_grad else None
+    if isinstance(output, (tuple, list)) and any(
+        isinstance(t, torch.Tensor) and t._base is not None and t.requires_grad for t in output
+    ):
+        copied = [
+            t.clone() if isinstance(t, torch.Tensor) and t._base is not None and t.requires_grad else t for t in output
+        ]
+        return type(output)(copied) if isinstance(output, list) else tuple(copied)
+    return None

@@ -216,11 +216,6 @@ class PipelineExtended(OverReplicas):
                 tensors = [*modules.parameters(), *modules.buffers()]
                 self.replicas.broadcast_tensors_([t.data for t in tensors], src=0)
             if self.sharding is not None:
-                if ties:
-                    raise PipelineConfigError(
-                        f"sharding does not take weights tied across stages yet ({'; '.join(map(str, ties))}); "
-                        "untie them or leave sharding=None"
-                    )
                 self._shard(stages)
             channel = Channel(self.pipeline_comm, upstream=self.upstream_comm) if cfg.num_stages > 1 else None
             tied = (
