@@ -109,9 +109,14 @@ def test_pipeline_x_sharded_custom_loop_matches_one_device():
 
 
 def fit_worker() -> dict[str, Any]:
-    """fit on a Pipe whose stages are sharded, against fit under OneDeviceStrategy."""
-    s = PipelineStrategy(2, 2, schedule="1f1b", data_parallel=2, devices="cpu", sharding=sg.ShardingOptions())
-    data = batches([8, 8, 6])
+    """fit on a Pipe whose stages are sharded (docs/PIPELINE.md's constructor line, as written),
+    against fit under OneDeviceStrategy."""
+    import stratagem
+
+    strategy = stratagem.PipelineStrategy(2, 4, schedule="1f1b", data_parallel=2,
+                                          sharding=stratagem.ShardingOptions())  # fmt: skip
+    s = strategy
+    data = batches([16, 16, 12])
     with s.scope():
         torch.manual_seed(0)
         pipe = s.pipeline(build(), nn.CrossEntropyLoss(), verbose=False)
