@@ -3,6 +3,8 @@ shards each stage's layers over its copies (FSDP); training matches one device o
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -45,6 +47,25 @@ def _compare(pipe: Any, ref: nn.Module, what: str, errors: list[str], *, grads: 
             errors.append(f"{what}: {'grad' if grads else 'value'} of {name} differs (max {diff})")
 
 
+@contextlib.contextmanager
+def _counting_reduce_scatters() -> Iterator[list[int]]:
+    """Counts FSDP's gradient reduce-scatters (torch.distributed.reduce_scatter_single)."""
+    import torch.distributed as dist
+
+    count = [0]
+    real = dist.reduce_scatter_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        yield count
+    finally:
+        dist.reduce_scatter_single = real
+
+
 def custom_loop_worker() -> dict[str, Any]:
     """Every schedule the sharding takes, both loss reductions, against one device."""
     from torch.distributed.tensor import DTensor
@@ -70,7 +91,13 @@ def custom_loop_worker() -> dict[str, Any]:
         out.setdefault("shards", {})[schedule] = shards
         global_batches = batches([12, 11, 12])  # the second splits 6/5 across the copies
         for step, (x, y) in enumerate(s.experimental_distribute_dataset(global_batches)):
-            loss = s.reduce("sum", s.run(pipe.train_step, args=(x, y)))
+            with _counting_reduce_scatters() as count:
+                loss = s.reduce("sum", s.run(pipe.train_step, args=(x, y)))
+            # one reduce-scatter per layer per step (at its last micro-batch's backward), not one
+            # per micro-batch
+            layers = sum(1 for st in pipe.stages for m in st.layers if any(True for _ in m.parameters()))
+            if count[0] != layers:
+                errors.append(f"{what} step {step}: {count[0]} reduce-scatters for {layers} sharded layers")
             gx, gy = global_batches[step]
             ref_loss = loss_fn(ref(gx), gy)
             ref_loss.backward()

@@ -171,10 +171,14 @@ class Pipe:
                 self.schedule[self.stage.index], self.stages, self.channel, xs, ys, scales, sizes,
                 rematerialize_stop(self.rematerialize, self.num_microbatches),
                 on_last_backward=arm if reducer is not None else None, plan=self.schedule,
+                before_backward=_sync_on_last if self.sharded else None,
             )  # fmt: skip
         finally:
             if reducer is not None:
                 reducer.enabled = False
+            if self.sharded:
+                for st in self.stages:
+                    _sync_on_last(st, True)  # as FSDP's default outside a step
         if self.tied is not None:
             self.tied.sum_()
         return loss.float()
@@ -197,6 +201,17 @@ class Pipe:
             f"Pipe(stage {self.stage.index} of {self.num_stages}, layers {held}, "
             f"{self.schedule.name}, {self.num_microbatches} micro-batches, rematerialize={self.rematerialize!r})"
         )
+
+
+def _sync_on_last(stage: Stage, last: bool) -> None:
+    """A sharded stage reduce-scatters its gradients once per step, at the backward of its last
+    micro-batch; the others accumulate them unsharded (FSDP's ``set_requires_gradient_sync``, as
+    torch's pipelining schedules do)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for layer in stage.layers:
+        if isinstance(layer, FSDPModule):
+            layer.set_requires_gradient_sync(last)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -359,6 +359,7 @@ def run_plan(
     *,
     on_last_backward: Callable[[bool], None] | None = None,
     plan: Schedule | None = None,
+    before_backward: Callable[[Stage, bool], None] | None = None,
 ) -> torch.Tensor:
     """Train on one mini-batch; the summed scaled loss (the same on every stage).
 
@@ -367,7 +368,8 @@ def run_plan(
     last weight gradients of the step (the last B; with a split backward the last W, or the last I
     when no weight is left to W passes), ``on_last_backward(False)`` before the others. ``plan``:
     the whole schedule (``actions`` is one rank's part), so that a failure is told to each
-    neighbour on the link it waits on."""
+    neighbour on the link it waits on. ``before_backward(chunk, last)`` is called before each
+    whole backward (B) with whether it is that chunk's last of the step."""
     stages = _chunks(stage)
     rank = stages[0].index
     by_chunk = {st.index: st for st in stages}
@@ -385,6 +387,10 @@ def run_plan(
          if a.kind == weight_kind and (rank if a.chunk is None else a.chunk) in trainable),
         default=-1,
     )  # fmt: skip
+    chunk_last_b = {}
+    for n, a in enumerate(actions):
+        if a.kind == "B":
+            chunk_last_b[rank if a.chunk is None else a.chunk] = n
     links = _make_links(stages, channel, sizes, actions)
     # per action: its chunk's stage and links, resolved once
     steps = [(a.kind, a.microbatch, by_chunk[rank if a.chunk is None else a.chunk]) for a in actions]
@@ -433,6 +439,8 @@ def run_plan(
                     wait = clock() - w0
                 if on_last_backward is not None:
                     on_last_backward(n == last_b)
+                if before_backward is not None and kind == "B":
+                    before_backward(st, n == chunk_last_b[st.index])
                 gin = st.backward(i, grad) if kind == "B" else st.backward_input(i, grad)
                 if not st.is_first:
                     _need(link).send_grad(i, gin)
