@@ -150,6 +150,14 @@ def fit_worker() -> dict[str, Any]:
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     hist = sg.fit(pipe, opt, nn.CrossEntropyLoss(), data, strategy=s, epochs=2, verbose=0)
     got = pipe.state_dict()
+    # as under any strategy: the model and its optimizer built in the scope; fit splits and shards
+    with s.scope():
+        torch.manual_seed(0)
+        model = build()
+        model_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model_hist = sg.fit(model, model_opt, nn.CrossEntropyLoss(), data, strategy=s, epochs=2, verbose=0)
+    in_scope = {n: p for n, p in model.named_parameters() if p.device.type != "meta"}
+    in_scope_whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in in_scope.items()}
     one = sg.OneDeviceStrategy()
     with one.scope():
         torch.manual_seed(0)
@@ -160,6 +168,8 @@ def fit_worker() -> dict[str, Any]:
     return {
         "params": {k: float((v - refs[k].detach()).abs().max()) for k, v in got.items()},
         "loss": (hist.history["loss"], ref_hist.history["loss"]),
+        "in_scope": {k: float((v - refs[k].detach()).abs().max()) for k, v in in_scope_whole.items()},
+        "in_scope_loss": model_hist.history["loss"],
     }
 
 
@@ -171,6 +181,8 @@ def test_pipeline_x_sharded_fit_matches_one_device():
         assert out["params"] and max(out["params"].values()) < 1e-5, out["params"]
         got, want = out["loss"]
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert out["in_scope"] and max(out["in_scope"].values()) < 1e-5, out["in_scope"]
+        assert out["in_scope_loss"] == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize(
