@@ -212,6 +212,7 @@ def _sync_on_last(stage: Stage, last: bool) -> None:
     for layer in stage.layers:
         if isinstance(layer, FSDPModule):
             layer.set_requires_gradient_sync(last)
+            layer.set_reshard_after_backward(last)  # gathered once for the step's backwards
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
