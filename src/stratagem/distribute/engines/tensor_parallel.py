@@ -128,6 +128,7 @@ class TensorParallelExtended(OverReplicas):
         batch_axis: str | None = "data",
         name: str,
         init: str = "auto",
+        sharding: ShardingOptions | None = None,
     ) -> None:
         mesh.check_world(world.world_size, name)
         if model_axis not in mesh.axis_names:
@@ -141,6 +142,7 @@ class TensorParallelExtended(OverReplicas):
         self.model_axis = model_axis
         self.batch_axis = batch_axis
         self.name = name
+        self.sharding = sharding or ShardingOptions()
         data_groups = mesh.groups(batch_axis) if batch_axis is not None else [[r] for r in range(mesh.size)]
         self.data_comm: Communicator = (
             world.split(data_groups) if len(data_groups[0]) > 1 else LocalCommunicator(device)
@@ -149,6 +151,7 @@ class TensorParallelExtended(OverReplicas):
         self._torch_mesh: Any = None
         self.build = ShardedBuild(world, device, name, self._shard, self.owner, init)
         self.plans: list[dict[str, str]] = []
+        self.plans_fsdp: list[Any] = []  # the FSDP unit plan of each model sharded over the batch axis
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return retarget_optimizer(optimizer)
@@ -229,9 +232,9 @@ class TensorParallelExtended(OverReplicas):
             if materialized:
                 root.to(self._device)  # what stays whole (the split parts are on it already)
             if self.batch_axis is not None and self.mesh.axis_size(self.batch_axis) > 1:
-                # each block's tensor-parallel parts sharded over the data axis as a unit, as
-                # ShardedStrategy shards (torchtitan's FSDP x TP), summed across replicas
-                apply_fsdp(root, self.torch_mesh[self.batch_axis], ShardingOptions())
+                # each unit's tensor-parallel parts sharded over the data axis, as ShardedStrategy
+                # shards (torchtitan's FSDP x TP), with its options; summed across replicas
+                self.plans_fsdp.append(apply_fsdp(root, self.torch_mesh[self.batch_axis], self.sharding))
 
     # --- run (reductions and input: OverReplicas) ----------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:

@@ -4,7 +4,10 @@
 ``layout_map[r"attn\\.(q|k|v)\\.weight"] = ("model", None)``, then
 ``ModelParallelStrategy(mesh, layout_map)``: the model built in its scope is split as the map
 says (torch's ``parallelize_module`` on DTensor). With a 2-D mesh ``("data", "model")`` the batch
-is split over ``batch_axis`` too, and the model sharded over it (FSDP x TP). ``init``: as for
+is split over ``batch_axis`` too, and the model sharded over it (FSDP x TP), unit by unit as
+ShardedStrategy shards: ``sharding=ShardingOptions(units=..., reshard_after_forward=...,
+mixed_precision=..., offload=..., gradient_op=...)`` takes ShardedStrategy's options (None: its
+defaults). ``init``: as for
 ShardedStrategy (``"auto"``/``"materialize"``: built on the host as on one device, then split;
 ``"meta"``: built on the meta device, each shard initialised by replaying ``reset_parameters()``).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 from typing import final
 
 from stratagem.distribute.engines.build import check_init
+from stratagem.distribute.engines.fsdp import ShardingOptions
 from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap
 from stratagem.distribute.engines.tensor_parallel import TensorParallelExtended
 from stratagem.distribute.startup import start
@@ -34,10 +38,12 @@ class ModelParallelStrategy(Strategy):
         timeout: float = 120.0,
         devices: str | None = None,
         init: str = "auto",
+        sharding: ShardingOptions | None = None,
     ) -> None:
         check_init(init, "ModelParallelStrategy")
         if layout_map.mesh != mesh:
             raise ValueError(f"ModelParallelStrategy: the layout map is for mesh {layout_map.mesh}, not {mesh}")
+        _check_sharding(sharding, mesh, batch_axis)
         started = start("ModelParallelStrategy", devices, timeout=timeout, mesh=mesh)
         self.cluster_spec = started.spec
         self.device = device = started.device
@@ -45,6 +51,34 @@ class ModelParallelStrategy(Strategy):
         super().__init__(
             TensorParallelExtended(
                 comm, device, mesh, layout_map, model_axis=model_axis, batch_axis=batch_axis, name="ModelParallelStrategy",
-                init=init,
+                init=init, sharding=sharding or ShardingOptions(),
             )
+        )
+
+
+def _check_sharding(sharding: object, mesh: DeviceMesh, batch_axis: str | None) -> None:
+    """What ``sharding=`` can be on ``mesh``, or a ValueError saying why not."""
+    if sharding is None:
+        return
+    if not isinstance(sharding, ShardingOptions):
+        raise ValueError(
+            f"ModelParallelStrategy: sharding must be a stratagem.ShardingOptions (or None), got "
+            f"{type(sharding).__name__}: {sharding!r}"
+        )
+    if batch_axis is None or batch_axis not in mesh.axis_names or mesh.axis_size(batch_axis) < 2:
+        raise ValueError(
+            f"ModelParallelStrategy: sharding= shards the model over the batch axis "
+            f"{batch_axis!r}, and mesh {mesh} has no such axis with 2 or more processes: use a 2-D "
+            "mesh, e.g. DeviceMesh((2, 2), ('data', 'model')), or leave sharding=None"
+        )
+    if sharding.gradient_op not in ("sum", "mean"):
+        raise ValueError(
+            f"ModelParallelStrategy: sharding=ShardingOptions(gradient_op={sharding.gradient_op!r}): "
+            "gradient_op must be 'sum' or 'mean'"
+        )
+    if sharding.shard_size is not None:
+        raise ValueError(
+            f"ModelParallelStrategy: sharding=ShardingOptions(shard_size={sharding.shard_size}) "
+            "(HSDP) is not taken with tensor parallelism yet: the model is sharded over the whole "
+            "batch axis; leave shard_size=None"
         )
