@@ -46,11 +46,13 @@ def main() -> None:
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--steps", type=int, default=4, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rematerialize", default="except_last",
+                        help="stratagem's (its default re-computes forwards; torch's stage keeps activations)")
     args = parser.parse_args()
 
     strategy = sg.PipelineStrategy(
         K, args.microbatches, schedule=args.schedule, data_parallel=args.copies, devices="cpu",
-        sharding=sg.ShardingOptions(),
+        sharding=sg.ShardingOptions(), rematerialize=args.rematerialize,
     )  # fmt: skip
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -133,7 +135,8 @@ def main() -> None:
     if rank == 0:
         print(
             f"MLP {params / 1e6:.2f} M parameters ({args.layers} Linear, width {args.width}), "
-            f"{K} stages x {args.copies} copies sharded, {args.schedule}, M={args.microbatches}, global batch "
+            f"{K} stages x {args.copies} copies sharded, {args.schedule}, M={args.microbatches}, "
+            f"rematerialize={args.rematerialize!r}, global batch "
             f"{args.global_batch}, Adam, gloo, 1 thread per process, {args.rounds} rounds x {args.steps} steps"
         )
         for name, v in runs.items():
