@@ -238,8 +238,8 @@ def test_pipeline_x_sharded_checkpoint_resumes_exactly_and_restores_in_one_proce
     results = run_workers(checkpoint_worker, 4, args=(str(tmp_path),), timeout=200)
     for r in results:
         assert r.value["diff"] and max(r.value["diff"].values()) == 0.0, r.value["diff"]
-    # the checkpoint holds the whole model (not shards): one plain process restores it (a
-    # pipeline stage's optimizer state is per process: it restores on the same 4 processes)
+    # the checkpoint holds the whole model (not shards): one plain process restores it (with its
+    # optimizer too: tests/checkpoint/test_across_meshes.py)
     torch.manual_seed(1)
     model = build()
     sg.CheckpointManager(sg.Checkpoint(model=model), str(tmp_path)).restore(results[0].value["path"])

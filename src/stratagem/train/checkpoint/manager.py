@@ -38,7 +38,7 @@ from torch import nn
 from stratagem.core.warn import warn_user
 from stratagem.distribute import current, ownership
 from stratagem.distribute.strategy import Strategy
-from stratagem.train.checkpoint import dtensors
+from stratagem.train.checkpoint import dtensors, optim_names
 from stratagem.train.checkpoint.codec import CheckpointCorruptError, encode_value
 from stratagem.train.checkpoint.files import (
     _payload,
@@ -220,11 +220,14 @@ class Checkpoint:
         once, by the lowest stage holding each)."""
         tensors: dict[str, torch.Tensor] = {}
         struct = {}
+        names = optim_names.parameter_names(self._objects.values())
         for name, obj in self._objects.items():
             if shared is None or _is_shared(obj) == shared:
                 state = _state_of(name, obj)
                 if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
                     state = dtensors.whole(state)  # sharded parameters and moments, whole
+                if isinstance(obj, torch.optim.Optimizer):  # its parameters' names: it moves between meshes
+                    state = optim_names.with_names(state, obj, names)
                 if ties is not None and isinstance(obj, nn.Module):
                     state = ties.saved(obj, state)
                 struct[name] = encode_value(state, tensors, name)
@@ -252,7 +255,7 @@ class Checkpoint:
                 else:
                     before = obj.state_dict() if _apply_rank(obj) == 0 else None
                     if isinstance(obj, torch.optim.Optimizer):
-                        state = dtensors.for_optimizer(obj, state)
+                        state = dtensors.for_optimizer(obj, optim_names.without_names(state))
                     obj.load_state_dict(state)
                     if before is not None:
                         done.append((obj, before))
@@ -707,8 +710,9 @@ def portable_states(
     - Modules, optimizers, tensors and numbers saved once (data-parallel: mirrored) load as saved.
     - A module saved per process (pipeline stages) is joined from every stage; each module then
       takes the layers it holds (an unsplit model all of them, a stage its own), so pipeline ->
-      unsplit, unsplit -> pipeline and other stage boundaries all work. An optimizer saved per
-      stage loads only into the same number of processes (its state is per stage).
+      unsplit, unsplit -> pipeline and other stage boundaries all work. An optimizer's state,
+      saved with its parameters' names, loads into an optimizer over other parameters (a
+      stage's, the whole model's) by name: the stages' parts are joined (``optim_names``).
     - With the same number of replicas, per-replica objects (RNG, data iterators) load exactly.
       With another number: ``RNGState`` of replica ``r`` loads the saved replica ``r``'s streams
       (replicas beyond the saved ones keep theirs, with a warning); an object whose class has
@@ -729,16 +733,28 @@ def portable_states(
     same = saved_world == world
     states: dict[str, Any] = {}
     skipped_rng: list[str] = []
+    names = optim_names.parameter_names(checkpoint.objects.values())
+    what = f"checkpoint {path}"
+
+    def elsewhere(obj: Any, state: Any) -> bool:
+        """An optimizer's state saved over other parameters (another split): matched by name."""
+        return isinstance(obj, torch.optim.Optimizer) and optim_names.needs_rekey(state, obj, names)
+
     for name, obj in checkpoint.objects.items():
         if name in shared:
-            states[name] = shared[name]
+            saved = shared[name]
+            states[name] = optim_names.rekey([saved], obj, names, what) if elsewhere(obj, saved) else saved
             continue
-        if same and name in part(rank) and not isinstance(obj, nn.Module):
+        if same and name in part(rank) and not isinstance(obj, nn.Module) and not elsewhere(obj, part(rank)[name]):
             states[name] = part(rank)[name]
             continue
         present = [r for r in range(saved_world) if name in part(r)]
         if not present:
             continue  # reported by validate: no state for it
+        if isinstance(obj, torch.optim.Optimizer) and all(optim_names.NAMES in part(r)[name] for r in present):
+            # an optimizer saved per stage: the stages' parts joined by parameter name
+            states[name] = optim_names.rekey([part(r)[name] for r in present], obj, names, f"{what}: {name!r}")
+            continue
         if isinstance(obj, nn.Module):
             joined: dict[str, Any] = {}
             for r in present:

@@ -251,6 +251,14 @@ def prepare(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> Cal
             )
     else:
         missing = [n for n in (*modules, *optims) if n not in shared]
+        if missing:  # saved per process (a pipeline's stages): joined, an optimizer by parameter name
+            from stratagem.train.checkpoint.manager import Checkpoint, portable_states
+
+            objects = {**modules, **{n: o for n, (o, _) in optims.items()}}
+            comm = manager._comm
+            joined = portable_states(path, meta, Checkpoint(**objects), comm.rank, comm.world_size)
+            shared = {**shared, **{n: joined[n] for n in missing if n in joined}}
+        missing = [n for n in (*modules, *optims) if n not in shared]
         if missing:
             raise KeyError(f"the checkpoint has no state for {missing} (it has {sorted(shared)})")
     rest_states = _rest_states(manager, path, meta, rest, shared)
