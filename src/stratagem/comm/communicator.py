@@ -549,18 +549,15 @@ def _await_listener(host: str, port: int, deadline: float) -> bool:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        try:
-            socket.create_connection((host, port), timeout=min(left, 1.0)).close()
-        except OSError:
-            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-            pause = min(pause * 2, 0.2)
-            continue
-        return True
+        if _listening(host, port, timeout=min(left, 1.0)):
+            return True
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+        pause = min(pause * 2, 0.2)
 
 
-def _listening(host: str, port: int) -> bool:
+def _listening(host: str, port: int, timeout: float = 1.0) -> bool:
     try:
-        socket.create_connection((host, port), timeout=1.0).close()
+        socket.create_connection((host, port), timeout=timeout).close()
     except OSError:
         return False
     return True

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 #: the key, beside ``state`` and ``param_groups``, under which a checkpoint lists the names
 NAMES = "stratagem_param_names"
@@ -25,8 +24,8 @@ def parameter_names(objects: Iterable[Any]) -> dict[int, str]:
     """id(parameter) -> its name, from every module (or pipeline) among ``objects``."""
     names: dict[int, str] = {}
     for obj in objects:
-        if isinstance(obj, torch.optim.Optimizer) or not (isinstance(obj, nn.Module) or hasattr(obj, "named_parameters")):
-            continue
+        if isinstance(obj, torch.optim.Optimizer) or not hasattr(obj, "named_parameters"):
+            continue  # modules, and pipelines (their stage's parameters under the model's names)
         for n, p in obj.named_parameters():
             names.setdefault(id(p), n)
     return names
