@@ -10,6 +10,8 @@ rejoin_many OPT R
                as rejoin, R times in a row: each of worker 1's first R processes dies in its third
                function (scripts/ps_rejoin_stress.py; `--max-restarts R`)
 all_lost       both workers die in their second function; the chief waits for them to be restarted
+all_lost_fetch the same without restarts, each function fetched in turn: the fetch of the one
+               under way when the last worker dies raises WorkerLostError (it does not wait forever)
 converge       two workers on their own shards, asynchronous: the held-out loss falls as one
                process's does
 ps_lost        ps 0 dies: the coordinator raises a clear error naming the last checkpoint
@@ -92,7 +94,7 @@ def main() -> None:
     mode = sys.argv[1]
     kind = sys.argv[2] if len(sys.argv) > 2 else "sgd"
     deaths = int(sys.argv[3]) if mode == "rejoin_many" else 1  # how many of worker 1's processes die
-    steps = {"ps_restart": 24, "parity": 12, "kill": 24, "rejoin": 400, "rejoin_idle": 400, "rejoin_many": 400, "all_lost": 400, "converge": 240, "ps_lost": 40, "ps_stopped": 6, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
+    steps = {"ps_restart": 24, "parity": 12, "kill": 24, "rejoin": 400, "rejoin_idle": 400, "rejoin_many": 400, "all_lost": 400, "all_lost_fetch": 40, "converge": 240, "ps_lost": 40, "ps_stopped": 6, "checkpoint": 12, "errors": 4, "fit": 12}[mode]
     partitioner = sg.partitioners.FixedShardsPartitioner(2)
     strategy = sg.ParameterServerStrategy(variable_partitioner=partitioner)
     # from here on only the chief runs this script
@@ -128,7 +130,7 @@ def main() -> None:
 
         task = json.loads(os.environ["TF_CONFIG"])["task"]
         restart = int(os.environ.get("STRATAGEM_RESTART_COUNT", "0"))
-        if mode == "all_lost" and restart == 0:
+        if mode in ("all_lost", "all_lost_fetch") and restart == 0:
             calls = int(os.environ.get("STEP_CALLS", "0")) + 1
             os.environ["STEP_CALLS"] = str(calls)
             if calls == 2:
@@ -187,6 +189,17 @@ def main() -> None:
             raise
         raise AssertionError("the read from a stopped ps task returned")
 
+    if mode == "all_lost_fetch":
+        import time
+
+        start = time.monotonic()
+        try:
+            for i in range(steps):
+                coordinator.schedule(step_fn, args=(iterator, i)).fetch()
+        except sg.coordinator.WorkerLostError as e:
+            print(f"RESULT raised_after={time.monotonic() - start:.1f} lost={sorted(coordinator.lost_workers)} {e}", flush=True)
+            return
+        raise AssertionError("training went on without its workers")
     if mode.startswith("rejoin") or mode == "all_lost":
         rejoin(coordinator, step_fn, iterator, idle=mode == "rejoin_idle", deaths=deaths)
         return

@@ -112,6 +112,21 @@ def test_when_every_worker_is_lost_the_chief_waits_for_restarted_ones():
     assert tracebacks(r.stderr) == 0 and not TORCH_LOG.search(r.stderr), r.stderr
 
 
+@pytest.mark.timeout(180)
+def test_when_every_worker_is_lost_without_restarts_the_fetch_under_way_raises():
+    """Both workers die in their second function and nothing restarts them: the chief's fetch of
+    the function under way when the last one died raises WorkerLostError (the function was put
+    back for the other workers just as none was left: it must not wait for one forever)."""
+    r = job(2, 1, "all_lost_fetch", timeout=90)
+    line = result(r.stdout)
+    assert re.fullmatch(
+        r"RESULT raised_after=[\d.]+ lost=\['worker:0', 'worker:1'\] every worker is lost \(worker:\d, worker:\d\); "
+        r"the scheduled functions cannot run: restart the job and restore the last checkpoint",
+        line,
+    ), r.stdout + r.stderr
+    assert tracebacks(r.stderr) == 0 and not TORCH_LOG.search(r.stderr), r.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_lost_ps_is_a_clear_error_naming_the_checkpoint(tmp_path):

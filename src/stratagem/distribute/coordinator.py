@@ -376,7 +376,9 @@ class ClusterCoordinator:
             self._inflight -= 1
             self._running.discard(closure)  # type: ignore[arg-type]
             if requeue and closure is not None:
-                if self._error is not None:  # tf: a function put back after an error is cancelled
+                if self._fatal is not None:  # nothing runs any more: it gets the error that says why
+                    closure.value._fail(self._fatal)
+                elif self._error is not None:  # tf: a function put back after an error is cancelled
                     closure.value._fail(
                         CancelledError("The corresponding function is cancelled. Please reschedule the function.")
                     )
@@ -538,9 +540,11 @@ class ClusterCoordinator:
             self._cond.notify_all()
 
     def _fail_all(self, error: BaseException) -> None:
-        """Nothing more can run: every waiting function gets ``error`` (the caller holds the lock)."""
+        """Nothing more can run: every waiting function gets ``error``, and so does every one
+        under way (its worker's thread may be held for seconds more, taking a lost task out of
+        the group: the caller's ``fetch`` does not wait for it). The caller holds the lock."""
         self._fatal = self._fatal or error
-        for c in self._queue:
+        for c in [*self._queue, *self._running]:
             c.value._fail(self._fatal)
         self._queue.clear()
         self._cond.notify_all()

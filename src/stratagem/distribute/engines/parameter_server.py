@@ -501,9 +501,13 @@ class ParameterServerExtended(StrategyExtended):
         """A dead worker leaves the rpc group (what its own shutdown would have done)."""
         if worker not in self.lost_tasks:
             self.lost_tasks.append(worker)
-        live = [n for n in [*self.worker_names, *self.ps_names] if n not in self.lost_tasks]
+        live = [n for n in [*self.worker_names, *self.ps_names] if n not in self.lost_tasks and n not in self.failed]
+
+        def gone(task: str) -> bool:  # found lost meanwhile, or training is over (a ps task lost)
+            return task in self.failed or self.fatal is not None
+
         with contextlib.suppress(Exception):  # a ps that cannot be told is lost: its error comes on its own
-            rpc_membership.evict(worker, live, timeout=min(self.timeout, 10.0))
+            rpc_membership.evict(worker, live, timeout=min(self.timeout, 10.0), gone=gone)
 
     def readmit(self, worker: str, nonce: str) -> bool:
         """Take the restarted ``worker`` back under a new rank; whether it joined in time. Its
@@ -588,8 +592,7 @@ class ParameterServerExtended(StrategyExtended):
         sys.stderr.flush()
         if self._watch is not None:
             self._watch.close(wait=0)  # its store may not answer (the chief's host cut off): leave now
-        with contextlib.suppress(Exception):
-            _rpc().shutdown(graceful=False)
+        _shutdown_rpc_within(_rpc(), 2.0)
         os._exit(EXIT_CHIEF_LOST)
 
     def shutdown(self) -> None:
@@ -604,8 +607,7 @@ class ParameterServerExtended(StrategyExtended):
         if self._watch is not None:
             self._watch.close()
         if self._ended_by_error:  # the tasks were told and are leaving: nobody to leave with
-            with contextlib.suppress(Exception):
-                rpc.shutdown(graceful=False)
+            _shutdown_rpc_within(rpc, 2.0)
             # the program raised and its traceback is out: end now (exit code 1). Tearing the
             # interpreter down with torch's rpc in it took 0.8 s more (of 1.1 s, on a loaded
             # machine), past the 2 s in which every task of a failed job ends; the exit
@@ -1028,6 +1030,18 @@ def _step_guard(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                     "variables live on the ps tasks and are updated by the functions workers run; "
                     "schedule the training step with coordinator.schedule(step_fn, args=...)"
                 )
+
+
+def _shutdown_rpc_within(rpc: Any, seconds: float) -> None:
+    """torch's ungraceful rpc shutdown, given at most ``seconds`` (the process ends next): with
+    calls still out to peers whose host is cut off, it may wait for their timeouts."""
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            rpc.shutdown(graceful=False)
+
+    t = threading.Thread(target=run, name="stratagem-rpc-shutdown", daemon=True)
+    t.start()
+    t.join(seconds)
 
 
 def _install_step_guard() -> None:

@@ -28,7 +28,7 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -82,11 +82,13 @@ def members() -> dict[str, int]:
     return {w.name: w.id for w in agent.get_worker_infos()}
 
 
-def evict(name: str, tell: Sequence[str], timeout: float) -> None:
+def evict(name: str, tell: Sequence[str], timeout: float, gone: Callable[[str], bool] = lambda _: False) -> None:
     """Take the dead member ``name`` out of the group: out of the store's list and out of this
     process's and every ``tell`` member's agent (one that cannot be told is lost itself, and
-    reported as such by whoever needs it). The caller has made the cluster quiet; this process's
-    own calls wait (:data:`LOCK`)."""
+    reported as such by whoever needs it). A member is waited for until it answers, ``timeout``
+    runs out, or ``gone(member)`` says it is lost too (its host cut off with this one's: nobody
+    waits the whole timeout for it while holding :data:`LOCK`). The caller has made the cluster
+    quiet; this process's own calls wait (:data:`LOCK`)."""
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
@@ -101,14 +103,18 @@ def evict(name: str, tell: Sequence[str], timeout: float) -> None:
             names = dist.PrefixStore(NAMES_PREFIX, agent.store)
             listed = names.get(ALL_WORKERS_KEY).decode()
             names.set(ALL_WORKERS_KEY, listed.replace(f"{dead.name}-{dead.id},", ""))
-            futures = [
-                rpc.rpc_async(other, _forget, args=(dead,), timeout=timeout)
+            futures = {
+                other: rpc.rpc_async(other, _forget, args=(dead,), timeout=timeout)
                 for other in tell
                 if other not in (me, name) and other in known
-            ]
-            for fut in futures:
-                with contextlib.suppress(Exception):
-                    fut.wait()
+            }
+            deadline = time.monotonic() + timeout
+            for other, fut in futures.items():  # one given up on ends at its own timeout, unread
+                while not fut.done() and not gone(other) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                if fut.done():
+                    with contextlib.suppress(Exception):
+                        fut.wait()
             agent._update_group_membership(dead, [], {}, False)
 
 
