@@ -35,9 +35,25 @@ from stratagem.comm.eager import eager_hooks, eager_only
 
 def param_specs(params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> list[ParamSpec]:
     return [
-        ParamSpec(n, p.numel(), p.element_size(), str(p.dtype).replace("torch.", ""), str(p.device))
+        ParamSpec(n, _local(p).numel(), p.element_size(), str(p.dtype).replace("torch.", ""), str(p.device))
         for p, n in zip(params, names)
     ]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t`` (a DTensor's local tensor: a parameter split by tensor
+    parallelism, whose copies on other replicas hold the same part), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()  # type: ignore[no-any-return]
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``p`` made of ``local``: a DTensor placed as ``p`` is, or ``local`` itself."""
+    if not hasattr(p, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())  # type: ignore[attr-defined]
 
 
 class GradientReducer:
@@ -58,7 +74,7 @@ class GradientReducer:
             raise ValueError(f"gradients can be reduced by 'sum' or 'mean', not {op!r}")
         self.comm = comm
         self._refs = [weakref.ref(p) for p in params]
-        self._numels = [p.numel() for p in params]
+        self._numels = [_local(p).numel() for p in params]
         self._dtypes = [p.dtype for p in params]
         self.op = op
         kw: dict[str, int] = {}
@@ -167,7 +183,7 @@ class GradientReducer:
             view = buf[off : off + self._numels[i]]
             g = self._contribution(i)
             if g is not None:
-                view.copy_(g.reshape(-1))
+                view.copy_(_local(g).reshape(-1))
                 flags[k] = 1
             else:
                 view.zero_()
@@ -199,13 +215,15 @@ class GradientReducer:
             return  # gone here (garbage not yet collected elsewhere): nothing to write to
         if prev is None and i not in self._touched and self._is_reduced(i, p.grad):
             prev = p.grad  # untouched here, reduced before, new contributions elsewhere
-        r = reduced.view(p.shape)
+        r = reduced.view(_local(p).shape)
         if prev is not None:
-            g = prev.add_(r)
+            _local(prev).add_(r)
+            g = prev
         elif p.grad is not None:
-            g = p.grad.copy_(r)
+            _local(p.grad).copy_(r)
+            g = p.grad
         else:
-            g = r.clone()
+            g = _like(p, r.clone())
         p.grad = g
         self._reduced[i] = (weakref.ref(g), g._version)
 

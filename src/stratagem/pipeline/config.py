@@ -37,6 +37,8 @@ class PipelineConfig:
     balance: tuple[int, ...] | str = "params"
     data_parallel: int = 1
     virtual_stages: int = 1
+    tensor_parallel: int = 1  # each stage's layers split over this many processes (a LayoutMap's axis)
+    tensor_axis: str = "model"  # that axis's name (the LayoutMap's, Keras 3's "model")
 
     @property
     def num_chunks(self) -> int:
@@ -58,6 +60,8 @@ class PipelineConfig:
         balance: object = None,
         data_parallel: object = 1,
         virtual_stages: object = None,
+        tensor_parallel: int = 1,
+        tensor_axis: str = "model",
     ) -> PipelineConfig:
         for name, value in (
             ("num_stages", num_stages),
@@ -121,12 +125,19 @@ class PipelineConfig:
             raise PipelineConfigError(
                 f"balance must be a list of layer counts, 'params' or 'time', got {balance!r}"
             )
-        return cls(num_stages, num_microbatches, key, str(rematerialize), bal, data_parallel, virtual_stages)
+        return cls(
+            num_stages, num_microbatches, key, str(rematerialize), bal, data_parallel, virtual_stages,
+            tensor_parallel, tensor_axis,
+        )  # fmt: skip
 
     @property
     def mesh(self) -> DeviceMesh:
         """The processes: ``data_parallel`` copies x ``num_stages`` stages (the stage axis
-        innermost, so a copy's stages are consecutive ranks)."""
+        innermost, so a copy's stages are consecutive ranks); with tensor parallelism, x
+        ``tensor_parallel`` (innermost: a stage's tensor-parallel processes are consecutive
+        ranks, as torchtitan lays out ``pp x dp x tp``)."""
+        if self.tensor_parallel > 1:
+            return DeviceMesh.of((DATA, self.data_parallel), (PIPELINE, self.num_stages), (self.tensor_axis, self.tensor_parallel))
         return DeviceMesh.of((DATA, self.data_parallel), (PIPELINE, self.num_stages))
 
     @property
@@ -137,8 +148,11 @@ class PipelineConfig:
         if world_size != self.world_size:
             raise PipelineConfigError(
                 f"this job has {world_size} processes but PipelineStrategy(num_stages="
-                f"{self.num_stages}, data_parallel={self.data_parallel}) needs "
-                f"{self.num_stages} x {self.data_parallel} = {self.world_size}; start "
+                f"{self.num_stages}, data_parallel={self.data_parallel}"
+                + (f", a layout map over {self.tensor_parallel} processes" if self.tensor_parallel > 1 else "")
+                + f") needs {self.num_stages} x {self.data_parallel}"
+                + (f" x {self.tensor_parallel}" if self.tensor_parallel > 1 else "")
+                + f" = {self.world_size}; start "
                 f"{self.world_size} processes (`stratagem run -n {self.world_size} ...`) or "
                 "change num_stages/data_parallel"
             )
@@ -154,8 +168,12 @@ class PipelineConfig:
         return self.mesh.groups(PIPELINE)
 
     def replica_groups(self) -> list[list[int]]:
-        """Ranks holding the same stage in every copy (their gradients are summed)."""
+        """Ranks holding the same stage (and tensor-parallel part) in every copy (their
+        gradients are summed)."""
         return self.mesh.groups(DATA)
+
+    def tensor_rank_of(self, rank: int) -> int:
+        return self.mesh.coordinates(rank)[self.tensor_axis] if self.tensor_parallel > 1 else 0
 
     def make_schedule(self) -> Schedule:
         return make_schedule(self.schedule, self.num_stages, self.num_microbatches, self.virtual_stages)

@@ -65,14 +65,16 @@ def is_conv1d(module: nn.Module) -> bool:
     )  # fmt: skip
 
 
-def tensor_parallel_plan(model: nn.Module, layout_map: LayoutMap, axis: str = "model") -> dict[str, str]:
+def tensor_parallel_plan(model: nn.Module, layout_map: LayoutMap, axis: str = "model", prefix: str = "") -> dict[str, str]:
     """``{module path: "colwise" | "rowwise"}`` for the linear and embedding layers whose weight
-    the map splits along ``axis``; an error for a layout this cannot express."""
+    the map splits along ``axis``; an error for a layout this cannot express. ``prefix``: what
+    goes before ``model``'s parameter names in the names the map's patterns match (a pipeline
+    stage's layer: its name in the whole model)."""
     plan: dict[str, str] = {}
     for path, module in model.named_modules():
         own = [(n, p) for n, p in module.named_parameters(recurse=False)]
         for name, p in own:
-            full = f"{path}.{name}" if path else name
+            full = f"{prefix}{path}.{name}" if path else f"{prefix}{name}"
             layout = layout_map[full]
             if layout is None or axis not in layout:
                 continue

@@ -16,6 +16,7 @@ from stratagem.comm import Communicator
 from stratagem.distribute import context, ownership
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.fsdp import ShardingOptions, apply_fsdp
+from stratagem.distribute.engines.layout import LayoutMap
 from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.strategy import ReplicaContext
 from stratagem.pipeline.config import PipelineConfig
@@ -45,9 +46,12 @@ class PipelineExtended(OverReplicas):
         upstream: Communicator | None = None,
         *,
         sharding: ShardingOptions | None = None,
+        layout_map: LayoutMap | None = None,
     ) -> None:
         self.config = config
         self.sharding = sharding  # each stage's layers sharded over its copies (FSDP), or None
+        self.layout_map = layout_map if config.tensor_parallel > 1 else None  # each stage's layers split (TP)
+        self.plans: list[dict[str, str]] = []  # the tensor-parallel plan of each layer split here
         self.upstream_comm = upstream  # the pipeline's ranks again, for messages to a lower stage
         self._world = world
         self.pipeline_comm = pipeline
@@ -134,7 +138,14 @@ class PipelineExtended(OverReplicas):
     # --- run and reductions (across data-parallel copies) ------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         ctx = ReplicaContext(self.owner(), self.copy)
-        with context.replica_scope(ctx):
+        if self.layout_map is None:
+            with context.replica_scope(ctx):
+                return fn(*args, **kwargs)
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        # split layers' outputs (DTensors) meet the model's own plain tensors as replicated
+        # DTensors, as under ModelParallelStrategy
+        with context.replica_scope(ctx), implicit_replication():
             return fn(*args, **kwargs)
 
     # --- building the local stage --------------------------------------------------------------------
@@ -201,6 +212,14 @@ class PipelineExtended(OverReplicas):
                     "reset_parameters() would give each end its own values; build the model outside "
                     "strategy.scope() on the CPU (each process then briefly holds the whole model)"
                 )
+            if ties and self.layout_map is not None:
+                split = [n for tie in ties for n in tie.names if self.layout_map[n] is not None]
+                if split:
+                    raise PipelineConfigError(
+                        f"the layout map splits {', '.join(split)}, a weight tied across stages "
+                        f"({'; '.join(map(str, ties))}): a tie of split weights is not built yet; leave it "
+                        "whole in the layout map (its gradients are then summed across the stages as usual)"
+                    )
             materialize(layers, owned, self._device, rng_state)
             if isinstance(loss_fn, nn.Module):
                 loss_fn.to(self._device)
@@ -215,6 +234,8 @@ class PipelineExtended(OverReplicas):
             if self.replicas.world_size > 1:
                 tensors = [*modules.parameters(), *modules.buffers()]
                 self.replicas.broadcast_tensors_([t.data for t in tensors], src=0)
+            if self.layout_map is not None:
+                self._split(stages, [layers[j][0] for r in chunks for j in r])
             if self.sharding is not None:
                 self._shard(stages)
             channel = Channel(self.pipeline_comm, upstream=self.upstream_comm) if cfg.num_stages > 1 else None
@@ -252,6 +273,24 @@ class PipelineExtended(OverReplicas):
             for layer in st.layers:
                 if any(True for _ in layer.parameters()):
                     apply_fsdp(layer, mesh, self.sharding)
+
+    def _split(self, stages: Sequence[Stage], names: Sequence[str]) -> None:
+        """Split every layer of this process's stages over its tensor-parallel processes as the
+        layout map says (the map's patterns match the whole model's parameter names, as under
+        ModelParallelStrategy): torch's ``parallelize_module``, column-wise and row-wise styles,
+        over the tensor axis of the job's torch mesh; the rest stays whole on every process."""
+        from stratagem.distribute.engines.layout import tensor_parallel_plan
+        from stratagem.distribute.engines.tensor_parallel import split_layers
+        from stratagem.distribute.engines.torch_mesh import build_torch_mesh
+
+        assert self.layout_map is not None
+        cfg = self.config
+        mesh = build_torch_mesh(cfg.mesh, self._world, self._device)[cfg.tensor_axis]
+        layers = [layer for st in stages for layer in st.layers]
+        for name, layer in zip(names, layers):
+            plan = tensor_parallel_plan(layer, self.layout_map, cfg.tensor_axis, prefix=f"{name}.")
+            self.plans.append({f"{name}.{path}" if path else name: kind for path, kind in plan.items()})
+            split_layers(layer, plan, mesh)
 
     # --- the timeline ------------------------------------------------------------------------------
     @contextlib.contextmanager

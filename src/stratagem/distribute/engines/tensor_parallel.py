@@ -114,6 +114,33 @@ def conv1d_style(kind: str) -> Any:
     return Conv1DStyle(use_local_output=False) if kind == "colwise" else Conv1DStyle()
 
 
+def split_layers(root: nn.Module, plan: Mapping[str, str], mesh: Any) -> None:
+    """Split ``root``'s layers as ``plan`` says (``{module path: "colwise" | "rowwise"}``, from
+    ``tensor_parallel_plan``; the path "" is ``root`` itself) over the 1-D torch mesh ``mesh``:
+    torch's ``parallelize_module``. A column-parallel layer's output stays a DTensor (split along
+    features): whatever the model does with it next (a split into q, k, v, a view into heads)
+    sees the whole logical tensor, gathered where an op needs it; a row-parallel layer takes it
+    as it is."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    modules = dict(root.named_modules())
+    styles: dict[str, ParallelStyle] = {}
+    for path, kind in plan.items():
+        if is_conv1d(modules[path]):
+            styles[path] = conv1d_style(kind)
+        else:
+            styles[path] = ColwiseParallel(use_local_output=False) if kind == "colwise" else RowwiseParallel()
+    if not styles:
+        return
+    register_attention_rules()
+    parallelize_module(root, mesh, styles[""] if "" in styles else styles)
+
+
 class TensorParallelExtended(OverReplicas):
     """A model split by a LayoutMap over a DeviceMesh's model axis (and sharded over its data axis)."""
 
@@ -204,31 +231,12 @@ class TensorParallelExtended(OverReplicas):
         return self.build.scope()
 
     def _shard(self, root: nn.Module, materialized: bool) -> None:
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            ParallelStyle,
-            RowwiseParallel,
-            parallelize_module,
-        )
-
         plan = tensor_parallel_plan(root, self.layout_map, self.model_axis)
         self.plans.append(plan)
-        # a column-parallel layer's output stays a DTensor (split along features): whatever the
-        # model does with it next (a split into q, k, v, a view into heads) sees the whole logical
-        # tensor, gathered where an op needs it; a row-parallel layer takes it as it is
-        modules = dict(root.named_modules())
-        styles: dict[str, ParallelStyle] = {}
-        for path, kind in plan.items():
-            if is_conv1d(modules[path]):
-                styles[path] = conv1d_style(kind)
-            else:
-                styles[path] = ColwiseParallel(use_local_output=False) if kind == "colwise" else RowwiseParallel()
-        if styles:
-            register_attention_rules()
         # built on meta: real (empty) storage once sharded, initialised by the replay after
         with allocated_keeping_buffers(root, self._device) if not materialized else contextlib.nullcontext():
-            if styles:
-                parallelize_module(root, self.torch_mesh[self.model_axis], styles)
+            if plan:
+                split_layers(root, plan, self.torch_mesh[self.model_axis])
             if materialized:
                 root.to(self._device)  # what stays whole (the split parts are on it already)
             if self.batch_axis is not None and self.mesh.axis_size(self.batch_axis) > 1:

@@ -22,6 +22,7 @@ from torch import nn
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.core.warn import warn_user
 from stratagem.distribute.engines.fsdp import ShardingOptions
+from stratagem.distribute.engines.layout import LayoutMap
 from stratagem.distribute.engines.pipeline import PipelineExtended
 from stratagem.distribute.startup import start
 from stratagem.distribute.strategy import Strategy
@@ -48,7 +49,10 @@ class PipelineStrategy(Strategy):
     communication (seconds). ``sharding``: ``ShardingOptions(...)`` shards each stage's layers over
     its ``data_parallel`` copies (FSDP: every copy holds 1/``data_parallel`` of its stage's
     parameters, gradients and optimizer state) instead of each copy holding them whole; None
-    (default) keeps whole copies. See docs/PIPELINE.md.
+    (default) keeps whole copies. ``layout_map``: a ``stratagem.LayoutMap`` (Keras 3's) whose
+    mesh has a ``model_axis`` of T processes splits each stage's layers over T processes as
+    ModelParallelStrategy does (pipeline x tensor): the job has ``num_stages x data_parallel x
+    T`` processes. See docs/PIPELINE.md.
     """
 
     def __init__(
@@ -65,6 +69,8 @@ class PipelineStrategy(Strategy):
         checkpoint: str | None = None,
         virtual_stages: int | None = None,
         sharding: ShardingOptions | None = None,
+        layout_map: LayoutMap | None = None,
+        model_axis: str = "model",
     ) -> None:
         if checkpoint is not None:
             warn_user(
@@ -74,26 +80,30 @@ class PipelineStrategy(Strategy):
                 stacklevel=2,
             )
             rematerialize = checkpoint
+        tensor = _tensor_degree(layout_map, model_axis, num_stages, data_parallel)
         config = PipelineConfig.build(
             num_stages, num_microbatches, schedule=schedule, rematerialize=rematerialize,
             balance=balance, data_parallel=data_parallel, virtual_stages=virtual_stages,
+            tensor_parallel=tensor, tensor_axis=model_axis,
         )  # fmt: skip
         _check_sharding(sharding, config)
         started = start("PipelineStrategy", devices, timeout=timeout, mesh=config.mesh, check_world=config.check_world)
         env, device, world = started.spec, started.device, started.comm
         pipeline_comm: Communicator
         replicas: Communicator
-        if config.data_parallel == 1:
+        if config.data_parallel == 1 and config.tensor_parallel == 1:
             pipeline_comm, replicas = world, LocalCommunicator(device)
         else:
             pipeline_comm = world.split(config.pipeline_groups())
-            replicas = world.split(config.replica_groups())
+            replicas = world.split(config.replica_groups()) if config.data_parallel > 1 else LocalCommunicator(device)
         # the same pipelines again, for the messages that go to a lower stage (see p2p.Channel)
         upstream = world.split(config.pipeline_groups()) if config.num_stages > 1 else None
         self.cluster_spec = env
         self.config = config
         self.device = device
-        self._pipeline_ext = PipelineExtended(config, world, pipeline_comm, replicas, device, upstream, sharding=sharding)
+        self._pipeline_ext = PipelineExtended(
+            config, world, pipeline_comm, replicas, device, upstream, sharding=sharding, layout_map=layout_map
+        )
         super().__init__(self._pipeline_ext)
 
     # --- pipeline facts -----------------------------------------------------------------------------
@@ -163,6 +173,7 @@ class PipelineStrategy(Strategy):
             f"schedule={c.schedule!r}, "
             + (f"virtual_stages={c.virtual_stages}, " if c.virtual_stages > 1 else "")
             + f"rematerialize={c.rematerialize!r}, data_parallel={c.data_parallel}"
+            + (f", tensor_parallel={c.tensor_parallel}" if c.tensor_parallel > 1 else "")
             + (f", sharding={self._pipeline_ext.sharding!r})" if self._pipeline_ext.sharding is not None else ")")
         )
 
@@ -175,6 +186,12 @@ def _check_sharding(sharding: object, config: PipelineConfig) -> None:
         raise PipelineConfigError(
             f"sharding must be a stratagem.ShardingOptions (or None), got {type(sharding).__name__}: "
             f"{sharding!r}"
+        )
+    if config.tensor_parallel > 1:
+        raise PipelineConfigError(
+            "sharding= with a layout_map (pipeline x tensor x sharded) is not built yet: each stage "
+            "is split over the layout map's axis and its copies hold it whole (data_parallel "
+            "copies, gradients summed); leave sharding=None"
         )
     if config.data_parallel < 2:
         raise PipelineConfigError(
@@ -195,3 +212,31 @@ def _check_sharding(sharding: object, config: PipelineConfig) -> None:
             f"its copies and gradients are summed (got shard_size={sharding.shard_size!r}, "
             f"gradient_op={sharding.gradient_op!r})"
         )
+
+
+def _tensor_degree(layout_map: object, axis: str, num_stages: object, data_parallel: object) -> int:
+    """The processes each stage is split over: the size of ``layout_map``'s mesh along ``axis``
+    (1 without a map), or a PipelineConfigError saying what is wrong with the map."""
+    if layout_map is None:
+        return 1
+    if not isinstance(layout_map, LayoutMap):
+        raise PipelineConfigError(
+            f"layout_map must be a stratagem.LayoutMap (or None), got {type(layout_map).__name__}: {layout_map!r}"
+        )
+    mesh = layout_map.mesh
+    if axis not in mesh.axis_names:
+        raise PipelineConfigError(
+            f"the layout map's mesh ({mesh}) has no axis {axis!r} to split the layers along: make it "
+            f"e.g. DeviceMesh((2,), ({axis!r},)), or pass model_axis= its name"
+        )
+    expected = {"data": data_parallel, "pipeline": num_stages}
+    for name, n in zip(mesh.axis_names, mesh.shape):
+        if name == axis:
+            continue
+        if name not in expected or expected[name] != n:
+            raise PipelineConfigError(
+                f"the layout map's mesh ({mesh}) has an axis {name!r} of {n}: under PipelineStrategy "
+                f"its mesh names the tensor axis {axis!r}, and optionally 'data' (= data_parallel="
+                f"{data_parallel}) and 'pipeline' (= num_stages={num_stages})"
+            )
+    return mesh.axis_size(axis)
