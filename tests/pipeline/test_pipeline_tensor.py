@@ -48,9 +48,9 @@ def batches(sizes: list[int], seed: int = 1) -> list[tuple[torch.Tensor, torch.T
 
 
 def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
-    from torch.distributed.tensor import DTensor
+    from stratagem.core.whole import whole_tensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return whole_tensor(t)  # type: ignore[no-any-return]
 
 
 def _compare(pipe: Any, ref: nn.Module, what: str, errors: list[str], *, grads: bool) -> None:
@@ -63,7 +63,7 @@ def _compare(pipe: Any, ref: nn.Module, what: str, errors: list[str], *, grads: 
             errors.append(f"{what}: {'grad' if grads else 'value'} of {name} differs (max {diff})")
 
 
-def custom_loop_worker(data_parallel: int, cases: tuple[tuple[str, str, str], ...]) -> dict[str, Any]:
+def custom_loop_worker(data_parallel: int, cases: tuple[tuple[str, str, str], ...], sharded: bool = False) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     errors: list[str] = []
@@ -73,7 +73,7 @@ def custom_loop_worker(data_parallel: int, cases: tuple[tuple[str, str, str], ..
         mesh = sg.DeviceMesh((2,), ("model",))
         s = PipelineStrategy(
             2, 2, schedule=schedule, data_parallel=data_parallel, rematerialize=remat, devices="cpu",
-            layout_map=layout(mesh),
+            layout_map=layout(mesh), sharding=sg.ShardingOptions() if sharded else None,
         )  # fmt: skip
         loss_fn = nn.CrossEntropyLoss(reduction=reduction)
         with s.scope():
@@ -114,12 +114,15 @@ def custom_loop_worker(data_parallel: int, cases: tuple[tuple[str, str, str], ..
     return out
 
 
-def _check_split(out: dict[str, Any]) -> None:
+def _check_split(out: dict[str, Any], sharded: bool = False) -> None:
     assert out["errors"] == [], out["errors"]
     for schedule, split in out["split"].items():
-        # every stage holds a Block: fc1 split by rows (output features), fc2 by columns
-        weights = {n.split(".", 1)[1]: v for n, v in split.items() if n.endswith("weight")}
-        assert weights == {"fc1.weight": ((16, 16), (32, 16)), "fc2.weight": ((16, 16), (16, 32))}, (schedule, split)
+        # every stage holds a Block: fc1 split by rows (output features), fc2 by columns; sharded,
+        # each part's rows halved again over the 2 copies
+        weights = {n.split(".", 1)[1]: v for n, v in split.items() if n.endswith("weight") and ".fc" in n}
+        want = {"fc1.weight": ((8, 16), (32, 16)), "fc2.weight": ((8, 16), (16, 32))} if sharded else \
+            {"fc1.weight": ((16, 16), (32, 16)), "fc2.weight": ((16, 16), (16, 32))}
+        assert weights == want, (schedule, split)
 
 
 @pytest.mark.timeout(300)
@@ -146,6 +149,16 @@ def test_pipeline_x_tensor_x_data_on_8_processes_matches_one_device():
     for r in results:
         _check_split(r.value)
         assert "data_parallel=2, tensor_parallel=2" in r.value["repr"]
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_x_tensor_x_sharded_on_8_processes_matches_one_device():
+    """2 copies x 2 stages x 2 tensor-parallel processes, each stage's split layers sharded over
+    its copies too (FSDP x TP inside a stage, on the job's one torch mesh)."""
+    results = run_workers(custom_loop_worker, 8, args=(2, (("gpipe", "mean", "except_last"),), True), timeout=260)
+    for r in results:
+        _check_split(r.value, sharded=True)
+        assert "sharding=ShardingOptions(" in r.value["repr"]
 
 
 def fit_and_checkpoint_worker(directory: str) -> dict[str, Any]:
@@ -242,7 +255,7 @@ def _map(shape: tuple[int, ...], names: tuple[str, ...]) -> sg.LayoutMap:
         (dict(layout_map={"fc1": ("model", None)}), "layout_map must be a stratagem.LayoutMap"),
         (dict(layout_map=_map((2,), ("tensor",))), "has no axis 'model'"),
         (dict(layout_map=_map((2, 2), ("data", "model"))), "an axis 'data' of 2"),
-        (dict(layout_map=_map((2,), ("model",)), sharding=sg.ShardingOptions(), data_parallel=2), "not built yet"),
+        (dict(layout_map=_map((2,), ("model",)), sharding=sg.ShardingOptions()), "data_parallel=1 leaves one copy"),
     ],
 )
 def test_pipeline_layout_maps_it_cannot_take_are_clear_errors(kw, match):

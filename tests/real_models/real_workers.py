@@ -188,15 +188,23 @@ def pieces(x: Any, n: int) -> list[Any]:
     return list(x.chunk(n))
 
 
-def pipeline(names: list[str], data_parallel: int = 1, sharded: bool = False) -> dict[str, Any]:
+def pipeline(names: list[str], data_parallel: int = 1, sharded: bool = False, tensor: bool = False) -> dict[str, Any]:
     """GPTs in 2 stages (embeddings + block 0 | block 1 + head: the tie crosses the stages), BERT
     (its padding mask crossing beside the hidden states), a ResNet, through fit and the custom
     loop, against the unsplit model on one device; with ``data_parallel`` copies of the pipeline,
     each stage's gradients also summed over copies; ``sharded``: each stage's layers sharded over
-    the copies (``sharding=ShardingOptions()``)."""
+    the copies (``sharding=ShardingOptions()``); ``tensor``: each stage's attention and MLP split
+    over 2 processes (``layout_map=``, nanoGPT's column / row pairs, as under ModelParallelStrategy)."""
+    layout = None
+    if tensor:
+        layout = stratagem.LayoutMap(stratagem.DeviceMesh((2,), ("model",)))
+        layout[r"mlp\.c_fc\.weight"] = ("model", None)
+        layout[r"mlp\.c_proj\.weight"] = (None, "model")
+        layout[r"attn\.c_attn\.weight"] = ("model", None)
+        layout[r"attn\.c_proj\.weight"] = (None, "model")
     s = stratagem.PipelineStrategy(
         num_stages=2, num_microbatches=2, balance=[2, 2], data_parallel=data_parallel,
-        sharding=stratagem.ShardingOptions() if sharded else None,
+        sharding=stratagem.ShardingOptions() if sharded else None, layout_map=layout,
     )  # fmt: skip
     out: dict[str, Any] = {}
     for name in names:
@@ -271,6 +279,7 @@ def pipeline(names: list[str], data_parallel: int = 1, sharded: bool = False) ->
                 # this stage's end of the tie (embedding on stage 0, head on stage 1)
                 "tied_end": (got.get("0.wte.weight") if s.extended.stage == 0 else got.get("3.lm_head.weight")),
                 "stage": s.extended.stage,
+                "plan": [p for plan in s.extended.plans for p in plan.items()],
             }
     # a tie across stages in a model built on the meta device cannot be replayed: refused
     class Head(nn.Module):

@@ -144,6 +144,28 @@ def test_pipeline_x_sharded_nanogpt_with_its_tie() -> None:
         assert all(end.equal(ends[0]) for end in ends)
 
 
+@pytest.mark.timeout(300)
+def test_pipeline_x_tensor_x_data_nanogpt_on_8_processes() -> None:
+    """nanoGPT as published in 2 copies x 2 stages x 2 tensor-parallel processes: each block's
+    attention and MLP split (column / row pairs), the embedding/head tie whole, summed across the
+    stages; the model equal to one device on the global batch, through fit and the custom loop."""
+    outs = [r.value for r in run_workers(w.pipeline, 8, args=(["nanogpt"], 2, False, True), timeout=280)]
+    for how in ("fit", "loop"):
+        key = f"nanogpt/pipeline/{how}"
+        ends = []
+        for out in outs:
+            got = out[key]
+            assert got["init_diff"] == 0.0 and got["diff"] < TOL, (key, got["diff"])
+            assert got["predict_diff"] < TOL, (key, got["predict_diff"])
+            block = 1 if got["stage"] == 0 else 2
+            assert sorted(got["plan"]) == [(f"{block}.{n}", kind) for n, kind in (
+                ("attn.c_attn", "colwise"), ("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"),
+                ("mlp.c_proj", "rowwise"))], got["plan"]  # fmt: skip
+            ends.append(got["tied_end"])
+        assert sorted(out[key]["stage"] for out in outs) == [0, 0, 0, 0, 1, 1, 1, 1]
+        assert all(end.equal(ends[0]) for end in ends)
+
+
 @pytest.mark.timeout(200)
 def test_model_parallel_gpt_attention_and_mlp_column_row() -> None:
     """nanoGPT as written under ModelParallelStrategy (2 processes on the "model" axis): each

@@ -47,6 +47,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t if to_local is None else to_local()  # type: ignore[no-any-return]
 
 
+def _local_as(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This process's part of gradient ``g`` laid out as parameter ``p`` (a DTensor gradient may
+    come back placed otherwise than its parameter: replicated where the parameter is split, when
+    the forward gathered the split output; redistributed first, the same on every replica)."""
+    if hasattr(g, "placements") and g.placements != p.placements:  # type: ignore[attr-defined]
+        g = g.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
+    return _local(g)
+
+
+def _same_layout(g: torch.Tensor, p: torch.Tensor) -> bool:
+    return not hasattr(g, "placements") or g.placements == p.placements  # type: ignore[attr-defined]
+
+
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """A gradient for ``p`` made of ``local``: a DTensor placed as ``p`` is, or ``local`` itself."""
     if not hasattr(p, "to_local"):
@@ -183,7 +196,9 @@ class GradientReducer:
             view = buf[off : off + self._numels[i]]
             g = self._contribution(i)
             if g is not None:
-                view.copy_(_local(g).reshape(-1))
+                p = self.param(i)
+                assert p is not None
+                view.copy_(_local_as(g, p).reshape(-1))
                 flags[k] = 1
             else:
                 view.zero_()
@@ -219,7 +234,7 @@ class GradientReducer:
         if prev is not None:
             _local(prev).add_(r)
             g = prev
-        elif p.grad is not None:
+        elif p.grad is not None and _same_layout(p.grad, p):
             _local(p.grad).copy_(r)
             g = p.grad
         else:

@@ -14,6 +14,7 @@ from stratagem.comm import Communicator
 from stratagem.comm.reducer import GradientReducer
 from stratagem.core import tree
 from stratagem.core.batches import place
+from stratagem.core.whole import whole_tensor
 from stratagem.pipeline.microbatch import batch_size, loss_scales, scatter, split_sizes
 from stratagem.pipeline.p2p import Channel
 from stratagem.pipeline.partition import Partition
@@ -217,6 +218,4 @@ def _sync_on_last(stage: Stage, last: bool) -> None:
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """``t``, or the whole tensor of a DTensor (a collective over its mesh)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return whole_tensor(t)  # type: ignore[no-any-return]

@@ -37,15 +37,20 @@ def apply_fsdp(root: nn.Module, mesh: Any, options: ShardingOptions) -> UnitPlan
         kw["mp_policy"] = options.mixed_precision
     if options.offload is not None:
         kw["offload_policy"] = options.offload
+    # each unit's output made a non-view just before FSDP's own forward hook (fully_shard
+    # appends it): after the hooks already there, such as a tensor-parallel layer's, whose
+    # conversion of its output to a local tensor makes the view
     for path in plan.units:
-        fully_shard(root.get_submodule(path), **kw)
+        unit = root.get_submodule(path)
+        unit.register_forward_hook(_not_a_view)
+        fully_shard(unit, **kw)
+    root.register_forward_hook(_not_a_view)
     fully_shard(root, **kw)
     for m in root.modules():
         if isinstance(m, FSDPModule):
             if options.gradient_op == "sum":
                 m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
-            m.register_forward_hook(_not_a_view, prepend=True)
     return plan
 
 
@@ -53,7 +58,7 @@ def _not_a_view(module: nn.Module, args: Any, output: Any) -> Any:
     """A unit's output that is a view of another tensor (``nn.Linear`` on a 3-D input returns one)
     is replaced by a copy, before FSDP hooks its backward on it: an in-place op on a view (the
     next layer's ``x += y``) would drop that hook, and the unit's gradient with it (FSDP warns
-    "returned a view tensor"). Run before FSDP's own forward hook."""
+    "returned a view tensor"). Registered just before FSDP's own forward hook."""
     if not torch.is_grad_enabled():
         return None
     if isinstance(output, torch.Tensor):

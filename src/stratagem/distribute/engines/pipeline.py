@@ -51,7 +51,8 @@ class PipelineExtended(OverReplicas):
         self.config = config
         self.sharding = sharding  # each stage's layers sharded over its copies (FSDP), or None
         self.layout_map = layout_map if config.tensor_parallel > 1 else None  # each stage's layers split (TP)
-        self.plans: list[dict[str, str]] = []  # the tensor-parallel plan of each layer split here
+        self._job_mesh: Any = None  # torch's mesh of the whole job (data x pipeline x model), once made
+        self.plans: list[dict[str, str]] = []  # the tensor-parallel plan of each layer of the last pipeline()
         self.upstream_comm = upstream  # the pipeline's ranks again, for messages to a lower stage
         self._world = world
         self.pipeline_comm = pipeline
@@ -259,16 +260,31 @@ class PipelineExtended(OverReplicas):
                 print(f"stratagem PipelineStrategy: tied across stages, gradients summed: {tie}", flush=True)
         return pipe
 
+    def _torch_mesh(self) -> Any:
+        """torch's DeviceMesh of the whole job (``config.mesh``: data x pipeline x model), made
+        once: the tensor-parallel split and the sharding of a split stage take their axes from
+        it (FSDP x TP needs both on one mesh)."""
+        if self._job_mesh is None:
+            from stratagem.distribute.engines.torch_mesh import build_torch_mesh
+
+            self._job_mesh = build_torch_mesh(self.config.mesh, self._world, self._device)
+        return self._job_mesh
+
     def _shard(self, stages: Sequence[Stage]) -> None:
         """Shard every layer of this process's stages over the stage's copies (the replica
-        group, a 1-D mesh): each layer with parameters is FSDP's unit and root (a stage runs its
-        layers one by one), with ``sharding``'s options; gradients are summed across the copies
-        (reduce-scattered at each micro-batch's backward and accumulated in the shards)."""
+        group, a 1-D mesh; with tensor parallelism the job mesh's data axis, beside the tensor
+        axis its layers are split along: FSDP x TP): each layer with parameters is FSDP's unit
+        and root (a stage runs its layers one by one), with ``sharding``'s options; gradients are
+        summed across the copies (reduce-scattered at each micro-batch's backward and
+        accumulated in the shards)."""
         from stratagem.core.mesh import DATA, DeviceMesh
         from stratagem.distribute.engines.torch_mesh import build_torch_mesh
 
         assert self.sharding is not None
-        mesh = build_torch_mesh(DeviceMesh.of((DATA, self.replicas.world_size)), self.replicas, self._device)
+        if self.layout_map is not None:
+            mesh = self._torch_mesh()[DATA]
+        else:
+            mesh = build_torch_mesh(DeviceMesh.of((DATA, self.replicas.world_size)), self.replicas, self._device)
         for st in stages:
             for layer in st.layers:
                 if any(True for _ in layer.parameters()):
@@ -281,12 +297,12 @@ class PipelineExtended(OverReplicas):
         over the tensor axis of the job's torch mesh; the rest stays whole on every process."""
         from stratagem.distribute.engines.layout import tensor_parallel_plan
         from stratagem.distribute.engines.tensor_parallel import split_layers
-        from stratagem.distribute.engines.torch_mesh import build_torch_mesh
 
         assert self.layout_map is not None
         cfg = self.config
-        mesh = build_torch_mesh(cfg.mesh, self._world, self._device)[cfg.tensor_axis]
+        mesh = self._torch_mesh()[cfg.tensor_axis]
         layers = [layer for st in stages for layer in st.layers]
+        self.plans = []  # the last pipeline()'s
         for name, layer in zip(names, layers):
             plan = tensor_parallel_plan(layer, self.layout_map, cfg.tensor_axis, prefix=f"{name}.")
             self.plans.append({f"{name}.{path}" if path else name: kind for path, kind in plan.items()})

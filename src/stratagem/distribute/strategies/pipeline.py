@@ -187,12 +187,6 @@ def _check_sharding(sharding: object, config: PipelineConfig) -> None:
             f"sharding must be a stratagem.ShardingOptions (or None), got {type(sharding).__name__}: "
             f"{sharding!r}"
         )
-    if config.tensor_parallel > 1:
-        raise PipelineConfigError(
-            "sharding= with a layout_map (pipeline x tensor x sharded) is not built yet: each stage "
-            "is split over the layout map's axis and its copies hold it whole (data_parallel "
-            "copies, gradients summed); leave sharding=None"
-        )
     if config.data_parallel < 2:
         raise PipelineConfigError(
             f"sharding shards each stage over its data-parallel copies, and data_parallel="

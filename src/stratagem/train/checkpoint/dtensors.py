@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem.core.whole import whole_tensor
+
 
 def _dtensor_type() -> Any:
     from torch.distributed.tensor import DTensor
@@ -21,7 +23,7 @@ def whole(state: Any) -> Any:
     every process holding a shard calls it, in the same order)."""
     dtensor = _dtensor_type()
     if isinstance(state, dtensor):
-        return state.full_tensor()
+        return whole_tensor(state)
     if isinstance(state, dict):
         return {k: whole(v) for k, v in state.items()}
     if isinstance(state, list):
