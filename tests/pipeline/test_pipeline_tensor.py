@@ -141,6 +141,7 @@ def test_pipeline_x_tensor_custom_loop_matches_one_device():
         assert "tensor_parallel=2" in r.value["repr"]
 
 
+@pytest.mark.slow  # 8 processes: the slow tier (CI runs it), the main one under 15 minutes
 @pytest.mark.timeout(300)
 def test_pipeline_x_tensor_x_data_on_8_processes_matches_one_device():
     """2 copies x 2 stages x 2 tensor-parallel processes: the split parts' gradients summed across
@@ -151,6 +152,7 @@ def test_pipeline_x_tensor_x_data_on_8_processes_matches_one_device():
         assert "data_parallel=2, tensor_parallel=2" in r.value["repr"]
 
 
+@pytest.mark.slow  # 8 processes: the slow tier (CI runs it), the main one under 15 minutes
 @pytest.mark.timeout(300)
 def test_pipeline_x_tensor_x_sharded_on_8_processes_matches_one_device():
     """2 copies x 2 stages x 2 tensor-parallel processes, each stage's split layers sharded over

@@ -144,6 +144,7 @@ def test_pipeline_x_sharded_nanogpt_with_its_tie() -> None:
         assert all(end.equal(ends[0]) for end in ends)
 
 
+@pytest.mark.slow  # 8 processes: the slow tier (CI runs it), the main one under 15 minutes
 @pytest.mark.timeout(300)
 def test_pipeline_x_tensor_x_data_nanogpt_on_8_processes() -> None:
     """nanoGPT as published in 2 copies x 2 stages x 2 tensor-parallel processes: each block's
