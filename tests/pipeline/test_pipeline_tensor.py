@@ -143,24 +143,16 @@ def test_pipeline_x_tensor_custom_loop_matches_one_device():
 
 @pytest.mark.slow  # 8 processes: the slow tier (CI runs it), the main one under 15 minutes
 @pytest.mark.timeout(300)
-def test_pipeline_x_tensor_x_data_on_8_processes_matches_one_device():
+@pytest.mark.parametrize(("schedule", "sharded"), [("1f1b", False), ("gpipe", True)])
+def test_pipeline_x_tensor_x_data_on_8_processes_matches_one_device(schedule, sharded):
     """2 copies x 2 stages x 2 tensor-parallel processes: the split parts' gradients summed across
-    the copies."""
-    results = run_workers(custom_loop_worker, 8, args=(2, (("1f1b", "mean", "except_last"),)), timeout=260)
+    the copies; ``sharded``: each stage's split layers sharded over its copies too (FSDP x TP
+    inside a stage, on the job's one torch mesh)."""
+    results = run_workers(custom_loop_worker, 8, args=(2, ((schedule, "mean", "except_last"),), sharded), timeout=260)
     for r in results:
-        _check_split(r.value)
+        _check_split(r.value, sharded=sharded)
         assert "data_parallel=2, tensor_parallel=2" in r.value["repr"]
-
-
-@pytest.mark.slow  # 8 processes: the slow tier (CI runs it), the main one under 15 minutes
-@pytest.mark.timeout(300)
-def test_pipeline_x_tensor_x_sharded_on_8_processes_matches_one_device():
-    """2 copies x 2 stages x 2 tensor-parallel processes, each stage's split layers sharded over
-    its copies too (FSDP x TP inside a stage, on the job's one torch mesh)."""
-    results = run_workers(custom_loop_worker, 8, args=(2, (("gpipe", "mean", "except_last"),), True), timeout=260)
-    for r in results:
-        _check_split(r.value, sharded=True)
-        assert "sharding=ShardingOptions(" in r.value["repr"]
+        assert ("sharding=ShardingOptions(" in r.value["repr"]) == sharded
 
 
 def fit_and_checkpoint_worker(directory: str) -> dict[str, Any]:

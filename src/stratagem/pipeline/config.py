@@ -172,8 +172,5 @@ class PipelineConfig:
         gradients are summed)."""
         return self.mesh.groups(DATA)
 
-    def tensor_rank_of(self, rank: int) -> int:
-        return self.mesh.coordinates(rank)[self.tensor_axis] if self.tensor_parallel > 1 else 0
-
     def make_schedule(self) -> Schedule:
         return make_schedule(self.schedule, self.num_stages, self.num_microbatches, self.virtual_stages)

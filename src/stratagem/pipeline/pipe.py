@@ -99,8 +99,8 @@ class Pipe:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers under their original names, whole (a stage sharded
         over its copies gathers them: call it on every copy)."""
-        out = {n: _whole(p.detach()) for n, p in self._named}
-        out.update({n: _whole(b.detach()) for n, b in self.named_buffers()})
+        out = {n: whole_tensor(p.detach()) for n, p in self._named}
+        out.update({n: whole_tensor(b.detach()) for n, b in self.named_buffers()})
         return out
 
     def train(self, mode: bool = True) -> Pipe:
@@ -215,7 +215,3 @@ def _sync_on_last(stage: Stage, last: bool) -> None:
             layer.set_requires_gradient_sync(last)
             layer.set_reshard_after_backward(last)  # gathered once for the step's backwards
 
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or the whole tensor of a DTensor (a collective over its mesh)."""
-    return whole_tensor(t)  # type: ignore[no-any-return]

@@ -5,7 +5,6 @@ recomputed) and the backward -- whole, or split into the input gradient and the 
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
+from stratagem.core.whole import whole_tensor
 from stratagem.pipeline import boundary
 from stratagem.pipeline.errors import PipelineError, StageShapeError
 from stratagem.pipeline.rematerialize import RNGSnapshot, frozen_buffers, replay_rng
@@ -156,17 +156,6 @@ def _foreign_uses(out: torch.Tensor, leaves: Sequence[tuple[torch.Tensor, Sequen
 _SHAPE_WORDS = re.compile(r"shape|size|dimension|\bdims?\b|channels|mat1|mat2|scalar type|dtype", re.IGNORECASE)
 
 
-def _whole(h: Any) -> Any:
-    """A split layer's output (a DTensor, pipeline x tensor) whole, as a plain tensor: what
-    crosses to the next stage or meets the loss (``full_tensor``: its backward takes this
-    process's part of the gradient)."""
-    if "torch.distributed.tensor" not in sys.modules or not isinstance(h, torch.Tensor):
-        return h
-    from torch.distributed.tensor import DTensor
-
-    return h.full_tensor() if isinstance(h, DTensor) else h
-
-
 def _rejects_its_input(e: Exception) -> bool:
     """Whether a first layer's error says the input does not fit it (not a failure of its own)."""
     return isinstance(e, (RuntimeError, ValueError, IndexError, TypeError)) and bool(_SHAPE_WORDS.search(str(e)))
@@ -246,7 +235,9 @@ class Stage:
                     f"{type(e).__name__}: {e}",
                     stage=self.index,
                 ) from e
-        h = _whole(h)
+        # a split layer's output (pipeline x tensor) whole, as a plain tensor, before it crosses to
+        # the next stage or meets the loss (differentiable: its backward takes this process's part)
+        h = whole_tensor(h)
         if not self.is_last:
             try:
                 h, self.boundary_out = boundary.flatten(h, f"the output of stage {self.index}")

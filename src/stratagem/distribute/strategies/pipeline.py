@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.core.mesh import DATA, PIPELINE
 from stratagem.core.warn import warn_user
 from stratagem.distribute.engines.fsdp import ShardingOptions
 from stratagem.distribute.engines.layout import LayoutMap
@@ -223,7 +224,7 @@ def _tensor_degree(layout_map: object, axis: str, num_stages: object, data_paral
             f"the layout map's mesh ({mesh}) has no axis {axis!r} to split the layers along: make it "
             f"e.g. DeviceMesh((2,), ({axis!r},)), or pass model_axis= its name"
         )
-    expected = {"data": data_parallel, "pipeline": num_stages}
+    expected = {DATA: data_parallel, PIPELINE: num_stages}
     for name, n in zip(mesh.axis_names, mesh.shape):
         if name == axis:
             continue
