@@ -13,6 +13,6 @@ for _ in $(seq "$(nproc)"); do
   python -c "while True: pass" &
   hogs+=($!)
 done
-echo "== pytest -m 'stress and not slow and not matrix', beside ${#hogs[@]} busy loops"
+echo "== pytest -m 'stress and not matrix' (the slow tier's stress tests too), beside ${#hogs[@]} busy loops"
 python -m compileall -q src tests > /dev/null
-python -m pytest -q --durations=20 -m "stress and not slow and not matrix" "$@"
+python -m pytest -q --durations=20 -m "stress and not matrix" "$@"

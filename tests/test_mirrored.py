@@ -157,6 +157,9 @@ def mean_reduction_worker() -> list[float]:
     return strategy.run(step, args=(x,)).flatten().tolist()
 
 
+# test_compiled_step.py checks compiled against eager under Mirrored in the main tier; this one is
+# in the slow tier (CI runs it): the main tier under 15 minutes
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_eager_and_compiled_steps_agree():
     assert [r.value for r in run_workers(compiled_worker, 2, timeout=220)] == ["ok", "ok"]

@@ -51,6 +51,7 @@ def test_failed_worker_is_restarted_with_the_next_restart_count(tmp_path):
     assert (tmp_path / "worker1-restart1").exists() and tracebacks(r.stderr) == 0
 
 
+@pytest.mark.slow  # the out-of-restarts case stays in the main tier; this one in the slow tier (CI runs it): the main tier under 15 minutes
 @pytest.mark.timeout(90)
 def test_failed_worker_is_not_restarted_by_default(tmp_path):
     """As torchrun: no restarts unless asked for (--max-restarts N; a restarted worker rejoins,

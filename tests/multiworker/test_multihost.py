@@ -51,6 +51,7 @@ def two_hosts():
         subprocess.run(["ip", "link", "del", veth[0]], capture_output=True, timeout=20)
 
 
+@pytest.mark.slow  # `--bind` across namespaces (tests/net has TF_CONFIG across hosts in the main tier), in the slow tier (CI runs it): the main tier under 15 minutes
 @pytest.mark.timeout(150)
 def test_multi_worker_mirrored_across_two_namespaces(two_hosts):
     ns, addrs = two_hosts

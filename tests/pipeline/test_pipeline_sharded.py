@@ -173,6 +173,7 @@ def fit_worker() -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # fit (its custom loop and checkpoint stay in the main tier), in the slow tier (CI runs it): the main tier under 15 minutes
 @pytest.mark.timeout(240)
 def test_pipeline_x_sharded_fit_matches_one_device():
     results = run_workers(fit_worker, 4, timeout=200)

@@ -343,6 +343,7 @@ def hybrid_worker() -> list[str]:
     return errors
 
 
+@pytest.mark.slow  # pipeline x data, as with nanoGPT's tie in real_models, in the slow tier (CI runs it): the main tier under 15 minutes
 @pytest.mark.timeout(180)
 def test_hybrid_two_stages_two_copies():
     results = run_workers(hybrid_worker, 4, timeout=150)

@@ -28,6 +28,7 @@ print("RESULT", got)
 """
 
 
+@pytest.mark.slow  # a second coordinator's datasets: in the slow tier (CI runs it): the main tier under 15 minutes
 @pytest.mark.timeout(120)
 def test_a_second_coordinator_gets_its_own_per_worker_datasets(tmp_path):
     r = _job(tmp_path, TWO_COORDINATORS)

@@ -112,6 +112,7 @@ def test_when_every_worker_is_lost_the_chief_waits_for_restarted_ones():
     assert tracebacks(r.stderr) == 0 and not TORCH_LOG.search(r.stderr), r.stderr
 
 
+@pytest.mark.slow  # with the other lost-worker cases, in the slow tier (CI runs it): the main tier under 15 minutes
 @pytest.mark.timeout(180)
 def test_when_every_worker_is_lost_without_restarts_the_fetch_under_way_raises():
     """Both workers die in their second function and nothing restarts them: the chief's fetch of

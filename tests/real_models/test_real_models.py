@@ -108,6 +108,7 @@ def test_pipeline_two_stages_tie_across_stages() -> None:
         assert "loss_fn=None (the model's own loss) is not supported under PipelineStrategy" in out["no_loss_fn_error"]
 
 
+@pytest.mark.slow  # in the slow tier (CI runs it): the main tier under 15 minutes
 @pytest.mark.timeout(200)
 def test_pipeline_tie_with_two_data_parallel_copies() -> None:
     """nanoGPT in 2 stages x 2 data-parallel copies (4 processes): each stage's gradients summed
@@ -126,6 +127,7 @@ def test_pipeline_tie_with_two_data_parallel_copies() -> None:
         assert all(end.equal(ends[0]) for end in ends)
 
 
+@pytest.mark.slow  # in the slow tier (CI runs it): the main tier under 15 minutes
 @pytest.mark.timeout(200)
 def test_pipeline_x_sharded_nanogpt_with_its_tie() -> None:
     """nanoGPT as published in 2 stages x 2 copies, each stage's layers sharded over its copies

@@ -41,6 +41,7 @@ def test_per_unit_options_custom_loop_equals_one_device() -> None:
     assert len({tuple(o["losses"]) for o in outs}) == 1  # every process reports the same losses
 
 
+@pytest.mark.slow  # in the slow tier (CI runs it): the main tier under 15 minutes
 @pytest.mark.timeout(240)
 def test_mean_gradient_op_with_a_per_replica_mean_loss_equals_one_device() -> None:
     for out in (r.value for r in run_workers(tx.mean_reduction, 4, args=(STEPS,), timeout=220)):
@@ -69,6 +70,7 @@ def test_fit_checkpoint_resume_is_exact_and_one_process_restores(tmp_path: Path)
     assert not _bad(w.max_diff(model.state_dict(), want))
 
 
+@pytest.mark.slow  # in the slow tier (CI runs it): the main tier under 15 minutes
 @pytest.mark.timeout(240)
 def test_mixed_precision_computes_in_bf16_and_stays_near_fp32() -> None:
     for out in (r.value for r in run_workers(tx.mixed_precision, 4, args=(STEPS,), timeout=220)):
