@@ -25,29 +25,24 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from stratagem.core.warn import warn_user
 from stratagem.distribute import current, ownership
 from stratagem.distribute.strategy import Strategy
-from stratagem.train.checkpoint import dtensors, optim_names
-from stratagem.train.checkpoint.codec import CheckpointCorruptError, encode_value
+from stratagem.train.checkpoint.codec import CheckpointCorruptError
 from stratagem.train.checkpoint.files import (
-    _payload,
     file_path,
     read_metadata,
     read_part,
     read_plain,
     verify,
-    write_checkpoint,
 )
 from stratagem.train.checkpoint.lock import (
     CheckpointDirectoryLockedError,
@@ -55,65 +50,25 @@ from stratagem.train.checkpoint.lock import (
     clean_leftovers,
     remove_checkpoint,
     replace_directory,
-    writer_tag,
+)
+from stratagem.train.checkpoint.portable import PortableWriter
+from stratagem.train.checkpoint.sharded import ShardedWriter
+from stratagem.train.checkpoint.states import (  # RNGState, portable_states: re-exported (they lived here)
+    RNGState as RNGState,
+)
+from stratagem.train.checkpoint.states import (
+    apply_states,
+    check_objects,
+    encode_states,
+    validate_states,
+)
+from stratagem.train.checkpoint.states import (
+    portable_states as portable_states,
 )
 from stratagem.train.checkpoint.ties import StageTies
+from stratagem.train.checkpoint.writer import CheckpointWriter, WriteSite
 
 _CKPT = re.compile(r"^ckpt-(\d+)$")
-
-
-class RNGState:
-    """The random state of this process: python ``random``, numpy, torch CPU and CUDA generators."""
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = list(torch.cuda.get_rng_state_all())
-        return state
-
-    @staticmethod
-    def validate(state: Any) -> None:
-        """Raise ValueError unless ``state`` is an RNG state this process can load."""
-        try:
-            version, internal, _ = state["python"]
-            ok = isinstance(version, int) and len(internal) == 625 and all(isinstance(i, int) for i in internal)
-            ok = ok and len(state["numpy"]) == 5 and len(np.asarray(state["numpy"][1])) == 624
-            t = state["torch"]
-            ok = ok and isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == torch.get_rng_state().shape
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError("the checkpoint's RNG state is not one of python random, numpy and torch")
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-        np.random.set_state(tuple(state["numpy"]))  # type: ignore[arg-type]
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _is_shared(obj: Any) -> bool:
-    return isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.Tensor, int, float))
-
-
-def _state_of(name: str, obj: Any) -> Any:
-    if isinstance(obj, (torch.Tensor, int, float)) and not isinstance(obj, bool):
-        return obj
-    if isinstance(obj, nn.Module):
-        # a pipeline stage's model keeps the other stages' parameters on the meta device
-        return {k: v for k, v in obj.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
-    if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-        return obj.state_dict()
-    raise TypeError(
-        f"Checkpoint({name}=...): a {type(obj).__name__} has no state_dict/load_state_dict; pass "
-        "modules, optimizers, data iterators, RNGState(), ints or tensors"
-    )
 
 
 class Checkpoint:
@@ -134,8 +89,7 @@ class Checkpoint:
                 "Checkpoint(save_counter=...): save_counter is the checkpoint's own count of saves "
                 "(as tf.train.Checkpoint's); give the object another name"
             )
-        for name, obj in objects.items():
-            _state_of(name, obj)  # fail early on what cannot be saved
+        check_objects(objects)  # fail early on what cannot be saved
         self._objects = dict(objects)
         self._save_counter = torch.zeros((), dtype=torch.int64)
         self._writers: dict[Path, CheckpointManager] = {}
@@ -193,7 +147,7 @@ class Checkpoint:
                 raise ValueError(f"{path} is a sharded checkpoint: restore it under the strategy that shards the model")
             import torch.distributed as dist
 
-            self.apply(portable_states(path, meta, self, dist.get_rank(), dist.get_world_size()))
+            self.apply(portable_states(path, meta, self._objects, dist.get_rank(), dist.get_world_size()))
             self._restored(int(meta["step"]))
         else:
             self._writer(path.parent).restore(path)
@@ -218,80 +172,17 @@ class Checkpoint:
         """The shared (or per-replica, or with None all) objects' states as a JSON structure
         and flat tensors; ``ties``: a pipeline stage's weights tied to other stages' (written
         once, by the lowest stage holding each)."""
-        tensors: dict[str, torch.Tensor] = {}
-        struct = {}
-        names = optim_names.parameter_names(self._objects.values())
-        for name, obj in self._objects.items():
-            if shared is None or _is_shared(obj) == shared:
-                state = _state_of(name, obj)
-                if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
-                    state = dtensors.whole(state)  # sharded parameters and moments, whole
-                if isinstance(obj, torch.optim.Optimizer):  # its parameters' names: it moves between meshes
-                    state = optim_names.with_names(state, obj, names)
-                if ties is not None and isinstance(obj, nn.Module):
-                    state = ties.saved(obj, state)
-                struct[name] = encode_value(state, tensors, name)
-        return struct, tensors
+        return encode_states(self._objects, shared, ties)
 
     def apply(self, states: dict[str, Any]) -> None:
         """Load decoded ``states`` (every object's) into the objects: everything is validated
         first (keys, shapes, dtypes, structure), so a failed restore leaves the objects as they
         were (a per-replica object whose own ``load_state_dict`` fails is put back too)."""
-        self.validate(states)
-        done: list[tuple[Any, Any]] = []
-        # objects the validation cannot see into first (rolled back on failure), then the RNG,
-        # optimizers and modules (validated fully above)
-        order = sorted(self._objects.items(), key=lambda kv: _apply_rank(kv[1]))
-        try:
-            for name, obj in order:
-                state = states[name]
-                if isinstance(obj, torch.Tensor):
-                    with torch.no_grad():
-                        obj.copy_(state)
-                elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
-                    self._objects[name] = type(obj)(state)
-                elif isinstance(obj, nn.Module):
-                    obj.load_state_dict(dtensors.for_module(obj, _module_subset(obj, state)), strict=False)
-                else:
-                    before = obj.state_dict() if _apply_rank(obj) == 0 else None
-                    if isinstance(obj, torch.optim.Optimizer):
-                        state = dtensors.for_optimizer(obj, optim_names.without_names(state))
-                    obj.load_state_dict(state)
-                    if before is not None:
-                        done.append((obj, before))
-        except Exception:
-            for obj, before in reversed(done):
-                try:
-                    obj.load_state_dict(before)
-                except Exception:  # noqa: BLE001 - the original error matters more
-                    pass
-            raise
+        apply_states(self._objects, states)
 
     def validate(self, states: dict[str, Any]) -> None:
         """Raise (naming the object and the key) unless ``states`` fits every object."""
-        missing = [n for n in self._objects if n not in states]
-        if missing:
-            raise KeyError(
-                f"the checkpoint has no state for {missing} (it has {sorted(states)}); restore "
-                "with a Checkpoint of the same objects"
-            )
-        for name, obj in self._objects.items():
-            state = states[name]
-            if isinstance(obj, torch.Tensor):
-                if not isinstance(state, torch.Tensor) or state.shape != obj.shape:
-                    raise ValueError(
-                        f"the checkpoint's {name!r} is {_describe(state)}, the live tensor has "
-                        f"shape {tuple(obj.shape)}; restore into a tensor of the same shape"
-                    )
-            elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
-                if isinstance(state, bool) or not isinstance(state, (int, float, torch.Tensor)):
-                    raise ValueError(f"the checkpoint's {name!r} is {_describe(state)}, not a number")
-            elif isinstance(obj, nn.Module):
-                _validate_module(name, obj, state)
-            elif isinstance(obj, torch.optim.Optimizer):
-                _validate_optimizer(name, obj, state)
-            elif isinstance(obj, RNGState):
-                RNGState.validate(state)
+        validate_states(self._objects, states)
 
 
 #: Where ``Checkpoint.save`` stages a save before renaming it to ``<prefix>-<n>``.
@@ -366,81 +257,6 @@ class CheckpointLoadStatus:
 
     def initialize_or_restore(self, session: Any = None) -> None:
         """Nothing to run: the values were assigned by ``restore``."""
-
-
-def _apply_rank(obj: Any) -> int:
-    if isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.Tensor, int, float, RNGState)):
-        return 1
-    return 0
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
-
-
-def _module_subset(module: nn.Module, state: Any) -> dict[str, Any]:
-    """The entries of ``state`` this module holds (a pipeline stage holds only its layers)."""
-    want = _state_of("", module)
-    return {k: state[k] for k in want}
-
-
-def _validate_module(name: str, module: nn.Module, state: Any) -> None:
-    if not isinstance(state, dict):
-        raise ValueError(f"the checkpoint's {name!r} is {_describe(state)}, not a module's state dict")
-    want = _state_of(name, module)
-    full = {k for k, v in module.state_dict().items()}
-    staged = len(want) < len(full)  # a pipeline stage: the other stages' layers are on meta
-    lacks = sorted(set(want) - set(state))
-    extra = [] if staged else sorted(set(state) - set(want))
-    if lacks or extra:
-        raise KeyError(
-            f"the checkpoint's {name!r} has tensors {extra[:4]} this model lacks and lacks "
-            f"{lacks[:4]}; restore into the same model (under a pipeline: the same layers)"
-        )
-    for key, live in want.items():
-        saved = state[key]
-        if not isinstance(live, torch.Tensor):
-            continue
-        if not isinstance(saved, torch.Tensor):
-            raise ValueError(f"the checkpoint's {name}.{key} is {_describe(saved)}, the model's is a tensor")
-        if saved.shape != live.shape or saved.dtype != live.dtype:
-            raise ValueError(
-                f"the checkpoint's {name}.{key} is {_describe(saved)}, the model's is "
-                f"{_describe(live)}; restore into the same model (same sizes and dtypes)"
-            )
-
-
-#: optimizer state entries that have their parameter's shape (torch's optimizers)
-_PER_PARAMETER = {
-    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
-    "sum", "ax", "prev", "grad_avg", "exp_inf",
-}  # fmt: skip
-
-
-def _validate_optimizer(name: str, opt: torch.optim.Optimizer, state: Any) -> None:
-    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list) or not isinstance(state.get("state"), dict):
-        raise ValueError(f"the checkpoint's {name!r} is not an optimizer's state dict")
-    groups, saved = opt.param_groups, state["param_groups"]
-    sizes = [len(g["params"]) for g in groups]
-    saved_sizes = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in saved]
-    if sizes != saved_sizes:
-        raise ValueError(
-            f"the checkpoint's {name!r} has parameter groups of sizes {saved_sizes}, this optimizer "
-            f"{sizes}; restore into an optimizer over the same parameters"
-        )
-    params = {pid: p for g, sg in zip(groups, saved) for p, pid in zip(g["params"], sg["params"])}
-    for pid, pstate in state["state"].items():
-        if pid not in params or not isinstance(pstate, dict):
-            raise ValueError(f"the checkpoint's {name!r} has state for parameter {pid!r}, which no group lists")
-        shape = params[pid].shape
-        for key, value in pstate.items():
-            if key in _PER_PARAMETER and isinstance(value, torch.Tensor) and value.shape != shape:
-                raise ValueError(
-                    f"the checkpoint's {name!r} holds {key} of shape {tuple(value.shape)} for a "
-                    f"parameter of shape {tuple(shape)}; restore into an optimizer over the same parameters"
-                )
 
 
 # --- the manager ----------------------------------------------------------------------------------
@@ -558,45 +374,22 @@ class CheckpointManager:
 
     def _save(self, step_int: int) -> str:
         self._prepare_optimizers()
-        if self.strategy.extended.shards_state:  # issue 14 hook: sharded state (train/checkpoint/sharded.py)
-            from stratagem.train.checkpoint import sharded
+        writer: CheckpointWriter = ShardedWriter() if self.strategy.extended.shards_state else PortableWriter()
+        return writer.save(self._site(), step_int)
 
-            return sharded.save(self, step_int)
-        try:
-            ties = StageTies.of(self.strategy.extended)  # weights tied across pipeline stages
-            mine: tuple[bytes, bytes] | None = _payload(
-                *self.checkpoint.encode(shared=None if self._all_per_rank else False, ties=ties)
-            )
-            encode_error = ""
-        except (TypeError, ValueError) as e:
-            mine, encode_error = None, f"{type(e).__name__}: {e}"
-        per_rank = self._comm.gather_object((mine, encode_error), 0)  # to the writer only
-        result: tuple[str, str, str] = ("", "", "")
-        if per_rank is not None:
-            try:
-                bad = [f"replica {r}: {err}" for r, (_, err) in enumerate(per_rank) if err]
-                if bad:
-                    raise TypeError(f"a state cannot be encoded ({'; '.join(bad)})")
-                self._own_directory()
-                shared = _payload(*({}, {}) if self._all_per_rank else self.checkpoint.encode(shared=True))
-                path = write_checkpoint(
-                    self.directory, step_int, shared, [m for m, _ in per_rank],  # type: ignore[misc]
-                    on_file_written=self._on_file_written, writer=writer_tag(),
-                )  # fmt: skip
-                self._prune()
-                result = (str(path), "", "")
-            except Exception as e:  # noqa: BLE001 - sent to every replica below
-                result = ("", type(e).__name__, f"{e}")
-        result = self._comm.broadcast_object(result, 0)
-        if result[1] == "CheckpointDirectoryLockedError":
-            raise CheckpointDirectoryLockedError(result[2])
-        if result[1]:
-            raise RuntimeError(
-                f"the chief could not write the checkpoint at step {step_int} in {self.directory}: "
-                f"{result[1]}: {result[2]} (earlier checkpoints are intact; nothing of this save was left)"
-            )
-        self.strategy.extended.checkpoint_saved(result[0])
-        return result[0]
+    def _site(self) -> WriteSite:
+        """What a writer may use of this manager, for one save or restore."""
+        return WriteSite(
+            comm=self._comm,
+            directory=self.directory,
+            objects=self.checkpoint._objects,
+            extended=self.strategy.extended,
+            all_per_rank=self._all_per_rank,
+            own_directory=self._own_directory,
+            agree=self._agree,
+            prune=self._prune,
+            on_file_written=self._on_file_written,
+        )
 
     def _prepare_optimizers(self) -> None:
         """The strategy readies each optimizer before its state is read or written (a sharding
@@ -638,18 +431,10 @@ class CheckpointManager:
         """Read this replica's states from ``path`` and validate them; returns the assignment."""
         meta = read_metadata(path)
         self._prepare_optimizers()
-        if "sharded" in meta or self.strategy.extended.shards_state:  # issue 14 hook: sharded checkpoint or model (train/checkpoint/sharded.py)
-            from stratagem.train.checkpoint import sharded
-
-            return sharded.prepare(self, path, meta)
-        states = portable_states(path, meta, self.checkpoint, self._comm.rank, self._comm.world_size)
-        ties = StageTies.of(self.strategy.extended)
-        if ties is not None:  # a tied weight, written once, restores every stage's end
-            for name, obj in self.checkpoint.objects.items():
-                if isinstance(obj, nn.Module) and isinstance(states.get(name), dict):
-                    states[name] = ties.restored(name, obj, states[name])
-        self.checkpoint.validate(states)
-        return lambda: self.checkpoint.apply(states)
+        # a sharded checkpoint, or a model whose state is sharded: torch.distributed.checkpoint
+        sharded = "sharded" in meta or self.strategy.extended.shards_state
+        writer: CheckpointWriter = ShardedWriter() if sharded else PortableWriter()
+        return writer.prepare(self._site(), path, meta)
 
     def restore(self, path: str | os.PathLike[str]) -> None:
         """Load the checkpoint at ``path`` into the objects (every replica; verified first).
@@ -698,94 +483,6 @@ class CheckpointManager:
         self._load(Path(chosen))
         self._comm.barrier()
         return chosen
-
-
-# --- portability: any checkpoint into any job ------------------------------------------------------
-def portable_states(
-    path: Path, meta: dict[str, Any], checkpoint: Checkpoint, rank: int, world: int
-) -> dict[str, Any]:
-    """The state of every object of ``checkpoint`` for replica ``rank`` of ``world``, from a
-    checkpoint written by ``meta["world_size"]`` processes under any strategy.
-
-    - Modules, optimizers, tensors and numbers saved once (data-parallel: mirrored) load as saved.
-    - A module saved per process (pipeline stages) is joined from every stage; each module then
-      takes the layers it holds (an unsplit model all of them, a stage its own), so pipeline ->
-      unsplit, unsplit -> pipeline and other stage boundaries all work. An optimizer's state,
-      saved with its parameters' names, loads into an optimizer over other parameters (a
-      stage's, the whole model's) by name: the stages' parts are joined (``optim_names``).
-    - With the same number of replicas, per-replica objects (RNG, data iterators) load exactly.
-      With another number: ``RNGState`` of replica ``r`` loads the saved replica ``r``'s streams
-      (replicas beyond the saved ones keep theirs, with a warning); an object whose class has
-      ``reshard_state(states, rank, world)`` (a ``DistributedIterator``: every replica reads the
-      same global batches, so the position carries over exactly) gets what it returns; any other
-      per-replica object is an error naming it (leave it out of the Checkpoint to restore the
-      rest).
-    """
-    saved_world = int(meta["world_size"])
-    shared = read_part(path, "shared", meta)
-    parts: dict[int, dict[str, Any]] = {}
-
-    def part(r: int) -> dict[str, Any]:
-        if r not in parts:
-            parts[r] = read_part(path, f"rank-{r}", meta)
-        return parts[r]
-
-    same = saved_world == world
-    states: dict[str, Any] = {}
-    skipped_rng: list[str] = []
-    names = optim_names.parameter_names(checkpoint.objects.values())
-    what = f"checkpoint {path}"
-
-    def elsewhere(obj: Any, state: Any) -> bool:
-        """An optimizer's state saved over other parameters (another split): matched by name."""
-        return isinstance(obj, torch.optim.Optimizer) and optim_names.needs_rekey(state, obj, names)
-
-    for name, obj in checkpoint.objects.items():
-        if name in shared:
-            saved = shared[name]
-            states[name] = optim_names.rekey([saved], obj, names, what) if elsewhere(obj, saved) else saved
-            continue
-        if same and name in part(rank) and not isinstance(obj, nn.Module) and not elsewhere(obj, part(rank)[name]):
-            states[name] = part(rank)[name]
-            continue
-        present = [r for r in range(saved_world) if name in part(r)]
-        if not present:
-            continue  # reported by validate: no state for it
-        if isinstance(obj, torch.optim.Optimizer) and all(optim_names.NAMES in part(r)[name] for r in present):
-            # an optimizer saved per stage: the stages' parts joined by parameter name
-            states[name] = optim_names.rekey([part(r)[name] for r in present], obj, names, f"{what}: {name!r}")
-            continue
-        if isinstance(obj, nn.Module):
-            joined: dict[str, Any] = {}
-            for r in present:
-                for k, v in part(r)[name].items():
-                    joined.setdefault(k, v)
-            states[name] = joined
-        elif isinstance(obj, RNGState):
-            if rank < saved_world:
-                states[name] = part(rank)[name]
-            else:
-                skipped_rng.append(name)
-        elif hasattr(type(obj), "reshard_state"):
-            states[name] = type(obj).reshard_state([part(r)[name] for r in present], rank, world)
-        else:
-            what = "an optimizer of a pipeline stage" if isinstance(obj, torch.optim.Optimizer) else f"a {type(obj).__name__}"
-            raise ValueError(
-                f"checkpoint {path} was written by {saved_world} processes; this job has {world}. "
-                f"{name!r} ({what}) is per-process state that cannot be mapped to another number "
-                f"of processes: restore with {saved_world}, or leave {name!r} out of the Checkpoint "
-                "(modules and mirrored optimizers restore into any number)"
-            )
-    for name in skipped_rng:  # this replica keeps its own streams (loading them is a no-op)
-        states[name] = checkpoint.objects[name].state_dict()
-    rngs = sorted(n for n, o in checkpoint.objects.items() if isinstance(o, RNGState))
-    if world > saved_world and rngs:  # said once, for the job, by rank 0
-        warn_user(
-            f"checkpoint {path} has the RNG streams of {saved_world} replicas; replicas "
-            f"{saved_world}..{world - 1} of {world} keep their own {', '.join(map(repr, rngs))}",
-            stacklevel=3,
-        )
-    return states
 
 
 def _resolve(path: str | os.PathLike[str]) -> Path:

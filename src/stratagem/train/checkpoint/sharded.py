@@ -7,7 +7,8 @@ checkpoint's modules and optimizers are written by ``torch.distributed.checkpoin
 ``shared.*``. The checkpoint is the manager's format otherwise: written into a temporary
 directory, listed with sizes and sha256 in ``metadata.json`` (with a ``sharded`` entry), renamed
 into place, verified before loading. Loading reshards: into another number of processes, or a
-plain model in a single process with no process group.
+plain model in a single process with no process group. ``ShardedWriter`` is this path as the
+manager's ``CheckpointWriter`` (writer.py); it reaches the manager only through a ``WriteSite``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,14 +36,18 @@ from stratagem.train.checkpoint.files import (
     read_part,
 )
 from stratagem.train.checkpoint.lock import writer_tag
+from stratagem.train.checkpoint.states import (
+    _state_of,
+    apply_states,
+    check_objects,
+    portable_states,
+    validate_states,
+)
+from stratagem.train.checkpoint.writer import WriteSite
 
-if TYPE_CHECKING:
-    from stratagem.train.checkpoint.manager import Checkpoint, CheckpointManager
 
-
-def _split(checkpoint: Checkpoint) -> tuple[dict[str, nn.Module], dict[str, tuple[torch.optim.Optimizer, str]], dict[str, Any]]:
+def _split(objects: dict[str, Any]) -> tuple[dict[str, nn.Module], dict[str, tuple[torch.optim.Optimizer, str]], dict[str, Any]]:
     """Modules, optimizers (with the name of the module they step) and everything else."""
-    objects = checkpoint.objects
     modules = {n: o for n, o in objects.items() if isinstance(o, nn.Module)}
     optims: dict[str, tuple[torch.optim.Optimizer, str]] = {}
     for name, o in objects.items():
@@ -97,8 +102,6 @@ def _is_per_rank(obj: Any) -> bool:
 
 
 def _encode(name_objs: dict[str, Any]) -> tuple[bytes, bytes]:
-    from stratagem.train.checkpoint.manager import _state_of
-
     tensors: dict[str, torch.Tensor] = {}
     struct = {n: encode_value(_state_of(n, o), tensors, n) for n, o in name_objs.items()}
     return _payload(struct, tensors)
@@ -120,32 +123,42 @@ def _hash(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def save(manager: CheckpointManager, step: int) -> str:
-    """Every process writes its part of ``manager.checkpoint`` at ``step``; returns the path.
+class ShardedWriter:
+    """``CheckpointWriter`` through torch.distributed.checkpoint: every rank writes its shards."""
+
+    def save(self, site: WriteSite, step: int) -> str:
+        return save(site, step)
+
+    def prepare(self, site: WriteSite, path: Path, meta: dict[str, Any]) -> Callable[[], None]:
+        return prepare(site, path, meta)
+
+
+def save(site: WriteSite, step: int) -> str:
+    """Every process writes its part of ``site.objects`` at ``step``; returns the path.
 
     The chief holds the directory's writer lock and names the temporary directory after itself
     (as the manager's own saves do), so a dead writer's leftovers are cleaned and a failed save
     removes its own files."""
     import shutil
 
-    comm = manager._comm
+    comm = site.comm
     rank = comm.rank
-    modules, optims, rest = _split(manager.checkpoint)
-    directory = manager.directory
+    modules, optims, rest = _split(site.objects)
+    directory = site.directory
     problem = ("", "")
     tmp_name = ""
     if rank == 0:
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            manager._own_directory()
+            site.own_directory()
             tmp_name = f".tmp-ckpt-{step}+{writer_tag()}+{uuid.uuid4().hex[:8]}"
             (directory / tmp_name).mkdir()
         except Exception as e:  # noqa: BLE001 - raised on every replica by _agree
             problem = (type(e).__name__, str(e))
-    manager._agree(problem)
+    site.agree(problem)
     tmp = directory / comm.broadcast_object(tmp_name, 0)
     try:
-        return _write_parts(manager, step, tmp, modules, optims, rest)
+        return _write_parts(site, step, tmp, modules, optims, rest)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -153,7 +166,7 @@ def save(manager: CheckpointManager, step: int) -> str:
 
 
 def _write_parts(
-    manager: CheckpointManager,
+    site: WriteSite,
     step: int,
     tmp: Path,
     modules: dict[str, nn.Module],
@@ -164,9 +177,9 @@ def _write_parts(
 
     import torch.distributed.checkpoint as dcp
 
-    comm = manager._comm
+    comm = site.comm
     rank, world = comm.rank, comm.world_size
-    directory = manager.directory
+    directory = site.directory
     # torch initialises an optimizer that has not stepped by stepping it with zero gradients;
     # put it back (and say so in the metadata), so saving does not change its next update
     fresh = sorted(n for n, (o, _) in optims.items() if not o.state)
@@ -217,7 +230,7 @@ def _write_parts(
             _fsync_dir(directory)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-            manager._prune()
+            site.prune()
             result = (str(final), "")
         except Exception as e:  # noqa: BLE001 - sent to every replica below
             result = ("", f"{type(e).__name__}: {e}")
@@ -236,10 +249,10 @@ def _fqn_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, native: d
     return {"state": state, "param_groups": groups}
 
 
-def prepare(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> Callable[[], None]:
-    """Check ``path`` against ``manager.checkpoint`` and read what is not sharded (each replica,
+def prepare(site: WriteSite, path: Path, meta: dict[str, Any]) -> Callable[[], None]:
+    """Check ``path`` against ``site.objects`` and read what is not sharded (each replica,
     before the replicas agree to go on); returns the load, which is collective."""
-    modules, optims, rest = _split(manager.checkpoint)
+    modules, optims, rest = _split(site.objects)
     shared = read_part(path, "shared", meta)
     if "sharded" in meta:
         saved = meta["sharded"]
@@ -252,27 +265,25 @@ def prepare(manager: CheckpointManager, path: Path, meta: dict[str, Any]) -> Cal
     else:
         missing = [n for n in (*modules, *optims) if n not in shared]
         if missing:  # saved per process (a pipeline's stages): joined, an optimizer by parameter name
-            from stratagem.train.checkpoint.manager import Checkpoint, portable_states
-
             objects = {**modules, **{n: o for n, (o, _) in optims.items()}}
-            comm = manager._comm
-            joined = portable_states(path, meta, Checkpoint(**objects), comm.rank, comm.world_size)
+            check_objects(objects)
+            comm = site.comm
+            joined = portable_states(path, meta, objects, comm.rank, comm.world_size)
             shared = {**shared, **{n: joined[n] for n in missing if n in joined}}
         missing = [n for n in (*modules, *optims) if n not in shared]
         if missing:
             raise KeyError(f"the checkpoint has no state for {missing} (it has {sorted(shared)})")
-    rest_states = _rest_states(manager, path, meta, rest, shared)
+    rest_states = _rest_states(site, path, meta, rest, shared)
     if rest:
-        from stratagem.train.checkpoint.manager import Checkpoint
-
-        Checkpoint(**rest).validate(rest_states)
+        check_objects(rest)
+        validate_states(rest, rest_states)
 
     def load() -> None:
         if "sharded" in meta:
             _load_sharded(path, meta, modules, optims)
         else:
             _load_whole(shared, modules, optims)
-        _apply_rest(manager, rest, rest_states)
+        _apply_rest(site, rest, rest_states)
 
     return load
 
@@ -318,12 +329,12 @@ def _load_sharded(path: Path, meta: dict[str, Any], modules: dict[str, nn.Module
             o.state.clear()  # saved before its first step: it has none
 
 
-def _rest_states(manager: CheckpointManager, path: Path, meta: dict[str, Any], rest: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
+def _rest_states(site: WriteSite, path: Path, meta: dict[str, Any], rest: dict[str, Any], shared: dict[str, Any]) -> dict[str, Any]:
     """The states of the objects besides modules and optimizers (steps; RNG, iterators per rank)."""
     states = {n: v for n, v in shared.items() if n in rest}
     per_rank = [n for n, o in rest.items() if _is_per_rank(o)]
     if per_rank:
-        rank, world = manager._comm.rank, manager._comm.world_size
+        rank, world = site.comm.rank, site.comm.world_size
         if meta["world_size"] != world:
             raise ValueError(
                 f"checkpoint {path} was written by {meta['world_size']} replicas; this job has {world}. "
@@ -335,12 +346,11 @@ def _rest_states(manager: CheckpointManager, path: Path, meta: dict[str, Any], r
     return states
 
 
-def _apply_rest(manager: CheckpointManager, rest: dict[str, Any], states: dict[str, Any]) -> None:
+def _apply_rest(site: WriteSite, rest: dict[str, Any], states: dict[str, Any]) -> None:
     if not rest:
         return
-    from stratagem.train.checkpoint.manager import Checkpoint
-
-    sub = Checkpoint(**rest)
-    sub.apply(states)
-    for n, o in sub.objects.items():
-        manager.checkpoint._objects[n] = o
+    check_objects(rest)
+    sub = dict(rest)
+    apply_states(sub, states)
+    for n, o in sub.items():
+        site.replace(n, o)
