@@ -219,7 +219,10 @@ def main(args: argparse.Namespace) -> int:
     # torch's agent also makes a folder of its own for the replicas' error files (a new
     # /tmp/torchelastic_* on every run, never removed): both go in one folder of ours, removed at
     # the end, also when the stop guard ends the command
-    scratch = tempfile.mkdtemp(prefix="stratagem-run-")
+    # A launcher killed with SIGKILL cannot remove its folder: each launcher removes the ones whose
+    # launcher is gone (its pid is in the name) before it makes its own
+    sweep_scratch(tempfile.gettempdir())
+    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     stop_guard.at_end(lambda: shutil.rmtree(scratch, ignore_errors=True))
     targs.insert(0, f"--log-dir={os.path.join(scratch, 'agent')}")
     own_error_file = not os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -243,6 +246,54 @@ def main(args: argparse.Namespace) -> int:
             del os.environ["TORCHELASTIC_ERROR_FILE"]
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+#: a launcher's scratch folder in the temporary directory: ``stratagem-run-<pid>-<random>``
+SCRATCH_PREFIX = "stratagem-run-"
+#: a folder this much older than now is a dead launcher's for sure (its replicas, which may write
+#: their error files there, end within seconds of their launcher)
+_SCRATCH_GRACE_S = 60.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_scratch(tmp: str, now: float | None = None) -> list[str]:
+    """Remove the scratch folders of launchers that are gone (SIGKILLed: nothing of theirs ran at
+    exit): this user's ``stratagem-run-<pid>-*`` whose pid is not alive and whose folder is older
+    than a minute. Returns the paths removed. A folder of a live launcher, of another user, or
+    without a pid in its name is left alone."""
+    import time
+
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SCRATCH_PREFIX):
+            continue
+        pid_text = name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != os.getuid() or now - st.st_mtime < _SCRATCH_GRACE_S or _alive(int(pid_text)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 class _SaidByUs(logging.Filter):
