@@ -273,7 +273,7 @@ def sweep_scratch(tmp: str, now: float | None = None) -> list[str]:
     import time
 
     now = time.time() if now is None else now
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(tmp)
     except OSError:
