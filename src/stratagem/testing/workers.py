@@ -196,7 +196,12 @@ def run_script(
 
 
 def _main() -> None:
+    import faulthandler
     import importlib
+
+    # a worker that dies of a signal (a segfault in torch or a backend) prints every thread's Python
+    # stack to its stderr, which the report above shows: the one clue such a death leaves
+    faulthandler.enable()
 
     target = os.environ["STRATAGEM_TEST_TARGET"]
     module, qualname = target.split(":")
