@@ -47,6 +47,7 @@ def test_a_missing_temporary_directory_is_no_error(tmp_path):
     assert sweep_scratch(str(tmp_path / "absent")) == []
 
 
+@pytest.mark.slow  # two launches: in the slow tier (CI runs it), the main tier under 15 minutes
 @pytest.mark.timeout(120)
 def test_a_sigkilled_launcher_s_folder_goes_at_the_next_launch(tmp_path):
     """A real launcher, SIGKILLed while its replica runs: its folder stays; the next `stratagem run`
