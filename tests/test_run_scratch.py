@@ -38,8 +38,9 @@ def test_only_old_folders_of_launchers_that_are_gone_are_removed(tmp_path):
     live = _folder(tmp_path, f"{SCRATCH_PREFIX}{os.getpid()}-def", 3600)
     unnamed = _folder(tmp_path, f"{SCRATCH_PREFIX}x1y2z3", 3600)  # not ours to judge
     other = _folder(tmp_path, f"elsewhere-{dead}-abc", 3600)
-    assert sweep_scratch(str(tmp_path)) == [str(gone)]
-    assert not gone.exists()
+    huge = _folder(tmp_path, f"{SCRATCH_PREFIX}{10**30}-big", 3600)  # no such pid (nor a C int)
+    assert sorted(sweep_scratch(str(tmp_path))) == sorted([str(gone), str(huge)])
+    assert not gone.exists() and not huge.exists()
     assert fresh.exists() and live.exists() and unnamed.exists() and other.exists()
 
 

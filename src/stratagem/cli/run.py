@@ -20,6 +20,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from stratagem.cluster.resolvers import split_address
 from stratagem.cluster.stopping import first_failure
 from stratagem.comm.interfaces import interface_of, route_source
 from stratagem.core import stop_guard
+from stratagem.train.checkpoint.lock import pid_alive
 
 #: what ``stratagem run --help`` prints above the options (plain text: argparse shows it as is)
 DESCRIPTION = """\
@@ -255,23 +257,11 @@ SCRATCH_PREFIX = "stratagem-run-"
 _SCRATCH_GRACE_S = 60.0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def sweep_scratch(tmp: str, now: float | None = None) -> list[str]:
     """Remove the scratch folders of launchers that are gone (SIGKILLed: nothing of theirs ran at
     exit): this user's ``stratagem-run-<pid>-*`` whose pid is not alive and whose folder is older
     than a minute. Returns the paths removed. A folder of a live launcher, of another user, or
     without a pid in its name is left alone."""
-    import time
-
     now = time.time() if now is None else now
     removed: list[str] = []
     try:
@@ -289,7 +279,7 @@ def sweep_scratch(tmp: str, now: float | None = None) -> list[str]:
             st = os.lstat(path)
         except OSError:
             continue
-        if st.st_uid != os.getuid() or now - st.st_mtime < _SCRATCH_GRACE_S or _alive(int(pid_text)):
+        if st.st_uid != os.getuid() or now - st.st_mtime < _SCRATCH_GRACE_S or pid_alive(int(pid_text)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

@@ -1,5 +1,5 @@
 """Checkpoints saved to disk: the object codec (``codec``), the file format (``files``) and the
-objects users hold (``manager``: Checkpoint, CheckpointManager, RNGState)."""
+objects users hold (``manager``: Checkpoint, CheckpointManager; ``states``: RNGState)."""
 
 from stratagem.train.checkpoint.codec import CheckpointCorruptError
 from stratagem.train.checkpoint.files import (
@@ -13,10 +13,10 @@ from stratagem.train.checkpoint.lock import CheckpointDirectoryLockedError
 from stratagem.train.checkpoint.manager import (
     Checkpoint,
     CheckpointManager,
-    RNGState,
     export_safetensors,
     load_state_dict,
 )
+from stratagem.train.checkpoint.states import RNGState
 
 __all__ = [
     "FORMAT",

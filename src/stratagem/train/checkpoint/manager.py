@@ -53,17 +53,12 @@ from stratagem.train.checkpoint.lock import (
 )
 from stratagem.train.checkpoint.portable import PortableWriter
 from stratagem.train.checkpoint.sharded import ShardedWriter
-from stratagem.train.checkpoint.states import (  # RNGState, portable_states: re-exported (they lived here)
-    RNGState as RNGState,
-)
 from stratagem.train.checkpoint.states import (
     apply_states,
     check_objects,
     encode_states,
+    portable_states,
     validate_states,
-)
-from stratagem.train.checkpoint.states import (
-    portable_states as portable_states,
 )
 from stratagem.train.checkpoint.ties import StageTies
 from stratagem.train.checkpoint.writer import CheckpointWriter, WriteSite

@@ -39,7 +39,6 @@ from stratagem.train.checkpoint.lock import writer_tag
 from stratagem.train.checkpoint.states import (
     _state_of,
     apply_states,
-    check_objects,
     portable_states,
     validate_states,
 )
@@ -266,7 +265,6 @@ def prepare(site: WriteSite, path: Path, meta: dict[str, Any]) -> Callable[[], N
         missing = [n for n in (*modules, *optims) if n not in shared]
         if missing:  # saved per process (a pipeline's stages): joined, an optimizer by parameter name
             objects = {**modules, **{n: o for n, (o, _) in optims.items()}}
-            check_objects(objects)
             comm = site.comm
             joined = portable_states(path, meta, objects, comm.rank, comm.world_size)
             shared = {**shared, **{n: joined[n] for n in missing if n in joined}}
@@ -275,7 +273,6 @@ def prepare(site: WriteSite, path: Path, meta: dict[str, Any]) -> Callable[[], N
             raise KeyError(f"the checkpoint has no state for {missing} (it has {sorted(shared)})")
     rest_states = _rest_states(site, path, meta, rest, shared)
     if rest:
-        check_objects(rest)
         validate_states(rest, rest_states)
 
     def load() -> None:
@@ -349,7 +346,6 @@ def _rest_states(site: WriteSite, path: Path, meta: dict[str, Any], rest: dict[s
 def _apply_rest(site: WriteSite, rest: dict[str, Any], states: dict[str, Any]) -> None:
     if not rest:
         return
-    check_objects(rest)
     sub = dict(rest)
     apply_states(sub, states)
     for n, o in sub.items():
