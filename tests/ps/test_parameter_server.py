@@ -299,14 +299,18 @@ def test_a_chief_that_raises_under_stratagem_run_is_the_one_failure_reported(tmp
     argv = ["-m", "stratagem", "run", "--workers", "1", "--ps", "1", str(script)]
     r = run_script(argv, timeout=80)
     assert r.returncode == 1, r.stderr
-    lines = sorted(stratagem_lines(r.stderr))
+    lines = stratagem_lines(r.stderr)
     assert len(lines) == 3, r.stderr
-    assert lines[0] == "stratagem run: chief failed (exit code 1)", r.stderr
-    for line, task in zip(lines[1:], ["ps:0", "worker:0"]):
-        # told by the chief, or (a task busy for a second) finding it gone
+    assert "stratagem run: chief failed (exit code 1)" in lines, r.stderr
+    for task in ["ps", "worker"]:
+        # told by the chief, or (a task busy for a second) finding it gone; or, on a loaded
+        # machine, still on its way out 3 s after the chief ended, and stopped by the launcher
+        mine = [line for line in lines if re.match(rf"stratagem(: {task}:0:| run: {task} 0 )", line)]
+        assert len(mine) == 1, r.stderr
         assert re.fullmatch(
-            rf"stratagem: {task}: the chief (failed \(ValueError: a bug in the chief's script\)|is lost \(.+\)); leaving",
-            line,
+            rf"stratagem: {task}:0: the chief (failed \(ValueError: a bug in the chief's script\)|is lost \(.+\)); leaving"
+            rf"|stratagem run: {task} 0 was still running 3s after the chief failed; stopping it",
+            mine[0],
         ), r.stderr
     assert tracebacks(r.stderr) == 1, r.stderr  # the chief's
     assert "ValueError: a bug in the chief's script" in r.stderr.strip().splitlines()

@@ -42,7 +42,8 @@ one with an error naming it, and the command exits non-zero.
 
 With --workers N --ps P every task gets TF_CONFIG (the cluster, its task) and
 STRATAGEM_RESTART_COUNT. The exit code is the chief's; after the chief exits the others get
---grace-period seconds to end, then are stopped. A failing worker does not end the job: the chief
+--grace-period seconds to end (3 s at most after a failed chief: it told them to leave), then are
+stopped. A failing worker does not end the job: the chief
 runs its functions on the other workers. A failing ps task takes its variables with it: the chief
 gets --grace-period seconds to say what it lost, then the job ends. Nothing is restarted by
 default; with --max-restarts N a failed worker is started again up to N times and rejoins the

@@ -68,6 +68,11 @@ def task_environ(cluster: Mapping[str, Sequence[str]], task_type: str, index: in
 #: writes its traceback and ends: about a second)
 CHIEF_DECIDES_S = 5.0
 
+#: seconds the other tasks get to end by themselves after the chief failed: it told them before
+#: it ended, and each says in one line that it leaves; one still running then is stopped (and the
+#: launcher says so), so that every task of a failed job has ended within a few seconds
+TOLD_TO_LEAVE_S = 3.0
+
 @dataclass
 class _Task:
     task_type: str
@@ -233,6 +238,13 @@ class PSJob:
         others = [t for t in tasks[1:] if t.proc.poll() is None]
         if code != 0:
             self.say(f"chief failed (exit code {code})")
+            wait = min(self.grace, TOLD_TO_LEAVE_S)
+            deadline = time.monotonic() + wait
+            while others and time.monotonic() < deadline:
+                time.sleep(min(self.poll, max(0.0, deadline - time.monotonic())))
+                others = [t for t in others if t.proc.poll() is None]
+            for t in others:
+                self.say(f"{t.name} was still running {wait:g}s after the chief failed; stopping it")
             _stop([t.proc for t in others])
             return exit_status(code)
         deadline = time.monotonic() + self.grace
