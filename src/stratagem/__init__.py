@@ -1,70 +1,95 @@
-"""stratagem: tf.distribute strategies, tf.data pipelines and GPipe pipelines for PyTorch."""
+"""stratagem: tf.distribute strategies, tf.data pipelines and GPipe pipelines for PyTorch.
 
-# the `stratagem` command only: a Ctrl-C lost inside `import torch` (below) still ends it
+Every public name is imported when first used (PEP 562's module ``__getattr__``): ``import
+stratagem`` costs nothing until a strategy, a dataset or a callback is asked for, so the
+``stratagem`` command's launcher and ``stratagem --help`` start without importing torch (seconds
+on a small machine, paid again by every process the launcher then starts).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+# the `stratagem` command only: a Ctrl-C lost inside `import torch` (later) still ends it
 from stratagem.core import stop_guard as _stop_guard
 
 _stop_guard.guard_command()
 
-from stratagem import callbacks, cluster_resolver, coordinator, data, losses, metrics, partitioners
-from stratagem._version import __version__
-from stratagem.cluster.spawn import LaunchError, LaunchTimeoutError, launch
-from stratagem.comm import (
-    CollectiveError,
-    CollectiveTimeoutError,
-    ReplicaMismatchError,
-    WorkerFailedError,
-)
-from stratagem.comm.failure import FailureOptions
-from stratagem.distribute import (
-    DeviceMesh,
-    InputContext,
-    LayoutMap,
-    MirroredStrategy,
-    ModelParallelStrategy,
-    MultiWorkerMirroredStrategy,
-    OneDeviceStrategy,
-    OutsideScopeError,
-    ParameterServerStrategy,
-    PipelineStrategy,
-    ReduceOp,
-    ReplicaContext,
-    ShardedStrategy,
-    ShardingOptions,
-    Strategy,
-    StrategyMismatchError,
-    TPUStrategy,
-    compute_average_loss,
-    function,
-    get_replica_context,
-    get_strategy,
-    has_strategy,
-    in_cross_replica_context,
-    initialize_tpu_system,
-    mixed_precision,
-    scale_regularization_loss,
-    strategy_of,
-)
-from stratagem.distribute.bootstrap import (
-    ClusterConfigurationError,
-    CommunicationOptions,
-    connect_to_cluster,
-    initialize_system,
-)
-from stratagem.distribute.engines.ps_client import ParameterServerError
-from stratagem.distribute.input_options import InputOptions
-from stratagem.distribute.mixed_precision import RunOptions
-from stratagem.distribute.process import is_chief, print
-from stratagem.train import (
-    Callback,
-    Checkpoint,
-    CheckpointCorruptError,
-    CheckpointManager,
-    History,
-    RNGState,
-    evaluate,
-    fit,
-    predict,
-)
+from stratagem._version import __version__  # noqa: E402
+
+if TYPE_CHECKING:
+    from stratagem import (
+        callbacks,
+        cluster_resolver,
+        coordinator,
+        data,
+        losses,
+        metrics,
+        optimizers,
+        partitioners,
+        utils,
+    )
+    from stratagem.cluster.spawn import LaunchError, LaunchTimeoutError, launch
+    from stratagem.comm import (
+        CollectiveError,
+        CollectiveTimeoutError,
+        ReplicaMismatchError,
+        WorkerFailedError,
+    )
+    from stratagem.comm.failure import FailureOptions
+    from stratagem.distribute import (
+        DeviceMesh,
+        InputContext,
+        LayoutMap,
+        MirroredStrategy,
+        ModelParallelStrategy,
+        MultiWorkerMirroredStrategy,
+        OneDeviceStrategy,
+        OutsideScopeError,
+        ParameterServerStrategy,
+        PipelineStrategy,
+        ReduceOp,
+        ReplicaContext,
+        ShardedStrategy,
+        ShardingOptions,
+        Strategy,
+        StrategyMismatchError,
+        TPUStrategy,
+        compute_average_loss,
+        get_replica_context,
+        get_strategy,
+        has_strategy,
+        in_cross_replica_context,
+        initialize_tpu_system,
+        mixed_precision,
+        scale_regularization_loss,
+        strategy_of,
+    )
+    from stratagem.distribute.bootstrap import (
+        ClusterConfigurationError,
+        CommunicationOptions,
+        connect_to_cluster,
+        initialize_system,
+    )
+    from stratagem.distribute.engines.ps_client import ParameterServerError
+    from stratagem.distribute.function import function
+    from stratagem.distribute.input_options import InputOptions
+    from stratagem.distribute.mixed_precision import RunOptions
+    from stratagem.distribute.process import is_chief, print
+    from stratagem.train import (
+        Callback,
+        Checkpoint,
+        CheckpointCorruptError,
+        CheckpointManager,
+        History,
+        RNGState,
+        evaluate,
+        predict,
+    )
+    from stratagem.train.fit import fit
+    from stratagem.train.keras_model import Model, Sequential, keras_model, load_model
 
 __all__ = [
     "Callback",
@@ -129,9 +154,102 @@ __all__ = [
     "print",
     "strategy_of",
 ]
-
-# --- Keras's habits on the model (issue 30): compile, fit, evaluate, predict, save ---
-from stratagem import optimizers, utils  # noqa: E402
-from stratagem.train.keras_model import Model, Sequential, keras_model, load_model  # noqa: E402
-
 __all__ += ["Model", "Sequential", "keras_model", "load_model", "optimizers", "utils"]
+
+#: the modules of stratagem that are public names of the package
+_SUBMODULES = (
+    "callbacks",
+    "cluster_resolver",
+    "coordinator",
+    "data",
+    "losses",
+    "metrics",
+    "partitioners",
+    "optimizers",
+    "utils",
+)
+
+#: where every other public name is defined
+_DEFINED_IN: dict[str, str] = {
+    "LaunchError": "stratagem.cluster.spawn",
+    "LaunchTimeoutError": "stratagem.cluster.spawn",
+    "launch": "stratagem.cluster.spawn",
+    "CollectiveError": "stratagem.comm",
+    "CollectiveTimeoutError": "stratagem.comm",
+    "ReplicaMismatchError": "stratagem.comm",
+    "WorkerFailedError": "stratagem.comm",
+    "FailureOptions": "stratagem.comm.failure",
+    "DeviceMesh": "stratagem.distribute",
+    "InputContext": "stratagem.distribute",
+    "LayoutMap": "stratagem.distribute",
+    "MirroredStrategy": "stratagem.distribute",
+    "ModelParallelStrategy": "stratagem.distribute",
+    "MultiWorkerMirroredStrategy": "stratagem.distribute",
+    "OneDeviceStrategy": "stratagem.distribute",
+    "OutsideScopeError": "stratagem.distribute",
+    "ParameterServerStrategy": "stratagem.distribute",
+    "PipelineStrategy": "stratagem.distribute",
+    "ReduceOp": "stratagem.distribute",
+    "ReplicaContext": "stratagem.distribute",
+    "ShardedStrategy": "stratagem.distribute",
+    "ShardingOptions": "stratagem.distribute",
+    "Strategy": "stratagem.distribute",
+    "StrategyMismatchError": "stratagem.distribute",
+    "TPUStrategy": "stratagem.distribute",
+    "compute_average_loss": "stratagem.distribute",
+    "function": "stratagem.distribute.function",
+    "get_replica_context": "stratagem.distribute",
+    "get_strategy": "stratagem.distribute",
+    "has_strategy": "stratagem.distribute",
+    "in_cross_replica_context": "stratagem.distribute",
+    "initialize_tpu_system": "stratagem.distribute",
+    "mixed_precision": "stratagem.distribute",
+    "scale_regularization_loss": "stratagem.distribute",
+    "strategy_of": "stratagem.distribute",
+    "ClusterConfigurationError": "stratagem.distribute.bootstrap",
+    "CommunicationOptions": "stratagem.distribute.bootstrap",
+    "connect_to_cluster": "stratagem.distribute.bootstrap",
+    "initialize_system": "stratagem.distribute.bootstrap",
+    "ParameterServerError": "stratagem.distribute.engines.ps_client",
+    "InputOptions": "stratagem.distribute.input_options",
+    "RunOptions": "stratagem.distribute.mixed_precision",
+    "is_chief": "stratagem.distribute.process",
+    "print": "stratagem.distribute.process",
+    "Callback": "stratagem.train",
+    "Checkpoint": "stratagem.train",
+    "CheckpointCorruptError": "stratagem.train",
+    "CheckpointManager": "stratagem.train",
+    "History": "stratagem.train",
+    "RNGState": "stratagem.train",
+    "evaluate": "stratagem.train",
+    "fit": "stratagem.train.fit",
+    "predict": "stratagem.train",
+    "Model": "stratagem.train.keras_model",
+    "Sequential": "stratagem.train.keras_model",
+    "keras_model": "stratagem.train.keras_model",
+    "load_model": "stratagem.train.keras_model",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name (or a subpackage, ``stratagem.distribute``) on first use."""
+    if name in _DEFINED_IN:
+        value = getattr(importlib.import_module(_DEFINED_IN[name]), name)
+    elif name in _SUBMODULES or (
+        not name.startswith("__") and importlib.util.find_spec(f"stratagem.{name}")
+    ):
+        value = importlib.import_module(f"stratagem.{name}")
+    else:
+        raise AttributeError(f"module 'stratagem' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def _import_public() -> None:
+    """Import everything the package names (a process about to fork workers does it once)."""
+    for name in (*_SUBMODULES, *_DEFINED_IN):
+        __getattr__(name)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from stratagem.core.procs import start_time
 from stratagem.train.checkpoint import (
     Checkpoint,
     CheckpointCorruptError,
@@ -25,7 +26,7 @@ from stratagem.train.checkpoint import (
     CheckpointManager,
 )
 from stratagem.train.checkpoint.files import _canonical
-from stratagem.train.checkpoint.lock import LOCK_NAME, _start_time
+from stratagem.train.checkpoint.lock import LOCK_NAME
 
 
 def _model(out: int = 3) -> nn.Module:
@@ -52,7 +53,7 @@ def other_process():
 
 def _hold(directory, pid, host=None):
     (directory / LOCK_NAME).write_text(json.dumps({
-        "host": host or socket.gethostname(), "pid": pid, "started": _start_time(pid),
+        "host": host or socket.gethostname(), "pid": pid, "started": start_time(pid),
         "token": "someone-else", "since": time.time(),
     }))  # fmt: skip
 

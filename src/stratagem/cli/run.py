@@ -28,9 +28,8 @@ from stratagem.cluster.launch import find_free_port
 from stratagem.cluster.ps_launch import PSJob
 from stratagem.cluster.resolvers import split_address
 from stratagem.cluster.stopping import first_failure
-from stratagem.comm.interfaces import interface_of, route_source
 from stratagem.core import stop_guard
-from stratagem.train.checkpoint.lock import pid_alive
+from stratagem.core.procs import pid_alive
 
 #: what ``stratagem run --help`` prints above the options (plain text: argparse shows it as is)
 DESCRIPTION = """\
@@ -115,6 +114,11 @@ def torchrun_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         raise ValueError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise ValueError("--nnodes > 1 needs --rdzv-endpoint host:port (the first machine's address)")
+    from stratagem.comm.interfaces import (  # (imports torch: not for --ps)
+        interface_of,
+        route_source,
+    )
+
     if args.rdzv_endpoint:
         host, port = split_address(args.rdzv_endpoint, "--rdzv-endpoint")
     else:

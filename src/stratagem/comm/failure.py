@@ -44,6 +44,7 @@ from stratagem.comm.errors import (
     looks_like_peer_loss,
 )
 from stratagem.comm.interfaces import route_source
+from stratagem.core.procs import pid_alive, pid_stopped
 
 #: exit code of a process the watchdog stops because a peer failed while it was blocked.
 ABORT_EXIT_CODE = 1
@@ -147,29 +148,6 @@ def _local_address(host: str, port: int) -> str:
         return route_source(host, port)
     except OSError:
         return ""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (dead, not yet reaped by its parent) counts as dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _pid_stopped(pid: int) -> bool:
-    """The process is stopped by a signal (SIGSTOP, SIGTSTP; not a debugger's tracing stop)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
-        return False
 
 
 class FailureMonitor:
@@ -331,7 +309,7 @@ class FailureMonitor:
         if found is not None:
             return found.rank, found.why
         for p, (host, pid, _) in sorted(self._peers.items()):
-            if p != self.rank and p not in self._finished and host == self._host and not _pid_alive(pid):
+            if p != self.rank and p not in self._finished and host == self._host and not pid_alive(pid):
                 return p, f"its process (pid {pid}) ended while the job ran (killed, crashed or raised)"
         return None
 
@@ -485,7 +463,7 @@ class FailureMonitor:
         if host is None or host == self.rank or host not in self._peers:
             return None
         name, pid, _ = self._peers[host]
-        return pid if name == self._host and _pid_stopped(pid) else None
+        return pid if name == self._host and pid_stopped(pid) else None
 
     def _store_host_gone(self) -> bool:
         """The store host is a local process that is gone (checked without touching the store)."""
@@ -493,7 +471,7 @@ class FailureMonitor:
         if host is None or host == self.rank or host not in self._peers:
             return False
         name, pid, _ = self._peers[host]
-        return name == self._host and not _pid_alive(pid)
+        return name == self._host and not pid_alive(pid)
 
     def _host_ended(self) -> bool:
         """The store host finished its program normally (its end record was seen): its store
@@ -567,7 +545,7 @@ class FailureMonitor:
 
     def _alive(self, p: int) -> bool:
         peer = self._peer(p)
-        if peer is not None and peer[0] == self._host and not _pid_alive(peer[1]):
+        if peer is not None and peer[0] == self._host and not pid_alive(peer[1]):
             return False
         beat = self._add(self._key("hb", p), 0)
         last = self._beats.get(p)
@@ -610,16 +588,16 @@ class FailureMonitor:
                 if p == self.rank or p in self._finished:
                     continue
                 peer = self._peer(p)
-                if peer is not None and peer[0] == self._host and not _pid_alive(peer[1]):
+                if peer is not None and peer[0] == self._host and not pid_alive(peer[1]):
                     found = Failure(p, f"its process (pid {peer[1]}) is gone: killed or crashed")
                     break
-                if peer is not None and peer[0] == self._host and _pid_stopped(peer[1]):
+                if peer is not None and peer[0] == self._host and pid_stopped(peer[1]):
                     found = Failure(p, f"its process (pid {peer[1]}) is stopped (SIGSTOP): no "
                                        "collective with it can finish; it is ended", silent=True)
                     self._stopped_peer = peer[1]
                     break
                 if not self._alive(p):
-                    if peer is not None and peer[0] == self._host and not _pid_alive(peer[1]):
+                    if peer is not None and peer[0] == self._host and not pid_alive(peer[1]):
                         # it died between the look above and _alive's own: gone, not silent
                         found = Failure(p, f"its process (pid {peer[1]}) is gone: killed or crashed")
                     else:
@@ -720,7 +698,7 @@ class FailureMonitor:
         self._mark("aborted")
         for child in multiprocessing.active_children():
             child.terminate()
-        if self._stopped_peer is not None and _pid_stopped(self._stopped_peer):
+        if self._stopped_peer is not None and pid_stopped(self._stopped_peer):
             with contextlib.suppress(OSError):
                 os.kill(self._stopped_peer, signal.SIGKILL)
         os._exit(ABORT_EXIT_CODE)

@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from stratagem.comm.failure import _pid_alive
+from stratagem.core.procs import pid_alive
 
 PREFIX = "sgt"  # every namespace this module makes is called sgt<pid>n<k>-<role>
 _counter = itertools.count()
@@ -136,7 +136,7 @@ def sweep_stale() -> list[str]:
         if not name.startswith(PREFIX):
             continue
         owner = name[len(PREFIX):].split("n", 1)[0]
-        if owner.isdigit() and not _pid_alive(int(owner)):
+        if owner.isdigit() and not pid_alive(int(owner)):
             _remove_namespace(name)
             removed.append(name)
     return removed

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from stratagem.comm.failure import _pid_alive, _pid_stopped, host_identity
+from stratagem.comm.failure import host_identity
+from stratagem.core.procs import pid_alive, pid_stopped
 
 #: seconds between beats, and between looks at the watched tasks
 BEAT_SECONDS = 0.25
@@ -202,11 +203,11 @@ class ClusterWatch:
             for task, seen in list(self._seen.items()):
                 if not seen.local or seen.reported:
                     continue
-                if not _pid_alive(seen.pid):
+                if not pid_alive(seen.pid):
                     self._report(
                         task, seen, f"its process (pid {seen.pid}) is gone: killed or crashed"
                     )
-                elif _pid_stopped(seen.pid):
+                elif pid_stopped(seen.pid):
                     self._report(
                         task,
                         seen,

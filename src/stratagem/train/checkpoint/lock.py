@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stratagem.core.procs import pid_alive, start_time
+
 LOCK_NAME = ".stratagem-writer.lock"
 _LEFTOVER = re.compile(r"^\.(tmp|old|del)-ckpt-(\d+)\+(.+)\+(\d+)\+[0-9a-f]+$")
 
@@ -36,37 +38,6 @@ class CheckpointDirectoryLockedError(RuntimeError):
 
 def _host() -> str:
     return socket.gethostname()
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), to tell a reused pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def pid_alive(pid: int, started: str | None = None) -> bool:
-    """Whether process ``pid`` of this host runs (and is the one that started at ``started``)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    except OverflowError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        if fields[0] == "Z":  # a zombie: dead, not yet reaped
-            return False
-        if started is not None and fields[19] != started:
-            return False  # the pid was reused by another process
-    except (OSError, IndexError):
-        pass
-    return True
 
 
 def writer_tag() -> str:
@@ -131,7 +102,7 @@ class WriterLock:
         self.directory.mkdir(parents=True, exist_ok=True)
         for _ in range(20):
             mine = {
-                "host": _host(), "pid": self.pid, "started": _start_time(self.pid),
+                "host": _host(), "pid": self.pid, "started": start_time(self.pid),
                 "token": self.token, "since": time.time(),
             }  # fmt: skip
             try:
