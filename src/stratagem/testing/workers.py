@@ -211,5 +211,25 @@ def _main() -> None:
     args = pickle.loads(Path(os.environ["STRATAGEM_TEST_ARGS"]).read_bytes())
     value = obj(*args)
     Path(os.environ["STRATAGEM_TEST_RESULT"]).write_bytes(pickle.dumps(value))
+    _end_as_a_program_does()
+
+
+def _end_as_a_program_does() -> None:
+    """End as Python ends a program (wait for the threads that are not daemons, run the exit
+    functions: a strategy's shutdown, logging's), collect what is garbage (a finalizer that
+    raises prints here as it would there), and then leave without tearing the interpreter down:
+    in a process forked from the zygote, freeing every object copies every page it shares with
+    the zygote, 1.1 s of a 1.4 s two-process test on this machine. The documented programs run
+    as real processes, their teardown included (tests/test_clean_runs.py)."""
+    import atexit
+    import gc
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    gc.collect()
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(0)

@@ -46,6 +46,16 @@ LATE_VARIABLES = frozenset({
 #: what the zygote imports before it serves (what every worker of the harness imports first)
 PRELOAD = ("torch", "torch.distributed", "stratagem", "stratagem.testing.workers")
 
+#: what workers import later, at a cost each time (measured: an optimizer's first use imports
+#: torch._dynamo, 2.2 s of a 3.6 s two-process test; a pipeline's materializer, DTensor and FSDP
+#: 1 s more): imported once here where this torch has them. None of these touch a GPU.
+WARM = (
+    "torch._dynamo", "torch.optim", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp", "torch.distributed._shard", "torch.distributed.checkpoint",
+    "torch.distributed.nn", "torch.distributed.rpc", "torch.distributed.pipelining",
+    "torch.distributed.algorithms.join", "torch.utils.checkpoint", "torch.fx", "pytest",
+)  # fmt: skip
+
 _BOOT = (
     "from stratagem.testing import zygote as _z\n"
     "_code = _z.serve()\n"
@@ -79,7 +89,16 @@ def serve() -> str:
     gone."""
     for name in PRELOAD:
         __import__(name)
+    for name in WARM:
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001, S112 - an older torch without it: the worker imports what it has
+            continue
     import torch
+
+    import stratagem
+
+    stratagem._import_public()  # the package imports its names on first use: all of them, once
 
     if torch.cuda.is_initialized():  # a forked child could not use the GPU: serve nobody
         os._exit(3)  # (the harness then starts every worker afresh)
