@@ -99,3 +99,47 @@ def test_run_workers_forks_its_workers_from_the_zygote(attempt):
     results = workers.run_workers(parent_pid, 2, timeout=60)
     assert workers._zygote is not None
     assert [r.value for r in results] == [workers._zygote.proc.pid] * 2
+
+
+def stuck_worker() -> None:
+    import threading
+    import time
+
+    threading.Thread(target=time.sleep, args=(60,), name="a-helper-thread", daemon=True).start()
+    time.sleep(60)  # the line a timeout's report must point at
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_still_running_at_the_timeout_prints_where_it_is():
+    """A hang in CI is one chance to learn where it was: a worker that outlives run_workers'
+    timeout prints every thread's Python stack before it is killed, and the error shows it."""
+    from stratagem.testing.workers import run_workers
+
+    with pytest.raises(TimeoutError) as e:
+        run_workers(stuck_worker, 2, timeout=5)
+    report = str(e.value)
+    assert "stuck_worker on 2 processes did not finish within 5s" in report
+    for rank in (0, 1):
+        start = report.index(f"--- rank {rank}: exit -9")
+        mine = report[start : report.find("--- rank", start + 1) if rank == 0 else len(report)]
+        assert 'in stuck_worker' in mine and "test_zygote.py" in mine, report
+        assert mine.count("hread 0x") >= 2, report  # "Current thread 0x..." and the helper's "Thread 0x..."
+
+
+_POOLS: list = []
+
+
+def executor_worker() -> str:
+    from concurrent.futures import ThreadPoolExecutor
+
+    # kept and never shut down, as inductor keeps its compile pool: Python's exit shuts it down
+    # (threading's exit hooks) before it waits for the threads that are not daemons
+    _POOLS.append(ThreadPoolExecutor(2))
+    return _POOLS[0].submit(lambda: "done").result()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_leaves_an_executor_running_ends_as_a_program_would():
+    from stratagem.testing.workers import run_workers
+
+    assert [r.value for r in run_workers(executor_worker, 2, timeout=20)] == ["done", "done"]

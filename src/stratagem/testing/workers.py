@@ -8,6 +8,7 @@ and every process is killed: a test never hangs.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import pickle
@@ -36,16 +37,24 @@ class WorkerResult:
     seconds: float
 
 
+#: the signal on which a test worker prints every thread's Python stack (faulthandler); sent to a
+#: worker still running at its timeout, just before it is killed, so a hang names where it was
+STACKS_SIGNAL = signal.SIGUSR1
+
+#: the command of a test worker (it registers STACKS_SIGNAL)
+_WORKER_CODE = "from stratagem.testing.workers import _main; _main()"
+
+
 def _tail(text: str, n: int = 30) -> str:
     return "\n".join(text.splitlines()[-n:])
 
 
-def _report(results: Sequence[WorkerResult], what: str) -> str:
+def _report(results: Sequence[WorkerResult], what: str, lines: int = 30) -> str:
     parts = [what]
     for r in results:
         parts.append(f"--- rank {r.rank}: exit {r.returncode} after {r.seconds:.1f}s")
         if r.stderr.strip():
-            parts.append(_tail(r.stderr))
+            parts.append(_tail(r.stderr, lines))
         if r.stdout.strip():
             parts.append("[stdout] " + _tail(r.stdout, 10))
     return "\n".join(parts)
@@ -93,6 +102,13 @@ def _run(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float, cwd:
             timed_out = True
             break
         time.sleep(0.05)
+    if timed_out:  # the workers still running print their stacks (others are plain programs)
+        stuck = [p for p, cmd in zip(procs, cmds) if p.poll() is None and cmd[-1] == _WORKER_CODE]
+        for p in stuck:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, STACKS_SIGNAL)
+        if stuck:
+            time.sleep(1.0)
     for i, p in enumerate(procs):
         if p.poll() is None:
             try:
@@ -153,7 +169,7 @@ def run_workers(
                 "STRATAGEM_TEST_ARGS": str(argfile),
                 "STRATAGEM_TEST_RESULT": str(Path(tmp, f"result{rank}.pkl")),
             }
-            cmds.append([sys.executable, "-c", "from stratagem.testing.workers import _main; _main()"])
+            cmds.append([sys.executable, "-c", _WORKER_CODE])
             envs.append(_env(env, extra))
         procs, ended, timed_out, files = _run(cmds, envs, timeout, None)
         results = []
@@ -164,7 +180,10 @@ def run_workers(
             value = pickle.loads(rfile.read_bytes()) if rfile.exists() else None
             results.append(WorkerResult(rank, p.returncode, value, out.read(), err.read(), secs))
     if timed_out:
-        raise TimeoutError(_report(results, f"{qualname} on {nprocs} processes did not finish within {timeout}s"))
+        raise TimeoutError(_report(
+            results, f"{qualname} on {nprocs} processes did not finish within {timeout}s "
+            "(each one still running printed its threads' stacks, below)", lines=60,
+        ))  # fmt: skip
     if check and any(r.returncode != 0 for r in results):
         raise AssertionError(_report(results, f"{qualname} failed on {nprocs} processes"))
     if check and allow_stderr is not None:
@@ -202,6 +221,7 @@ def _main() -> None:
     # a worker that dies of a signal (a segfault in torch or a backend) prints every thread's Python
     # stack to its stderr, which the report above shows: the one clue such a death leaves
     faulthandler.enable()
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the harness's timeout asks for them
 
     target = os.environ["STRATAGEM_TEST_TARGET"]
     module, qualname = target.split(":")
@@ -215,8 +235,8 @@ def _main() -> None:
 
 
 def _end_as_a_program_does() -> None:
-    """End as Python ends a program (wait for the threads that are not daemons, run the exit
-    functions: a strategy's shutdown, logging's), collect what is garbage (a finalizer that
+    """End as Python ends a program (threading's exit hooks, then wait for the threads that are
+    not daemons, run the exit functions: a strategy's shutdown, logging's), collect what is garbage (a finalizer that
     raises prints here as it would there), and then leave without tearing the interpreter down:
     in a process forked from the zygote, freeing every object copies every page it shares with
     the zygote, 1.1 s of a 1.4 s two-process test on this machine. The documented programs run
@@ -225,9 +245,11 @@ def _end_as_a_program_does() -> None:
     import gc
     import threading
 
-    for t in threading.enumerate():
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
+    # what Py_Finalize does first: threading's exit hooks (they shut down the executors a
+    # program keeps, inductor's compile pool say), then wait for the threads that are not daemons.
+    # Joining those threads without the hooks hung on a kept executor's workers (CI, a cold
+    # inductor cache: tests/test_zygote.py has the case)
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     gc.collect()
     sys.stdout.flush()
