@@ -9,6 +9,7 @@ import torch
 
 from stratagem.comm.eager import eager_only
 from stratagem.distribute import current
+from stratagem.distribute.strategy import Execution
 
 
 def compute_average_loss(
@@ -47,7 +48,7 @@ def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor
     the gradients are summed across replicas."""
     ctx = current.get_replica_context()
     strategy = ctx.strategy if ctx is not None else current.get_strategy()
-    if strategy.extended.global_program:  # one program over the global batch: counted once already
+    if strategy.extended.execution is Execution.GLOBAL:  # one program over the global batch: counted once already
         return regularization_loss
     n = ctx.num_replicas_in_sync if ctx is not None else current.get_strategy().num_replicas_in_sync
     return regularization_loss / n

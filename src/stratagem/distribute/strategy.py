@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import enum
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,35 @@ from stratagem.core.batches import place
 from stratagem.distribute import context
 from stratagem.distribute.mixed_precision import Policy, RunOptions
 from stratagem.distribute.reduce_op import ReduceOp
+
+
+class Execution(enum.Enum):
+    """How ``strategy.run`` executes a step: one answer per strategy, where training code used to
+    ask a flag per capability (``is_pipeline``, ``coordinates_workers``, ``global_program``)."""
+
+    #: each replica computes its share of the global batch, all in step (Mirrored, MultiWorker,
+    #: Sharded, ModelParallel, the default strategy)
+    REPLICAS = "replicas"
+    #: one program over the global batch for all replicas (SPMD: TPUStrategy); values inside are global
+    GLOBAL = "global"
+    #: the model runs as stages over micro-batches (PipelineStrategy)
+    PIPELINE = "pipeline"
+    #: steps are functions a coordinator schedules onto workers, each stepping on its own
+    #: (ParameterServerStrategy)
+    COORDINATED = "coordinated"
+
+
+class StateLayout(enum.Enum):
+    """Where a model's state lives across the job's processes, and so how a checkpoint is written
+    (``train/checkpoint/manager.py`` maps each to its writer)."""
+
+    #: one state, the same on every process: the chief writes whole files
+    MIRRORED = "mirrored"
+    #: every process holds different state (pipeline stages): each part's writer writes whole files
+    PER_RANK = "per_rank"
+    #: parameters and optimizer state split across processes (DTensors): every process writes its
+    #: own shards with torch.distributed.checkpoint
+    SHARDED = "sharded"
 
 
 class StrategyExtended(abc.ABC):
@@ -69,38 +99,19 @@ class StrategyExtended(abc.ABC):
         """Every process of the job (collective decisions, checkpoints)."""
 
     @property
-    def state_is_per_rank(self) -> bool:
-        """Whether every process holds different model state (pipeline stages), so checkpoints
-        keep each rank's part, rather than one state mirrored on all (data parallelism)."""
-        return False
+    def execution(self) -> Execution:
+        """How ``run`` executes a step (each replica its share, one global program, stages over
+        micro-batches, or functions scheduled onto workers): what fit and the loss helpers ask."""
+        return Execution.REPLICAS
 
     @property
-    def shards_state(self) -> bool:
-        """Whether modules' parameters and optimizer state are split across processes (DTensors,
-        as under ShardedStrategy), so checkpoints save them with torch.distributed.checkpoint,
-        every process writing its own part."""
-        return False
-
-    @property
-    def global_program(self) -> bool:
-        """Whether ``run`` executes one program over the global batch for all replicas (SPMD,
-        as under TPUStrategy) rather than one replica's share: values inside are global."""
-        return False
+    def state_layout(self) -> StateLayout:
+        """Where the model's state lives across processes: what a checkpoint writes."""
+        return StateLayout.MIRRORED
 
     @property
     def requires_scope(self) -> bool:
         """Whether modules must be created in ``scope()`` to be used with this strategy."""
-        return False
-
-    @property
-    def coordinates_workers(self) -> bool:
-        """Whether steps are functions a coordinator schedules onto workers (ParameterServerStrategy),
-        each worker stepping on its own, rather than every replica stepping together."""
-        return False
-
-    @property
-    def is_pipeline(self) -> bool:
-        """Whether the model runs as stages (``build_pipe``) rather than whole on every replica."""
         return False
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -38,7 +38,7 @@ from torch import nn
 from stratagem.core.batches import concat
 from stratagem.distribute import context, current, ownership
 from stratagem.distribute.mixed_precision import Policy
-from stratagem.distribute.strategy import Strategy
+from stratagem.distribute.strategy import Execution, Strategy
 from stratagem.train import loss_names
 from stratagem.train.callback import Callback, CallbackList, FitState, Logs
 from stratagem.train.history import History
@@ -81,7 +81,7 @@ def _make_steps(
 
     policy = policy or Policy.of(None)
     options = options or TrainOptions()
-    if strategy.extended.is_pipeline:
+    if strategy.extended.execution is Execution.PIPELINE:
         if policy.name != "32":
             raise ValueError(f"precision={policy.name!r} is not supported under PipelineStrategy yet; use precision='32'")
         if options != TrainOptions():
@@ -245,7 +245,7 @@ def _check_scheduler(scheduler: Any, interval: str, strategy: Strategy, optimize
             "lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler over the optimizer fit steps; "
             f"got {type(scheduler).__name__}" + (" over another optimizer" if hasattr(scheduler, "step") else "")
         )
-    if strategy.extended.is_pipeline and interval == "step":
+    if strategy.extended.execution is Execution.PIPELINE and interval == "step":
         raise ValueError(
             "lr_scheduler_interval='step' is not supported under PipelineStrategy yet; use 'epoch', or a "
             "Keras schedule as the optimizer's learning_rate (stratagem.optimizers)"
@@ -358,7 +358,7 @@ def fit(
                            dict(class_weight) if class_weight is not None else None)
     _check_fit(strategy, optimizer, loss_fn, epochs, initial_epoch, lr_scheduler, lr_scheduler_interval)
     train_metrics = _tracked_metrics(model, loss_fn, metrics, weighted_metrics)
-    if weighted_metrics and strategy.extended.is_pipeline:
+    if weighted_metrics and strategy.extended.execution is Execution.PIPELINE:
         raise ValueError(
             "weighted_metrics is not supported under PipelineStrategy yet (its steps pass no sample weights "
             "to metrics); give the metrics in metrics= (unweighted, as Keras's)"
@@ -370,7 +370,7 @@ def fit(
         check_finite(validation_data, validation_steps, "validation_data", "validation_steps")
     params = {"epochs": epochs, "verbose": verbose, "do_validation": validation_data is not None,
               "metrics": _log_names(tracked, validation_data is not None), "num_replicas": strategy.num_replicas_in_sync}
-    if strategy.extended.coordinates_workers:  # ParameterServerStrategy: steps scheduled onto workers
+    if strategy.extended.execution is Execution.COORDINATED:  # ParameterServerStrategy: steps scheduled onto workers
         from stratagem.train import coordinated_fit
 
         coordinated_fit.unsupported({
@@ -693,7 +693,7 @@ def evaluate_logs(
     check_iterable(data, "data")
     check_finite(data, steps, "data", "steps")
     tracked = [Mean("loss"), *_tracked_metrics(model, resolved, metrics, weighted_metrics)]
-    if weighted_metrics and strategy.extended.is_pipeline:
+    if weighted_metrics and strategy.extended.execution is Execution.PIPELINE:
         raise ValueError(
             "weighted_metrics is not supported under PipelineStrategy yet (its steps pass no sample weights "
             "to metrics); give the metrics in metrics= (unweighted, as Keras's)"

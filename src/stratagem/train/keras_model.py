@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from stratagem.distribute.strategy import Execution
 from stratagem.train import optimizers as optimizers_mod
 from stratagem.train.callback import Callback
 from stratagem.train.fit import DEFAULT_BATCH_SIZE, evaluate_logs
@@ -330,7 +331,7 @@ def _array_data(x: Any, y: Any, sample_weight: Any, what: str) -> tuple[Any, ...
 def _agreed_seed(strategy: Any) -> int:
     """A seed for this fit's shuffles: drawn from torch's generator, the chief's on every replica."""
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    if strategy is not None and strategy.num_replicas_in_sync > 1 and not strategy.extended.coordinates_workers:
+    if strategy is not None and strategy.num_replicas_in_sync > 1 and strategy.extended.execution is not Execution.COORDINATED:
         t = torch.tensor([seed if strategy.extended.should_checkpoint else 0], dtype=torch.int64)
         seed = int(strategy.reduce("sum", t).item())
     return seed

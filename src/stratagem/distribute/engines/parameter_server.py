@@ -47,7 +47,7 @@ from stratagem.distribute.engines.ps_plan import Partitioner, VariablePlan, plan
 from stratagem.distribute.engines.ps_store import OptimizerSpec, open_store
 from stratagem.distribute.engines.ps_watch import ClusterWatch, Loss
 from stratagem.distribute.reduce_op import ReduceOp
-from stratagem.distribute.strategy import StrategyExtended
+from stratagem.distribute.strategy import Execution, StrategyExtended
 
 #: the runtime each worker process serves (one ParameterServerStrategy per process), found by
 #: the functions the coordinator calls over rpc
@@ -896,8 +896,8 @@ class ParameterServerExtended(StrategyExtended):
         return True
 
     @property
-    def coordinates_workers(self) -> bool:
-        return True
+    def execution(self) -> Execution:
+        return Execution.COORDINATED
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:

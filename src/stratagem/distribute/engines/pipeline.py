@@ -18,7 +18,7 @@ from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.fsdp import ShardingOptions, apply_fsdp
 from stratagem.distribute.engines.layout import LayoutMap
 from stratagem.distribute.engines.over_replicas import OverReplicas
-from stratagem.distribute.strategy import ReplicaContext
+from stratagem.distribute.strategy import Execution, ReplicaContext, StateLayout
 from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.errors import PipelineConfigError
 from stratagem.pipeline.materialize import flatten, has_meta, materialize
@@ -91,12 +91,12 @@ class PipelineExtended(OverReplicas):
         return self._world
 
     @property
-    def state_is_per_rank(self) -> bool:
-        return True
+    def execution(self) -> Execution:
+        return Execution.PIPELINE
 
     @property
-    def is_pipeline(self) -> bool:
-        return True
+    def state_layout(self) -> StateLayout:
+        return StateLayout.PER_RANK
 
     def barrier(self) -> None:
         self._world.barrier()

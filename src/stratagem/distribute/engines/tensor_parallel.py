@@ -34,7 +34,7 @@ from stratagem.distribute.engines.layout import (
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.engines.torch_mesh import build_torch_mesh
-from stratagem.distribute.strategy import Strategy
+from stratagem.distribute.strategy import StateLayout, Strategy
 
 _RULES: list[bool] = []
 
@@ -220,8 +220,8 @@ class TensorParallelExtended(OverReplicas):
         return True
 
     @property
-    def shards_state(self) -> bool:
-        return True
+    def state_layout(self) -> StateLayout:
+        return StateLayout.SHARDED
 
     def barrier(self) -> None:
         self.world_comm.barrier()

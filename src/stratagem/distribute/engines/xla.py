@@ -39,7 +39,7 @@ from stratagem.distribute.engines.build import remember_replaced, retarget_optim
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.device_feed import DeviceFedDataset
 from stratagem.distribute.engines.input import DistributedDataset, PerReplicaDatasets
-from stratagem.distribute.strategy import ReplicaContext
+from stratagem.distribute.strategy import Execution, ReplicaContext
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,8 @@ class XLAExtended(DataParallelExtended):
         return self._xla
 
     @property
-    def global_program(self) -> bool:
-        return True
+    def execution(self) -> Execution:
+        return Execution.GLOBAL
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self.materialize()

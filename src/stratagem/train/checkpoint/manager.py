@@ -35,7 +35,7 @@ from torch import nn
 
 from stratagem.core.warn import warn_user
 from stratagem.distribute import current, ownership
-from stratagem.distribute.strategy import Strategy
+from stratagem.distribute.strategy import StateLayout, Strategy
 from stratagem.train.checkpoint.codec import CheckpointCorruptError
 from stratagem.train.checkpoint.files import (
     file_path,
@@ -64,6 +64,14 @@ from stratagem.train.checkpoint.ties import StageTies
 from stratagem.train.checkpoint.writer import CheckpointWriter, WriteSite
 
 _CKPT = re.compile(r"^ckpt-(\d+)$")
+
+#: the writer for each way a strategy holds a model's state: whole files (the chief's, or each
+#: pipeline stage's writer), or every process its own shards through torch.distributed.checkpoint
+_WRITERS: dict[StateLayout, type[CheckpointWriter]] = {
+    StateLayout.MIRRORED: PortableWriter,
+    StateLayout.PER_RANK: PortableWriter,
+    StateLayout.SHARDED: ShardedWriter,
+}
 
 
 class Checkpoint:
@@ -297,7 +305,7 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
         self.strategy = chosen
         self._comm = chosen.extended.world
-        self._all_per_rank = chosen.extended.state_is_per_rank
+        self._layout = chosen.extended.state_layout
         self._on_file_written: Callable[[str], None] | None = None  # tests: fail mid-write
 
     # --- ownership ----------------------------------------------------------------------------
@@ -369,7 +377,7 @@ class CheckpointManager:
 
     def _save(self, step_int: int) -> str:
         self._prepare_optimizers()
-        writer: CheckpointWriter = ShardedWriter() if self.strategy.extended.shards_state else PortableWriter()
+        writer = _WRITERS[self._layout]()
         return writer.save(self._site(), step_int)
 
     def _site(self) -> WriteSite:
@@ -379,7 +387,7 @@ class CheckpointManager:
             directory=self.directory,
             objects=self.checkpoint._objects,
             extended=self.strategy.extended,
-            all_per_rank=self._all_per_rank,
+            all_per_rank=self._layout is StateLayout.PER_RANK,
             own_directory=self._own_directory,
             agree=self._agree,
             prune=self._prune,
@@ -427,8 +435,8 @@ class CheckpointManager:
         meta = read_metadata(path)
         self._prepare_optimizers()
         # a sharded checkpoint, or a model whose state is sharded: torch.distributed.checkpoint
-        sharded = "sharded" in meta or self.strategy.extended.shards_state
-        writer: CheckpointWriter = ShardedWriter() if sharded else PortableWriter()
+        layout = StateLayout.SHARDED if "sharded" in meta else self._layout
+        writer = _WRITERS[layout]()
         return writer.prepare(self._site(), path, meta)
 
     def restore(self, path: str | os.PathLike[str]) -> None:

@@ -1,7 +1,7 @@
 """Sharded checkpoints: modules and optimizers saved with torch.distributed.checkpoint, each rank its part.
 
-Under a strategy whose state is sharded (``extended.shards_state``: ShardedStrategy), a
-checkpoint's modules and optimizers are written by ``torch.distributed.checkpoint`` into
+Under a strategy whose state is sharded (``extended.state_layout`` is ``StateLayout.SHARDED``:
+ShardedStrategy, ModelParallelStrategy), a checkpoint's modules and optimizers are written by ``torch.distributed.checkpoint`` into
 ``ckpt-<step>/sharded/`` (every process writes its own shards, in parallel); per-replica objects
 (RNG, data iterators) go to ``rank-<r>.*``, written by each rank, and the rest (a step) to
 ``shared.*``. The checkpoint is the manager's format otherwise: written into a temporary

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem.distribute.strategy import Execution
 from stratagem.pipeline.ties import Tie
 
 
@@ -37,7 +38,7 @@ class StageTies:
     def of(extended: Any) -> StageTies | None:
         """The ties of a pipeline strategy's last ``pipeline()``; None for other strategies."""
         ties = getattr(extended, "ties", None)
-        if not ties or not getattr(extended, "is_pipeline", False):
+        if not ties or getattr(extended, "execution", None) is not Execution.PIPELINE:
             return None
         return StageTies(ties, int(extended.stage))
 
