@@ -52,8 +52,8 @@ def main() -> None:
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--steps", type=int, default=4, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--rematerialize", default="except_last",
-                        help="stratagem's (its default re-computes forwards; torch's stage keeps activations)")
+    parser.add_argument("--rematerialize", default="auto",
+                        help="stratagem's (its default, auto, keeps activations that fit, as torch's stage keeps them)")
     args = parser.parse_args()
 
     layout_map = sg.LayoutMap(sg.DeviceMesh((T,), ("model",)))

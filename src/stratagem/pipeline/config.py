@@ -33,7 +33,7 @@ class PipelineConfig:
     num_stages: int
     num_microbatches: int
     schedule: str = "gpipe"
-    rematerialize: str = "except_last"
+    rematerialize: str = "auto"
     balance: tuple[int, ...] | str = "params"
     data_parallel: int = 1
     virtual_stages: int = 1
@@ -56,7 +56,7 @@ class PipelineConfig:
         num_microbatches: object,
         *,
         schedule: object = "gpipe",
-        rematerialize: object = "except_last",
+        rematerialize: object = "auto",
         balance: object = None,
         data_parallel: object = 1,
         virtual_stages: object = None,

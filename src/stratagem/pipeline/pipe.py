@@ -4,6 +4,7 @@ parameters under their original names, ``train_step`` (one synchronous mini-batc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from stratagem.core.whole import whole_tensor
 from stratagem.pipeline.microbatch import batch_size, loss_scales, scatter, split_sizes
 from stratagem.pipeline.p2p import Channel
 from stratagem.pipeline.partition import Partition
-from stratagem.pipeline.rematerialize import rematerialize_stop
+from stratagem.pipeline.rematerialize import AutoRematerialize, rematerialize_stop
 from stratagem.pipeline.runtime import run_inference, run_plan
 from stratagem.pipeline.schedule import Schedule
 from stratagem.pipeline.stage import Stage
@@ -58,6 +59,11 @@ class Pipe:
         self.schedule = schedule
         self.partition = partition
         self.rematerialize = rematerialize
+        #: rematerialize="auto": this rank's choice of what to recompute, made after a first step
+        self._auto = (
+            AutoRematerialize(self.module, self.stage.device, stage=self.stage.index)
+            if rematerialize == "auto" else None
+        )  # fmt: skip
         self.loss_reduction = loss_reduction
         self.replicas = replicas
         self.tied = tied  # weights tied to another stage's: gradients summed after each backward
@@ -167,13 +173,19 @@ class Pipe:
             if reducer is not None:
                 reducer.enabled = last
 
+        actions = self.schedule[self.stage.index]
+        if self._auto is not None:
+            stop = self._auto.stop(actions, sizes, len(self.stages))
+            measuring: contextlib.AbstractContextManager[None] = self._auto.measuring(sizes)
+        else:
+            stop, measuring = rematerialize_stop(self.rematerialize, self.num_microbatches), contextlib.nullcontext()
         try:
-            loss = run_plan(
-                self.schedule[self.stage.index], self.stages, self.channel, xs, ys, scales, sizes,
-                rematerialize_stop(self.rematerialize, self.num_microbatches),
-                on_last_backward=arm if reducer is not None else None, plan=self.schedule,
-                before_backward=_sync_on_last if self.sharded else None,
-            )  # fmt: skip
+            with measuring:
+                loss = run_plan(
+                    actions, self.stages, self.channel, xs, ys, scales, sizes, stop,
+                    on_last_backward=arm if reducer is not None else None, plan=self.schedule,
+                    before_backward=_sync_on_last if self.sharded else None,
+                )  # fmt: skip
         finally:
             if reducer is not None:
                 reducer.enabled = False

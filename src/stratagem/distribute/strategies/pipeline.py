@@ -43,8 +43,11 @@ class PipelineStrategy(Strategy):
     ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"zero_bubble"`` or ``"interleaved_1f1b"`` (with
     ``virtual_stages`` v chunks per process, default 2: the model is cut into ``num_stages x v``
     chunks, process ``s`` holding chunks ``s, s + num_stages, ...``; ``"zero_bubble"`` takes
-    ``virtual_stages`` > 1 too); ``rematerialize``: ``"always"``, ``"except_last"``
-    (default) or ``"never"`` (torchgpipe's re-materialization modes); ``balance``: a list of
+    ``virtual_stages`` > 1 too); ``rematerialize``: ``"auto"`` (default: keep every
+    micro-batch's activations while they fit half the memory available, else recompute the fewest
+    micro-batches that makes them fit; decided on each process after its first step, which runs as
+    ``"except_last"``), ``"always"``, ``"except_last"`` or ``"never"`` (torchgpipe's
+    re-materialization modes); ``balance``: a list of
     layer counts per stage, ``"params"`` (default) or ``"time"``. ``devices``: as for
     MirroredStrategy (None: a GPU per process when there are enough, else the CPU; ``"cpu"``). ``timeout`` bounds every
     communication (seconds). ``sharding``: ``ShardingOptions(...)`` shards each stage's layers over
@@ -62,7 +65,7 @@ class PipelineStrategy(Strategy):
         num_microbatches: int,
         *,
         schedule: str = "gpipe",
-        rematerialize: str = "except_last",
+        rematerialize: str = "auto",
         balance: Sequence[int] | str | None = None,
         data_parallel: int = 1,
         timeout: float = 120.0,
