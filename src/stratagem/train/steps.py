@@ -20,6 +20,7 @@ from torch import nn
 from stratagem.core import tree
 from stratagem.core.batches import batch_size_of
 from stratagem.distribute import current
+from stratagem.distribute.determinism import op_determinism
 from stratagem.distribute.loss import compute_average_loss
 from stratagem.distribute.mixed_precision import Policy
 from stratagem.distribute.strategy import Strategy
@@ -27,6 +28,7 @@ from stratagem.train.execution_metrics import ExecutionMetrics
 from stratagem.train.losses import LossFn, per_example_loss
 from stratagem.train.metrics import Metric
 from stratagem.train.outputs import call_model, examples_in, for_gather, model_loss, predictions
+from stratagem.train.pieces import PieceRunner
 
 
 def unpack(batch: Any, *, need_y: bool = True) -> tuple[Any, Any, Any]:
@@ -164,6 +166,17 @@ class DataParallelSteps:
         self.after_update: Callable[[], Any] | None = None
         if optimizer is not None:  # an optimizer made in a sharding scope: onto the shards now,
             strategy.extended.prepare_optimizer(optimizer)  # so clipping sees what it steps
+        #: the deterministic mode's pieces (stratagem.experimental.enable_op_determinism)
+        self.pieces: PieceRunner | None = None
+        mode = op_determinism()
+        if mode is not None and optimizer is not None:
+            if self.options.accumulate != 1:
+                raise ValueError(
+                    "gradient_accumulation_steps is not supported with enable_op_determinism yet; "
+                    "leave it at 1, or make the global batch larger"
+                )
+            params = [q for g in optimizer.param_groups for q in g["params"]]
+            self.pieces = PieceRunner(strategy, model, params, mode)
 
     def set_training(self, mode: bool) -> None:
         self.model.train(mode)
@@ -233,6 +246,7 @@ class DataParallelSteps:
                 after_update()
 
         in_steps = [0.0]
+        pieces = self.pieces
 
         def execution(items: list[tuple[Any, Any, Any]]) -> None:
             k = options.accumulate
@@ -240,7 +254,12 @@ class DataParallelSteps:
             # as compute_average_loss does)
             counts = self._global_counts([x if y is None else y for x, y, _ in items])
             t0 = time.perf_counter()
-            if k == 1:  # the common case, lean: one update per batch
+            if pieces is not None:  # the deterministic mode: each batch in pieces, one fixed sum
+                for i, (x, y, sw) in enumerate(items):
+                    optimizer.zero_grad(set_to_none=True)
+                    pieces.step(x, y, sw, None if counts is None else counts[i], micro_step)
+                    apply_gradients()
+            elif k == 1:  # the common case, lean: one update per batch
                 for i, (x, y, sw) in enumerate(items):
                     optimizer.zero_grad(set_to_none=True)
                     micro_step(x, y, sw, None if counts is None else counts[i])

@@ -1,0 +1,137 @@
+"""fit's step in the deterministic mode: the replica's batch in pieces, summed by one fixed tree.
+
+Each ``piece_size``-row piece of a replica's batch runs forward and backward alone (the gradient
+reducer off, its random numbers from a generator set by the update and the piece's index in the
+global batch), its gradient is taken, and the pieces of the whole global batch are summed in
+``core/canonical.py``'s tree: this replica's blocks locally, then every replica's blocks gathered
+and the tree finished alike everywhere. The result has the same bits on one process and on any
+number of replicas (docs/design/DETERMINISM.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.core.batches import batch_size_of, slice_batch
+from stratagem.core.canonical import block_sums, combine
+from stratagem.distribute import current
+from stratagem.distribute.determinism import OpDeterminism
+from stratagem.distribute.strategy import Execution, StateLayout, Strategy
+
+MicroStep = Callable[[Any, Any, Any, "int | None"], None]
+
+
+class Grads(tuple):  # type: ignore[type-arg]
+    """One piece's gradients, one tensor per parameter; ``+`` adds them parameter by parameter."""
+
+    def __add__(self, other: Any) -> Grads:  # type: ignore[override]
+        return Grads(a + b for a, b in zip(self, other))
+
+
+def _seed(base: int, update: int, piece: int) -> int:
+    return (base * 1_000_003 + update * 65_537 + piece) % (2**63 - 1)
+
+
+class PieceRunner:
+    """One optimizer update's gradients, computed in pieces and summed by the fixed tree."""
+
+    def __init__(self, strategy: Strategy, model: Any, params: Sequence[torch.Tensor], mode: OpDeterminism) -> None:
+        ext = strategy.extended
+        if ext.execution is not Execution.REPLICAS or ext.state_layout is not StateLayout.MIRRORED:
+            raise ValueError(
+                f"enable_op_determinism covers fit under MirroredStrategy, MultiWorkerMirroredStrategy "
+                f"and one process; {type(strategy).__name__} shards or pipelines the model: call "
+                "stratagem.experimental.disable_op_determinism() to train under it"
+            )
+        self.strategy = strategy
+        self.model = model
+        self.params = list(params)
+        self.piece = mode.piece_size
+        self.updates = 0
+        self._base: int | None = None
+
+    def _check_model(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            return
+        for name, m in self.model.named_modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+                raise ValueError(
+                    f"enable_op_determinism: {name or 'the model'} is {type(m).__name__} in training mode, whose "
+                    "statistics are over a batch, not a piece: the bits would depend on the replica count. "
+                    "Use GroupNorm or LayerNorm, freeze it (eval()), or disable_op_determinism()"
+                )
+
+    def _agreed_base(self) -> int:
+        """The chief's ``torch.initial_seed()``: the pieces' generators start from the same seed on
+        every replica and on one process, as the user seeded it."""
+        if self._base is None:
+            base = int(torch.initial_seed())
+            world = self.strategy.extended.world
+            self._base = int(world.broadcast_object(base, 0)) if world.world_size > 1 else base
+        return self._base
+
+    def step(self, x: Any, y: Any, sw: Any, total: int | None, micro_step: MicroStep) -> None:
+        """Leave the whole global batch's gradient, summed by the tree, in each parameter's ``.grad``."""
+        self._check_model()
+        ctx = current.get_replica_context()
+        assert ctx is not None
+        replicas, rank = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
+        rows = batch_size_of(x if y is None else y, "a batch")
+        p = self.piece
+        if total is None or total != rows * replicas or rows % p:
+            raise ValueError(
+                f"enable_op_determinism(piece_size={p}): every global batch must be a multiple of "
+                f"{p} x {replicas} replicas = {p * replicas} examples, split evenly; got {rows} examples on "
+                f"replica {rank} of a global batch of {total}. Drop the remainder (batch(..., "
+                "drop_remainder=True)) or choose a piece size that divides the batch"
+            )
+        local = rows // p
+        first, n = rank * local, local * replicas
+        base = self._agreed_base()
+        device = self.strategy.extended.device
+        pieces: dict[int, Grads] = {}
+        for k in range(local):
+            part = [None if v is None else slice_batch(v, k * p, (k + 1) * p) for v in (x, y, sw)]
+            with self.strategy.no_sync(), _generator_at(_seed(base, self.updates, first + k), device):
+                micro_step(part[0], part[1], part[2], total)
+            pieces[first + k] = self._take()
+        known = block_sums(pieces, first, first + local, n)
+        if replicas > 1:
+            world = self.strategy.extended.world
+            mine = {b: Grads(t.cpu() for t in g) for b, g in known.items()}
+            known = {}
+            for theirs in world.all_gather_object(mine):
+                known.update(theirs)
+        root = combine(known, n)
+        for param, g in zip(self.params, root):
+            param.grad = g.to(param.device)
+        self.updates += 1
+
+    def _take(self) -> Grads:
+        """The gradients the last piece left (zeros where a parameter got none); cleared."""
+        out = []
+        for param in self.params:
+            g = param.grad
+            out.append(torch.zeros_like(param) if g is None else g)
+            param.grad = None
+        return Grads(out)
+
+
+class _generator_at:  # noqa: N801 - used as a context manager
+    """torch's generators set to ``seed`` inside (dropout per piece), restored after."""
+
+    def __init__(self, seed: int, device: torch.device | None) -> None:
+        self.seed = seed
+        devices = [device] if device is not None and device.type == "cuda" else []
+        self._fork = torch.random.fork_rng(devices=devices)
+
+    def __enter__(self) -> None:
+        self._fork.__enter__()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._fork.__exit__(*exc)

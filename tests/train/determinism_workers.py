@@ -1,0 +1,66 @@
+"""Workers for test_determinism.py: fit a model with dropout, AdamW and clipping; hash its parameters."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch import nn
+
+import stratagem as sg
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(96, 12, generator=g), torch.randint(0, 5, (96,), generator=g)
+    return [(x[i : i + 24], y[i : i + 24]) for i in range(0, 96, 24)]  # global batches of 24
+
+
+def _fit(strategy: Any) -> tuple[str, list[float]]:
+    torch.manual_seed(0)
+    with strategy.scope() if strategy is not None else torch.no_grad():
+        model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Dropout(0.25), nn.Linear(32, 32), nn.Tanh(),
+                              nn.Linear(32, 5))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    history = sg.fit(model, opt, nn.CrossEntropyLoss(), _data(), epochs=2, global_clipnorm=0.5, strategy=strategy,
+                     verbose=0)  # fmt: skip
+    digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters()))
+    return digest.hexdigest(), [float(v) for v in history.history["loss"]]
+
+
+def hashes(kind: str, replicas: int) -> dict[str, Any]:
+    """The parameters' SHA-256 after fit, in the deterministic mode and in the default one."""
+    if kind == "one":
+        strategy = None
+    elif kind == "mirrored":
+        strategy = sg.MirroredStrategy(devices="cpu", num_replicas=replicas, timeout=60)
+    else:
+        strategy = sg.MultiWorkerMirroredStrategy()
+    sg.experimental.enable_op_determinism(piece_size=4)
+    deterministic = _fit(strategy)
+    sg.experimental.disable_op_determinism()
+    default = _fit(strategy)
+    return {"deterministic": deterministic, "default": default}
+
+
+def refused(what: str) -> str:
+    """The error the deterministic mode gives for ``what`` (one process)."""
+    sg.experimental.enable_op_determinism(piece_size=5)
+    torch.manual_seed(0)
+    if what == "batchnorm":
+        model: nn.Module = nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8), nn.Linear(8, 5))
+        kwargs: dict[str, Any] = {}
+    elif what == "accumulation":
+        model, kwargs = nn.Linear(12, 5), {"gradient_accumulation_steps": 2}
+    else:  # a batch that is not a multiple of the piece size
+        model, kwargs = nn.Linear(12, 5), {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = _data() if what != "batch" else [(torch.randn(12, 12), torch.randint(0, 5, (12,)))]
+    if what != "batch":
+        data = [(x[:20], y[:20]) for x, y in data]
+    try:
+        sg.fit(model, opt, nn.CrossEntropyLoss(), data, epochs=1, verbose=0, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "no error"

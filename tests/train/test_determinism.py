@@ -1,0 +1,42 @@
+"""stratagem.experimental.enable_op_determinism: fit gives the same bits on one process and on any
+number of data-parallel replicas (issue 34, item 1; docs/design/DETERMINISM.md)."""
+
+from __future__ import annotations
+
+import pytest
+from determinism_workers import hashes, refused
+
+from stratagem.testing import run_workers
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return run_workers(hashes, 1, args=("one", 1), timeout=120)[0].value
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("kind", "replicas"), [("mirrored", 2), ("mirrored", 3), ("multiworker", 2)])
+def test_fit_gives_the_same_bits_on_any_number_of_replicas(one_process, kind, replicas):
+    """AdamW, global clipping and dropout: the parameters' SHA-256 after two epochs equals one
+    process's, on every replica; in the default mode (each replica's batch in one piece, its own
+    dropout masks) it does not, so the equality is the mode's doing."""
+    results = [r.value for r in run_workers(hashes, replicas, args=(kind, replicas), timeout=180)]
+    want_hash, want_losses = one_process["deterministic"]
+    for r in results:
+        got_hash, got_losses = r["deterministic"]
+        assert got_hash == want_hash
+        assert got_losses == pytest.approx(want_losses, rel=1e-5)
+    assert results[0]["default"][0] != one_process["default"][0]
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("batchnorm", "1 is BatchNorm1d in training mode, whose statistics are over a batch, not a piece"),
+        ("accumulation", "gradient_accumulation_steps is not supported with enable_op_determinism yet"),
+        ("batch", r"must be a multiple of 5 x 1 replicas = 5 examples, split evenly; got 12 examples"),
+    ],
+)
+def test_what_the_mode_cannot_make_invariant_is_refused(what, message):
+    [result] = run_workers(refused, 1, args=(what,), timeout=120)
+    assert message in result.value
