@@ -64,3 +64,27 @@ def refused(what: str) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def nanogpt_hash(replicas: int) -> str:
+    """nanoGPT as published (its model.py, its configure_optimizers' AdamW groups, dropout 0.1),
+    fit for 3 steps of 8 sequences in the deterministic mode; its parameters' SHA-256."""
+    import contextlib
+    import io
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "real_models"))
+    import real_cases as cases
+    from nanogpt_model import GPT, GPTConfig
+
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=replicas, timeout=60) if replicas > 1 else None
+    sg.experimental.enable_op_determinism(piece_size=2)
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=cases.T, vocab_size=cases.VOCAB, n_layer=2, n_head=2, n_embd=16, dropout=0.1, bias=True)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext(), contextlib.redirect_stdout(io.StringIO()):
+        model = GPT(config)
+        opt = cases.nanogpt_optimizer(model)
+    sg.fit(model, opt, cases.token_losses, cases.nanogpt_batches(), epochs=2, global_clipnorm=0.3, strategy=strategy,
+           verbose=0)  # fmt: skip
+    return hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters())).hexdigest()

@@ -40,3 +40,12 @@ def test_fit_gives_the_same_bits_on_any_number_of_replicas(one_process, kind, re
 def test_what_the_mode_cannot_make_invariant_is_refused(what, message):
     [result] = run_workers(refused, 1, args=(what,), timeout=120)
     assert message in result.value
+
+
+@pytest.mark.timeout(200)
+def test_nanogpt_as_published_gives_the_same_bits_on_two_replicas():
+    from determinism_workers import nanogpt_hash
+
+    [one] = run_workers(nanogpt_hash, 1, args=(1,), timeout=150)
+    two = run_workers(nanogpt_hash, 2, args=(2,), timeout=150)
+    assert [r.value for r in two] == [one.value, one.value]
