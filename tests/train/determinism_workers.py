@@ -11,25 +11,27 @@ from torch import nn
 import stratagem as sg
 
 
-def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _data(dataset: bool = False) -> Any:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(96, 12, generator=g), torch.randint(0, 5, (96,), generator=g)
+    if dataset:  # a stratagem Dataset: under Mirrored each replica's pipeline reads its share
+        return sg.data.Dataset.from_tensor_slices((x, y)).shuffle(96, seed=5).batch(24)
     return [(x[i : i + 24], y[i : i + 24]) for i in range(0, 96, 24)]  # global batches of 24
 
 
-def _fit(strategy: Any) -> tuple[str, list[float]]:
+def _fit(strategy: Any, dataset: bool = False) -> tuple[str, list[float]]:
     torch.manual_seed(0)
     with strategy.scope() if strategy is not None else torch.no_grad():
         model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Dropout(0.25), nn.Linear(32, 32), nn.Tanh(),
                               nn.Linear(32, 5))  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    history = sg.fit(model, opt, nn.CrossEntropyLoss(), _data(), epochs=2, global_clipnorm=0.5, strategy=strategy,
+    history = sg.fit(model, opt, nn.CrossEntropyLoss(), _data(dataset), epochs=2, global_clipnorm=0.5, strategy=strategy,
                      verbose=0)  # fmt: skip
     digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters()))
     return digest.hexdigest(), [float(v) for v in history.history["loss"]]
 
 
-def hashes(kind: str, replicas: int) -> dict[str, Any]:
+def hashes(kind: str, replicas: int, dataset: bool = False) -> dict[str, Any]:
     """The parameters' SHA-256 after fit, in the deterministic mode and in the default one."""
     if kind == "one":
         strategy = None
@@ -38,9 +40,9 @@ def hashes(kind: str, replicas: int) -> dict[str, Any]:
     else:
         strategy = sg.MultiWorkerMirroredStrategy()
     sg.experimental.enable_op_determinism(piece_size=4)
-    deterministic = _fit(strategy)
+    deterministic = _fit(strategy, dataset)
     sg.experimental.disable_op_determinism()
-    default = _fit(strategy)
+    default = _fit(strategy, dataset)
     return {"deterministic": deterministic, "default": default}
 
 
@@ -88,3 +90,24 @@ def nanogpt_hash(replicas: int) -> str:
     sg.fit(model, opt, cases.token_losses, cases.nanogpt_batches(), epochs=2, global_clipnorm=0.3, strategy=strategy,
            verbose=0)  # fmt: skip
     return hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+def resumed_hash(replicas: int, backup_dir: str, kill_at: int | None) -> dict[str, Any]:
+    """3 epochs in the deterministic mode on a shuffled Dataset with BackupAndRestore every 2
+    steps, on ``replicas`` replicas, SIGKILLed after update ``kill_at`` (None: to the end)."""
+    from fit_workers import Killer
+
+    from stratagem.train import callbacks as C
+
+    strategy = sg.OneDeviceStrategy() if replicas == 1 else sg.MirroredStrategy(devices="cpu", num_replicas=replicas, timeout=60)
+    sg.experimental.enable_op_determinism(piece_size=4)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Dropout(0.25), nn.Linear(32, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    backup = C.BackupAndRestore(backup_dir, save_freq=2, delete_checkpoint=False)
+    callbacks: list[Any] = [backup] + ([Killer(kill_at)] if kill_at is not None else [])
+    sg.fit(model, opt, nn.CrossEntropyLoss(), _data(dataset=True), epochs=3, global_clipnorm=0.5, callbacks=callbacks,
+           strategy=strategy, verbose=0)  # fmt: skip
+    digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters()))
+    return {"hash": digest.hexdigest(), "restored_from": backup.restored_from}

@@ -11,16 +11,22 @@ from stratagem.testing import run_workers
 
 @pytest.fixture(scope="module")
 def one_process():
-    return run_workers(hashes, 1, args=("one", 1), timeout=120)[0].value
+    return {dataset: run_workers(hashes, 1, args=("one", 1, dataset), timeout=120)[0].value for dataset in (False, True)}
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("kind", "replicas"), [("mirrored", 2), ("mirrored", 3), ("multiworker", 2)])
-def test_fit_gives_the_same_bits_on_any_number_of_replicas(one_process, kind, replicas):
-    """AdamW, global clipping and dropout: the parameters' SHA-256 after two epochs equals one
-    process's, on every replica; in the default mode (each replica's batch in one piece, its own
-    dropout masks) it does not, so the equality is the mode's doing."""
-    results = [r.value for r in run_workers(hashes, replicas, args=(kind, replicas), timeout=180)]
+@pytest.mark.parametrize(
+    ("kind", "replicas", "dataset"),
+    [("mirrored", 2, False), ("mirrored", 3, False), ("multiworker", 2, False), ("mirrored", 2, True)],
+    ids=["mirrored-2", "mirrored-3", "multiworker-2", "mirrored-2-dataset"],
+)
+def test_fit_gives_the_same_bits_on_any_number_of_replicas(one_process, kind, replicas, dataset):
+    """AdamW, global clipping and dropout, global batches given as a list or as a stratagem Dataset
+    (each replica's pipeline reading its share): the parameters' SHA-256 after two epochs equals
+    one process's, on every replica; in the default mode (each replica's batch in one piece, its
+    own dropout masks) it does not, so the equality is the mode's doing."""
+    results = [r.value for r in run_workers(hashes, replicas, args=(kind, replicas, dataset), timeout=180)]
+    one_process = one_process[dataset]
     want_hash, want_losses = one_process["deterministic"]
     for r in results:
         got_hash, got_losses = r["deterministic"]
@@ -49,3 +55,20 @@ def test_nanogpt_as_published_gives_the_same_bits_on_two_replicas():
     [one] = run_workers(nanogpt_hash, 1, args=(1,), timeout=150)
     two = run_workers(nanogpt_hash, 2, args=(2,), timeout=150)
     assert [r.value for r in two] == [one.value, one.value]
+
+
+@pytest.mark.timeout(300)
+def test_a_run_killed_on_3_replicas_resumes_on_2_with_the_same_bits(tmp_path):
+    """Killed mid-epoch 2 on 3 replicas, resumed from its backup on 2: the parameters' SHA-256
+    equals the uninterrupted run's on one process (the pieces' dropout follows the update count
+    the backup restores)."""
+    from determinism_workers import resumed_hash
+
+    [want] = run_workers(resumed_hash, 1, args=(1, str(tmp_path / "reference"), None), timeout=150)
+    backup = str(tmp_path / "3-then-2")
+    killed = run_workers(resumed_hash, 3, args=(3, backup, 6), timeout=150, check=False)
+    assert all(r.returncode == -9 for r in killed), [r.stderr[-500:] for r in killed]
+    for r in run_workers(resumed_hash, 2, args=(2, backup, None), timeout=150,
+                         allow_stderr=[("keep their own 'rng'", "fewer replicas than saved RNG streams: said once")]):
+        assert r.value["restored_from"].endswith("ckpt-6")
+        assert r.value["hash"] == want.value["hash"]

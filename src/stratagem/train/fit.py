@@ -475,6 +475,9 @@ class _Loop:
             progress.restore_metrics(self.tracked)
         state.initial_epoch, state.initial_step = int(saved["epoch"]), int(saved["step"])
         state.iterations = int(saved["iterations"])
+        pieces = getattr(self.steps, "pieces", None)
+        if pieces is not None:  # the deterministic mode's dropout: by update, as the run that went on
+            pieces.updates = state.iterations
         if saved.get("loss_scale") is not None:
             self.steps.load_loss_scale_state(saved["loss_scale"])
 
