@@ -26,7 +26,7 @@ class OpDeterminism:
 _mode: OpDeterminism | None = None
 
 
-def enable_op_determinism(piece_size: int = 8) -> None:
+def enable_op_determinism(piece_size: int = 32) -> None:
     """Make training give the same bits on one process and on any number of replicas.
 
     Switches torch's ``use_deterministic_algorithms(True)`` on (and cuBLAS's workspace setting on

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from stratagem.core.batches import batch_size_of, slice_batch
-from stratagem.core.canonical import block_sums, combine
+from stratagem.core.canonical import Block, block_sums, blocks, combine
 from stratagem.distribute import current
 from stratagem.distribute.determinism import OpDeterminism
 from stratagem.distribute.strategy import Execution, StateLayout, Strategy
@@ -101,15 +101,32 @@ class PieceRunner:
             pieces[first + k] = self._take()
         known = block_sums(pieces, first, first + local, n)
         if replicas > 1:
-            world = self.strategy.extended.world
-            mine = {b: Grads(t.cpu() for t in g) for b, g in known.items()}
-            known = {}
-            for theirs in world.all_gather_object(mine):
-                known.update(theirs)
+            known = self._exchange(known, local, replicas)
         root = combine(known, n)
         for param, g in zip(self.params, root):
             param.grad = g.to(param.device)
         self.updates += 1
+
+    def _exchange(self, mine: dict[Block, Grads], local: int, replicas: int) -> dict[Block, Grads]:
+        """Every replica's block sums. Each replica knows which blocks every other holds (the
+        ranges are fixed), so the blocks travel as one tensor per replica (padded to the most
+        blocks any replica has) in one all-gather; parameters of mixed dtypes go as objects."""
+        world = self.strategy.extended.world
+        if len({q.dtype for q in self.params}) != 1:
+            known: dict[Block, Grads] = {}
+            for theirs in world.all_gather_object({b: Grads(t.cpu() for t in g) for b, g in mine.items()}):
+                known.update({b: Grads(t.to(q.device) for t, q in zip(g, self.params)) for b, g in theirs.items()})
+            return known
+        every = [blocks(r * local, (r + 1) * local) for r in range(replicas)]
+        rows = max(len(b) for b in every)
+        flat = [torch.cat([t.reshape(-1) for t in mine[b]]) for b in sorted(mine)]
+        packed = torch.stack(flat + [torch.zeros_like(flat[0])] * (rows - len(flat)))
+        sizes = [q.numel() for q in self.params]
+        known = {}
+        for theirs, held in zip(world.all_gather_tensor(packed), every):
+            for row, b in zip(theirs, held):
+                known[b] = Grads(t.view_as(q) for t, q in zip(row.split(sizes), self.params))
+        return known
 
     def _take(self) -> Grads:
         """The gradients the last piece left (zeros where a parameter got none); cleared."""

@@ -1,0 +1,104 @@
+"""The deterministic mode's cost: fit under MirroredStrategy with and without
+``stratagem.experimental.enable_op_determinism``, in one run.
+
+The same model, data (global batches already in memory), optimizer (AdamW) and global clipping;
+rounds alternate the two modes so machine noise hits both alike; steps/s is the median over
+rounds; the ratio is default / deterministic time per step (the issue's target: the mode costs at
+most 1.25x). Every process prints nothing but rank 0's lines.
+Run: ``python benchmarks/determinism.py [--replicas 2] [--model mlp|gpt] [--piece 32]``
+(a plain ``python`` starts the other replicas itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import stratagem as sg
+
+
+def mlp() -> tuple[nn.Module, tuple[int, ...], int]:
+    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Dropout(0.1), nn.Linear(1024, 1024), nn.GELU(),
+                         nn.Linear(1024, 10)), (256,), 10  # fmt: skip
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 4, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """A 4-block, width-128 causal-free transformer over 64 tokens, classifying each sequence."""
+
+    def __init__(self, vocab: int = 512, d: int = 128, t: int = 64) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
+        self.blocks = nn.Sequential(*(Block(d) for _ in range(4)))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(self.blocks(x).mean(dim=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--model", default="mlp", choices=["mlp", "gpt"])
+    p.add_argument("--batch", type=int, default=128, help="global batch")
+    p.add_argument("--piece", type=int, default=32, help="rows per piece in the deterministic mode")
+    p.add_argument("--steps", type=int, default=20, help="steps per round")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    strategy = sg.MirroredStrategy(devices="cpu", num_replicas=args.replicas)
+    chief = strategy.extended.should_log
+    g = torch.Generator().manual_seed(0)
+    if args.model == "mlp":
+        batches = [(torch.randn(args.batch, 256, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+                   for _ in range(args.steps)]  # fmt: skip
+    else:
+        batches = [(torch.randint(0, 512, (args.batch, 64), generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+                   for _ in range(args.steps)]  # fmt: skip
+
+    def one_round(deterministic: bool) -> float:
+        if deterministic:
+            sg.experimental.enable_op_determinism(piece_size=args.piece)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = mlp()[0] if args.model == "mlp" else TinyGPT()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        t0 = time.perf_counter()
+        sg.fit(model, opt, nn.CrossEntropyLoss(), batches, global_clipnorm=1.0, strategy=strategy, verbose=0)
+        seconds = time.perf_counter() - t0
+        if deterministic:
+            sg.experimental.disable_op_determinism()
+        return args.steps / seconds
+
+    one_round(False), one_round(True)  # warm up
+    plain, det = [], []
+    for _ in range(args.rounds):
+        plain.append(one_round(False))
+        det.append(one_round(True))
+    a, b = statistics.median(plain), statistics.median(det)
+    if chief:
+        print(f"fit under MirroredStrategy({args.replicas}), {args.model}, global batch {args.batch}, "
+              f"piece {args.piece}, {args.rounds} rounds of {args.steps} steps")  # fmt: skip
+        print(f"  default       {a:8.2f} steps/s")
+        print(f"  deterministic {b:8.2f} steps/s")
+        print(f"  cost: {a / b:.2f}x the default step (target <= 1.25x)")
+
+
+if __name__ == "__main__":
+    main()
