@@ -52,7 +52,12 @@ elif mode == "hang":  # the chief ends at once, worker 0 never does
     if me == ("worker", 0):
         time.sleep(1000)
 elif mode == "sleep":  # every task says its pid and sleeps a minute
-    (folder / f"pid-{me[0]}{me[1]}").write_text(str(os.getpid()))
+    from stratagem.core.procs import start_time
+
+    # the pid and when it started: a pid can be another process's by the time it is checked
+    # (written whole, then named: the test reads only complete files)
+    (folder / f".pid-{me[0]}{me[1]}").write_text(f"{os.getpid()} {start_time(os.getpid())}")
+    (folder / f".pid-{me[0]}{me[1]}").rename(folder / f"pid-{me[0]}{me[1]}")
     time.sleep(60)
 else:
     sys.exit(f"unknown mode {mode}")
