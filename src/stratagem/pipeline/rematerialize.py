@@ -147,7 +147,7 @@ class AutoRematerialize:
         self._budget = budget
         self.bytes_per_example: float | None = None
         self.budget_bytes: float | None = None
-        self._last: tuple[int, tuple[int, ...]] | None = None
+        self._stops: dict[tuple[int, ...], int] = {}  # by micro-batch sizes: decided once each
 
     @property
     def measured(self) -> bool:
@@ -159,19 +159,20 @@ class AutoRematerialize:
         if self.bytes_per_example is None or self.budget_bytes is None:
             # the first step (torchgpipe's default, while measuring), or memory that cannot be read
             return m - 1
-        per_mb = [self.bytes_per_example * n for n in sizes]
-        stop = next(
-            (s for s in range(m + 1) if peak_kept(actions, s, per_mb, chunks) <= self.budget_bytes), m
-        )
-        if self._last != (stop, tuple(sizes)):
-            self._last = (stop, tuple(sizes))
+        key = tuple(sizes)
+        if key not in self._stops:
+            per_mb = [self.bytes_per_example * n for n in sizes]
+            stop = next(
+                (s for s in range(m + 1) if peak_kept(actions, s, per_mb, chunks) <= self.budget_bytes), m
+            )
+            self._stops[key] = stop
             _log.info(
                 "stage %d: rematerialize='auto' keeps micro-batches %d..%d of %d (%.1f MiB of "
                 "activations per micro-batch of %d examples; peak %.1f MiB against a budget of %.1f MiB)",
                 self.stage, stop, m - 1, m, per_mb[0] / 2**20, sizes[0],
                 peak_kept(actions, stop, per_mb, chunks) / 2**20, self.budget_bytes / 2**20,
             )  # fmt: skip
-        return stop
+        return self._stops[key]
 
     @contextlib.contextmanager
     def measuring(self, sizes: Sequence[int]) -> Iterator[None]:
@@ -179,7 +180,7 @@ class AutoRematerialize:
         if self.measured:
             yield
             return
-        params = {p.data_ptr() for p in self.module.parameters() if p.device.type != "meta"}
+        params = {p.untyped_storage().data_ptr() for p in self.module.parameters() if p.device.type != "meta"}
         seen: set[int] = set()
         total = [0]
 

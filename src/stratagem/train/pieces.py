@@ -10,7 +10,8 @@ number of replicas (docs/design/DETERMINISM.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,19 +49,21 @@ class PieceRunner:
                 "stratagem.experimental.disable_op_determinism() to train under it"
             )
         self.strategy = strategy
-        self.model = model
+        #: BatchNorm layers, refused while in training mode (looked up once, checked every step)
+        self._batch_norms = [
+            (name or "the model", m) for name, m in (model.named_modules() if isinstance(model, nn.Module) else ())
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        ]  # fmt: skip
         self.params = list(params)
         self.piece = mode.piece_size
         self.updates = 0
         self._base: int | None = None
 
     def _check_model(self) -> None:
-        if not isinstance(self.model, nn.Module):
-            return
-        for name, m in self.model.named_modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+        for name, m in self._batch_norms:
+            if m.training:
                 raise ValueError(
-                    f"enable_op_determinism: {name or 'the model'} is {type(m).__name__} in training mode, whose "
+                    f"enable_op_determinism: {name} is {type(m).__name__} in training mode, whose "
                     "statistics are over a batch, not a piece: the bits would depend on the replica count. "
                     "Use GroupNorm or LayerNorm, freeze it (eval()), or disable_op_determinism()"
                 )
@@ -138,17 +141,9 @@ class PieceRunner:
         return Grads(out)
 
 
-class _generator_at:  # noqa: N801 - used as a context manager
+@contextlib.contextmanager
+def _generator_at(seed: int, device: torch.device | None) -> Iterator[None]:
     """torch's generators set to ``seed`` inside (dropout per piece), restored after."""
-
-    def __init__(self, seed: int, device: torch.device | None) -> None:
-        self.seed = seed
-        devices = [device] if device is not None and device.type == "cuda" else []
-        self._fork = torch.random.fork_rng(devices=devices)
-
-    def __enter__(self) -> None:
-        self._fork.__enter__()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._fork.__exit__(*exc)
+    with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
