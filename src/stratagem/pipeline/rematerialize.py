@@ -120,6 +120,16 @@ def peak_kept(actions: Sequence[Any], stop: int, per_microbatch: Sequence[float]
     return peak
 
 
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t``'s storage starts and its bytes; a tensor without a live storage of its own (a
+    freed or resharded one, a subclass) counts by identity and its own size."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(t), t.numel() * t.element_size()
+
+
 class AutoRematerialize:
     """``rematerialize="auto"``: keep every micro-batch's activations when they fit the budget,
     else recompute the fewest micro-batches that makes them fit.
@@ -180,16 +190,13 @@ class AutoRematerialize:
         if self.measured:
             yield
             return
-        params = {p.untyped_storage().data_ptr() for p in self.module.parameters() if p.device.type != "meta"}
+        # (a sharded layer's parameters are resharded between its uses: their storage may be freed)
+        params = {_storage(p)[0] for p in self.module.parameters() if p.device.type != "meta"}
         seen: set[int] = set()
         total = [0]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            try:
-                storage = t.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass without storage
-                ptr, nbytes = id(t), t.numel() * t.element_size()
+            ptr, nbytes = _storage(t)
             if ptr not in params and ptr not in seen and not (t.is_leaf and t.requires_grad):
                 seen.add(ptr)
                 total[0] += nbytes
