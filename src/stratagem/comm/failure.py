@@ -240,6 +240,7 @@ class FailureMonitor:
         self._add(self._key("hb", self.rank), 1)
         if self.store_host_rank is not None and self.store_host_rank != self.rank:
             self._peer_blocking(self.store_host_rank)
+        self._learn_peers()
         sys.excepthook = self._excepthook
         explain_stops_with(self.known_failure)
         atexit.register(self.close)
@@ -539,6 +540,24 @@ class FailureMonitor:
                 return None
             self._peers[p] = _peer_record(self._store.get(key))
         return self._peers[p]
+
+    def _learn_peers(self) -> None:
+        """Read every peer's record once at start (each publishes its own right after the process
+        group formed, so this waits moments): which peer runs where must be known before a fault,
+        since a host cut off from the store can read nothing afterwards. Without it, a cut early
+        in training (before the first heartbeat read the records) left a rank unable to name the
+        peer on the store's host ("a peer worker failed"). A peer that does not publish within the
+        store timeout (it died meanwhile) is looked up by the heartbeat later, as before."""
+        others = [self._key("pid", p) for p in range(self.world_size) if p != self.rank]
+        if not others:
+            return
+        try:
+            self._store.wait(others, datetime.timedelta(seconds=self._store_timeout))
+            for p in range(self.world_size):
+                if p != self.rank:
+                    self._peer(p)
+        except Exception:  # noqa: BLE001 - a peer gone, or the store unreachable: the heartbeat decides
+            pass
 
     def _peer_blocking(self, p: int) -> None:
         self._peers[p] = _peer_record(self._store.get(self._key("pid", p)))  # waits (store timeout)
