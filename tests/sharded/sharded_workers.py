@@ -80,6 +80,40 @@ def reference_bytes(seed: int = 0) -> int:
 
 
 # --- 2 processes: parity, memory, the Strategy surface, fit, checkpoints, options ---------------
+def _reduce_scatters(fn: Any) -> int:
+    """How many reduce-scatters this process ran in ``fn()`` (torch's profiler names each)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if "reduce_scatter" in e.name)
+
+
+def accumulation(s: Any, make: Any = None, data: Any = None, loss: Any = None) -> dict[str, Any]:
+    """fit with gradient_accumulation_steps=3 on 6 batches: one device's parameters on the batches
+    joined three by three, and one reduce-scatter per unit per update (the micro-steps before it
+    accumulate locally)."""
+    make_mlp = make or globals()["make_mlp"]
+    mse = loss or globals()["mse"]
+    data = data or global_batches(6, size=4, seed=7)
+
+    def fitted(batches: list[Any], k: int) -> tuple[nn.Module, int]:
+        torch.manual_seed(0)
+        with s.scope():
+            model = make_mlp()
+            opt = make_adam(model.parameters())
+        count = _reduce_scatters(lambda: stratagem.fit(model, opt, mse, batches, epochs=1, verbose=0,
+                                                       gradient_accumulation_steps=k))
+        return model, count
+
+    model, accumulated = fitted(data, 3)  # 6 batches: 2 updates
+    _, one_update = fitted(data[:1], 1)
+    joined = [(torch.cat([x for x, _ in data[i : i + 3]]), torch.cat([y for _, y in data[i : i + 3]])) for i in (0, 3)]
+    want = train_reference(make_mlp, make_adam, mse, joined, seed=0)
+    return {"accum_diff": max(max_diff(full_state(model), want).values()),
+            "accum_reduce_scatters": accumulated, "update_reduce_scatters": one_update}
+
+
 def two_processes(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     s = stratagem.ShardedStrategy(devices="cpu")
@@ -136,6 +170,7 @@ def two_processes(tmp: str) -> dict[str, Any]:
         out["fit_pred_diff"] = float((pred - rout).abs().max())
     out["fit_diff"] = max(max_diff(full_state(fm), rm.state_dict()).values())
     out["fit_epochs"] = len(hist.history["loss"])
+    out.update(accumulation(s))
 
     # checkpoint: every rank writes its own part; restore into a fresh sharded model; continue
     ckdir = Path(tmp, "ck2")

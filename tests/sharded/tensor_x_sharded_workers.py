@@ -11,6 +11,7 @@ import torch
 from sharded_workers import (  # the tests' folder is on sys.path
     Block,
     _layouts,
+    accumulation,
     full_state,
     make_adam,
     make_transformer,
@@ -107,6 +108,7 @@ def fit_and_resume(tmp: str, steps: int) -> dict[str, Any]:
     manager.restore(out["ckpt"])
     stratagem.fit(model, opt, seq_mse, batches[half:], verbose=0)
     out["resumed_vs_straight"] = max(max_diff(full_state(model), straight).values())
+    out.update(accumulation(s, make_transformer, seq_batches(6), seq_mse))
     return out
 
 

@@ -138,6 +138,11 @@ def test_sharded_two_processes(tmp_path: Path) -> None:
         loss, want_loss, mae, want_mae = out["fit_eval"]
         assert loss == pytest.approx(want_loss, rel=1e-6) and mae == pytest.approx(want_mae, rel=1e-6)
         assert out["fit_pred_diff"] < TOL and out["fit_diff"] < TOL and out["fit_epochs"] == 2
+        # gradient accumulation: one device's update on the batches joined; the micro-steps
+        # before each update's last reduce nothing (2 updates: twice one update's reduce-scatters)
+        assert out["accum_diff"] < TOL
+        assert out["update_reduce_scatters"] > 0
+        assert out["accum_reduce_scatters"] == 2 * out["update_reduce_scatters"], out
         assert out["ckpt_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one part per rank
         assert out["mirrored_restored_diff"] == 0.0 and out["mirrored_adam_steps"] == [6]
         assert out["from_mirrored_diff"] == 0.0 and out["from_mirrored_step"] == 3

@@ -55,6 +55,11 @@ def test_fit_checkpoint_resume_is_exact_and_one_process_restores(tmp_path: Path)
     for out in outs:
         assert not _bad(out["diff"]), f"fit under tensor x sharded differs from one device: {_bad(out['diff'])}"
         assert out["resumed_vs_straight"] == 0.0  # restored mid-training: bit for bit
+        # gradient accumulation (3 batches per update): one device's parameters, and nothing
+        # reduce-scattered before each update's last micro-step
+        assert not _bad({"accumulated": out["accum_diff"]})
+        assert out["update_reduce_scatters"] > 0
+        assert out["accum_reduce_scatters"] == 2 * out["update_reduce_scatters"], out
     # the checkpoint of the 2 x 2 mesh loads into a plain transformer here and trains on at parity
     torch.manual_seed(5)
     model = w.make_transformer()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,3 +74,28 @@ def _not_a_view(module: nn.Module, args: Any, output: Any) -> Any:
         ]
         return type(output)(copied) if isinstance(output, list) else tuple(copied)
     return None
+
+
+class ShardedRoots:
+    """The roots an engine sharded with ``apply_fsdp`` (held weakly), and the one thing done to
+    all of them at once: leaving their gradients unreduced for gradient accumulation."""
+
+    def __init__(self) -> None:
+        self._roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def add(self, root: nn.Module) -> None:
+        self._roots.add(root)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate each unit's unsharded gradient locally, with no
+        reduce-scatter (FSDP2's ``set_requires_gradient_sync(False)``, what a user writes by hand
+        for accumulation); the first backward after it reduce-scatters the accumulated sum once."""
+        roots = list(self._roots)
+        for root in roots:
+            root.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            for root in roots:
+                root.set_requires_gradient_sync(True)  # type: ignore[operator]

@@ -27,7 +27,7 @@ from stratagem.comm.failure import collectives_explained
 from stratagem.core.mesh import DATA_REPLICATE, DATA_SHARD, DeviceMesh
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
-from stratagem.distribute.engines.fsdp import ShardingOptions, apply_fsdp
+from stratagem.distribute.engines.fsdp import ShardedRoots, ShardingOptions, apply_fsdp
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.engines.shard_plan import UnitPlan
@@ -57,6 +57,7 @@ class ShardedExtended(OverReplicas):
         self._mesh: Any = None
         self.build = ShardedBuild(comm, device, name, self._shard, self.owner, init)
         self.plans: list[UnitPlan] = []
+        self.roots = ShardedRoots()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return retarget_optimizer(optimizer)
@@ -121,6 +122,10 @@ class ShardedExtended(OverReplicas):
         # built on meta: real (empty) storage once sharded, initialised by the replay after
         with allocated_keeping_buffers(root, self._device) if not materialized else contextlib.nullcontext():
             self.plans.append(apply_fsdp(root, self.mesh, self.options))
+        self.roots.add(root)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.roots.no_sync()
 
     # --- run ----------------------------------------------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:

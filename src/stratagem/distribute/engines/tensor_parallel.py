@@ -24,7 +24,7 @@ from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.failure import collectives_explained
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
-from stratagem.distribute.engines.fsdp import ShardingOptions, apply_fsdp
+from stratagem.distribute.engines.fsdp import ShardedRoots, ShardingOptions, apply_fsdp
 from stratagem.distribute.engines.layout import (
     DeviceMesh,
     LayoutMap,
@@ -179,6 +179,7 @@ class TensorParallelExtended(OverReplicas):
         self.build = ShardedBuild(world, device, name, self._shard, self.owner, init)
         self.plans: list[dict[str, str]] = []
         self.plans_fsdp: list[Any] = []  # the FSDP unit plan of each model sharded over the batch axis
+        self.roots = ShardedRoots()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return retarget_optimizer(optimizer)
@@ -243,6 +244,10 @@ class TensorParallelExtended(OverReplicas):
                 # each unit's tensor-parallel parts sharded over the data axis, as ShardedStrategy
                 # shards (torchtitan's FSDP x TP), with its options; summed across replicas
                 self.plans_fsdp.append(apply_fsdp(root, self.torch_mesh[self.batch_axis], self.sharding))
+                self.roots.add(root)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.roots.no_sync()
 
     # --- run (reductions and input: OverReplicas) ----------------------------------------------
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:

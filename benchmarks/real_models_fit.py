@@ -1,0 +1,227 @@
+"""nanoGPT trained by ``sg.fit`` against nanoGPT's own ``train.py`` loop, in one run.
+
+nanoGPT's ``model.py`` as published (``tests/real_models/nanogpt_model.py``), trained as its
+``train.py`` trains it: AdamW from the model's own ``configure_optimizers`` (weight decay on
+matrices only), gradient accumulation (``--accumulate`` micro-steps per update), global-norm
+clipping at 1.0, and a learning rate set every iteration (linear warm-up, then cosine decay:
+``train.py``'s ``get_lr``). Pairs, each timed in the same job, alternating round by round so
+machine noise hits both alike:
+
+- ``MirroredStrategy`` + ``sg.fit(..., gradient_accumulation_steps=, global_clipnorm=1.0,
+  lr_scheduler=LambdaLR(get_lr), lr_scheduler_interval="step")`` against ``train.py``'s DDP loop
+  (``require_backward_grad_sync`` off on every micro-step but the last, ``clip_grad_norm_``);
+- ``ShardedStrategy`` + the same ``fit`` call against the same loop over FSDP2 (``fully_shard``
+  per block and the root, ``set_requires_gradient_sync(False)`` on every micro-step but the last).
+
+Both sides train from the same initial weights on the same batches; the script prints each
+side's last loss and the largest parameter difference at the end (they must agree), then
+tokens/s by medians and the median of the rounds' own ratios.
+
+Run: ``torchrun --nproc-per-node 2 benchmarks/real_models_fit.py [--rounds 5 --updates 3]``
+(``--layers/--width/--seq`` for other shapes). CPU, gloo, one thread per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import stratagem as sg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "real_models"))
+from nanogpt_model import GPT, GPTConfig  # noqa: E402
+
+VOCAB = 65
+LR, MIN_LR, WARMUP, DECAY = 1e-3, 1e-4, 4, 40  # train.py's shakespeare-char ratios, shortened
+
+
+def get_lr(it: int) -> float:
+    """nanoGPT train.py's ``get_lr``: linear warm-up, cosine decay, then ``min_lr``."""
+    if it < WARMUP:
+        return LR * (it + 1) / (WARMUP + 1)
+    if it > DECAY:
+        return MIN_LR
+    ratio = (it - WARMUP) / (DECAY - WARMUP)
+    return MIN_LR + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (LR - MIN_LR)
+
+
+def make_gpt(args: argparse.Namespace) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=args.seq, vocab_size=VOCAB, n_layer=args.layers, n_head=args.heads,
+                    n_embd=args.width, dropout=0.0, bias=False)  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT prints its parameter count
+        return GPT(cfg)
+
+
+def optimizer_of(model: GPT) -> torch.optim.Optimizer:
+    with contextlib.redirect_stdout(io.StringIO()):  # configure_optimizers prints its groups
+        return model.configure_optimizers(weight_decay=0.1, learning_rate=LR, betas=(0.9, 0.99), device_type="cpu")  # type: ignore[no-any-return]
+
+
+def model_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    """nanoGPT's own loss (its forward computes it from ``targets``): the replica's mean."""
+    return out[1]  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=8, help="global batch of one micro-step, sequences")
+    parser.add_argument("--accumulate", type=int, default=2, help="micro-steps per update")
+    parser.add_argument("--updates", type=int, default=3, help="optimizer updates per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--only", choices=["mirrored", "sharded"], default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sg.MirroredStrategy(devices="cpu")  # forms the job (torchrun's variables)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chief = rank == 0
+    k, per = args.accumulate, args.batch // n
+    g = torch.Generator().manual_seed(1)
+    # a pool of global micro-batches, taken in the same order by both sides
+    pool = [(torch.randint(0, VOCAB, (args.batch, args.seq), generator=g),
+             torch.randint(0, VOCAB, (args.batch, args.seq), generator=g)) for _ in range(8 * k)]  # fmt: skip
+    mine = slice(rank * per, (rank + 1) * per)
+
+    def batches(start: int, count: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        out = []
+        for i in range(start, start + count):
+            x, y = pool[i % len(pool)]
+            out.append(({"idx": x, "targets": y}, y))
+        return out
+
+    sides: dict[str, tuple[Callable[[int], float], Callable[[], nn.Module]]] = {}
+
+    def fit_side(strategy: sg.Strategy) -> tuple[Callable[[int], float], Callable[[], nn.Module]]:
+        with strategy.scope():
+            model = make_gpt(args)
+            optimizer = optimizer_of(model)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: get_lr(it) / LR)
+        taken = [0]
+        last = [0.0]
+
+        def run(updates: int) -> float:
+            data = batches(taken[0], updates * k)
+            taken[0] += updates * k
+            history = sg.fit(model, optimizer, model_loss, data, epochs=1, strategy=strategy, verbose=0,
+                             gradient_accumulation_steps=k, global_clipnorm=1.0,
+                             lr_scheduler=schedule, lr_scheduler_interval="step")  # fmt: skip
+            last[0] = history.history["loss"][-1]
+            return last[0]
+
+        return run, lambda: model
+
+    def hand_side(sharded: bool) -> tuple[Callable[[int], float], Callable[[], nn.Module]]:
+        raw = make_gpt(args)
+        if sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in raw.transformer.h:  # type: ignore[union-attr]
+                fully_shard(block)
+            fully_shard(raw)
+            for m in raw.modules():
+                if hasattr(m, "set_force_sum_reduction_for_comms"):
+                    m.set_force_sum_reduction_for_comms(True)  # gloo has no AVG
+            model: nn.Module = raw
+        else:
+            model = nn.parallel.DistributedDataParallel(raw)
+        optimizer = optimizer_of(raw)
+        it = [0]
+        taken = [0]
+
+        def run(updates: int) -> float:
+            data = batches(taken[0], updates * k)
+            taken[0] += updates * k
+            loss = torch.zeros(())
+            for u in range(updates):  # train.py's loop, as written there
+                lr = get_lr(it[0])
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                for micro in range(k):
+                    last_micro = micro == k - 1
+                    if sharded:
+                        model.set_requires_gradient_sync(last_micro)  # type: ignore[operator]
+                    else:
+                        model.require_backward_grad_sync = last_micro  # type: ignore[assignment]
+                    x, y = data[u * k + micro][0]["idx"][mine], data[u * k + micro][1][mine]
+                    _, loss = model(x, y)
+                    loss = loss / k
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                it[0] += 1
+            return float(loss.detach()) * k
+
+        return run, lambda: raw
+
+    if args.only in (None, "mirrored"):
+        sides["fit Mirrored"] = fit_side(sg.MirroredStrategy(devices="cpu"))
+        sides["train.py DDP"] = hand_side(sharded=False)
+    if args.only in (None, "sharded"):
+        sides["fit Sharded"] = fit_side(sg.ShardedStrategy(devices="cpu"))
+        sides["train.py FSDP2"] = hand_side(sharded=True)
+
+    def timed(run: Callable[[int], float]) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        run(args.updates)
+        dist.barrier()
+        return args.batch * args.seq * k * args.updates / (time.perf_counter() - start)
+
+    params = sum(p.numel() for p in make_gpt(args).parameters())
+    if chief:
+        print(f"nanoGPT {params / 1e6:.1f} M parameters ({args.layers} layers, width {args.width}, seq {args.seq}), "
+              f"micro-batch {args.batch} x {args.seq} tokens, {k} micro-steps per update, clip 1.0, per-iteration LR, "
+              f"AdamW (configure_optimizers), {n} processes (gloo, 1 thread each), "
+              f"{args.rounds} rounds x {args.updates} updates", flush=True)  # fmt: skip
+    for run, _ in sides.values():
+        run(1)  # warm-up (one update each)
+    runs: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(args.rounds):
+        order = list(sides.items()) if r % 2 == 0 else list(reversed(sides.items()))
+        for name, (run, _) in order:
+            runs[name].append(timed(run))
+    finals = {name: _whole(model()) for name, (_, model) in sides.items()}
+    if chief:
+        med = {name: statistics.median(v) for name, v in runs.items()}
+        for name, v in runs.items():
+            print(f"{name:15s} {med[name]:8.0f} tokens/s  (rounds: {', '.join(f'{x:.0f}' for x in v)})")
+        for ours, theirs in (("fit Mirrored", "train.py DDP"), ("fit Sharded", "train.py FSDP2")):
+            if ours not in runs:
+                continue
+            paired = statistics.median(a / b for a, b in zip(runs[ours], runs[theirs]))
+            diff = max((a - b).abs().max().item() for a, b in zip(finals[ours], finals[theirs]))
+            print(f"ratio {ours} / {theirs}: {med[ours] / med[theirs]:.3f} of the medians, {paired:.3f} median "
+                  f"of the rounds' ratios; parameters after {1 + args.rounds * args.updates} updates differ by "
+                  f"at most {diff:.1e}")  # fmt: skip
+
+
+def _whole(model: nn.Module) -> list[torch.Tensor]:
+    """The model's parameters as whole tensors (a sharded one gathered), on every rank."""
+    out = []
+    for p in model.parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out.append(t.clone())
+    return out
+
+
+if __name__ == "__main__":
+    main()
