@@ -48,6 +48,34 @@ def test_custom_training_loop_tutorial(tmp_path, monkeypatch):
         assert _numbers(a) == pytest.approx(_numbers(b), rel=1e-4, abs=1e-4), (a, b)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_custom_training_tutorial_in_graph_mode_as_tensorflow_writes_it(tmp_path):
+    """TensorFlow's tutorial puts @tf.function on distributed_train_step, distributed_test_step and
+    distributed_train_epoch (a function that iterates a distributed dataset, with a partial last
+    batch each epoch, metrics updated inside the step and sg.optimizers' Adam). The same program
+    with @sg.function there runs with nothing on stderr (no recompilation warning, no graph-break
+    warning) and prints the eager program's numbers: equal to 1e-5 after the first epoch; the
+    compiled kernels sum in another order, so the difference grows with training (1.5e-3 at the
+    end, measured), and the later numbers are held to 1e-2."""
+    text = (TUTORIALS / "custom_training.py").read_text()
+    for name in ("distributed_train_step", "distributed_test_step", "distributed_train_epoch"):
+        assert text.count(f"\ndef {name}(") == 1, name
+        text = text.replace(f"\ndef {name}(", f"\n@sg.function\ndef {name}(")
+    (tmp_path / "custom_training_graph.py").write_text(text)
+    env = {**os.environ, "CHECKPOINT_DIR": str(tmp_path / "ckpt_graph")}
+    env.pop("TF_CONFIG", None)
+    r = run_script([str(tmp_path / "custom_training_graph.py")], timeout=250, env=env)
+    assert_clean_run(r, what="custom_training.py with @sg.function")
+    eager = _run("custom_training.py", tmp_path / "eager", 200)
+    graph_lines = [line for line in r.stdout.splitlines() if line.startswith(("Epoch", "Accuracy after"))]
+    eager_lines = [line for line in eager.splitlines() if line.startswith(("Epoch", "Accuracy after"))]
+    assert len(graph_lines) == len(eager_lines) == 13, r.stdout
+    assert _numbers(graph_lines[0]) == pytest.approx(_numbers(eager_lines[0]), rel=1e-5, abs=1e-5)
+    for a, b in zip(graph_lines, eager_lines):
+        assert _numbers(a) == pytest.approx(_numbers(b), rel=1e-2, abs=1e-2), (a, b)
+
+
 @pytest.mark.timeout(60)
 def test_data_performance_guide(tmp_path):
     out = _run("data_performance.py", tmp_path, 50)

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.comm.eager import eager_only
 from stratagem.comm.errors import CollectiveError, ReplicaMismatchError
 from stratagem.comm.failure import FailureProbe, classify_failure, in_collective
 from stratagem.core import tree
+from stratagem.core.eager import eager_only
 
 OPS = ("sum", "mean", "max", "min")
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

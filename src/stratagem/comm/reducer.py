@@ -30,7 +30,7 @@ import torch
 
 from stratagem.comm.buckets import Bucket, ParamSpec, plan_buckets
 from stratagem.comm.communicator import Communicator
-from stratagem.comm.eager import eager_hooks, eager_only
+from stratagem.core.eager import eager_hooks, eager_only
 
 
 def param_specs(params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> list[ParamSpec]:
@@ -130,7 +130,7 @@ class GradientReducer:
 
     # The hooks only call one method each: under stratagem.function the autograd engine runs them
     # while dynamo watches new frames; their code is skipped and the methods run eagerly
-    # (comm.eager), else dynamo would trace and specialise them once per parameter index.
+    # (core.eager), else dynamo would trace and specialise them once per parameter index.
     def _pre_hook(self, i: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
             self._before_accumulate(i)

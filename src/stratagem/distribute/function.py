@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("stratagem.function")
+
+#: tf.function's rule for its retracing warning: 5 of the last 10 calls traced again
+FREQUENT_RECOMPILES = 5
+RECOMPILE_HISTORY = 10
 
 #: dynamo's loggers that note, once per process, that it drops the profiler labels
 #: (``record_function``) torch's optimizers put around ``step`` and ``zero_grad``
@@ -62,12 +67,28 @@ def recompilation_reasons(before: dict[Any, int]) -> list[str]:
     return lines
 
 
+def _batch_dims_dynamic(args: Any, kwargs: Any) -> None:
+    """Mark the first dimension of every input tensor dynamic (where dynamo can keep it so):
+    a partial last batch runs in the graph compiled for the full ones, not a recompiled one,
+    each epoch (tf.function retraces for it; torch's automatic dynamic shapes would recompile
+    once per frame). ``dynamic=False`` keeps every shape static."""
+    import torch
+
+    from stratagem.core import tree
+
+    for leaf in tree.flatten((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            torch._dynamo.maybe_mark_dynamic(leaf, 0)
+
+
 class Function:
     """A step function compiled on first call with ``torch.compile``; called like the original.
 
-    Compiled once per input signature: when dynamo compiles any frame of the step again, one
-    log line (logger ``stratagem.function``, WARNING) names the frame and the guard that failed,
-    the cause of the recompilation. ``recompilations`` counts them.
+    Compiled once per input signature; the first dimension of input tensors is dynamic (a
+    partial last batch runs in the same graph) unless ``dynamic=False``. When dynamo compiles
+    any frame of the step again, one line at INFO (logger ``stratagem.function``) names the frame
+    and the guard that failed, the cause; ``recompilations`` counts them. Recompiling on 5 of the
+    last 10 calls is a WARNING once, with the latest cause (tf.function's retracing warning).
     """
 
     def __init__(self, fn: Callable[..., Any], **compile_kwargs: Any) -> None:
@@ -75,16 +96,20 @@ class Function:
         self.compile_kwargs = compile_kwargs
         self._compiled: Callable[..., Any] | None = None
         self.recompilations = 0
+        self._recent: collections.deque[bool] = collections.deque(maxlen=RECOMPILE_HISTORY)
+        self._warned = False
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._compiled is None:
             import torch
 
-            from stratagem.comm.eager import disable_for_compiler
+            from stratagem.core.eager import disable_for_compiler
 
             disable_for_compiler()  # collectives and gradient hooks run eagerly
             self._compiled = torch.compile(self.python_function, **self.compile_kwargs)
+        if self.compile_kwargs.get("dynamic") is None:
+            _batch_dims_dynamic(args, kwargs)
         before = _guard_failures()
         for lg in _profiler_note_loggers:
             lg.addFilter(_drop_profiler_notes)
@@ -93,10 +118,19 @@ class Function:
         finally:
             for lg in _profiler_note_loggers:
                 lg.removeFilter(_drop_profiler_notes)
-        if _guard_failures() != before:
-            for line in recompilation_reasons(before):
-                self.recompilations += 1
-                log.warning("%r recompiled %s", self, line)
+        lines = recompilation_reasons(before) if _guard_failures() != before else []
+        for line in lines:
+            self.recompilations += 1
+            log.info("%r recompiled %s", self, line)
+        self._recent.append(bool(lines))
+        if not self._warned and sum(self._recent) >= FREQUENT_RECOMPILES:
+            self._warned = True
+            log.warning(
+                "%d of the last %d calls to %r recompiled it; compiling is expensive. The latest: %s. "
+                "Usual causes: a new shape or dtype each call, a Python value the step reads that "
+                "changes (pass it as a tensor argument), or a new stratagem.function made in a loop",
+                sum(self._recent), len(self._recent), self, lines[-1] if lines else "?",
+            )  # fmt: skip
         return out
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from stratagem.comm.eager import eager_only
+from stratagem.core.eager import eager_only
 from stratagem.distribute import current
 from stratagem.distribute.strategy import Execution
 
@@ -35,6 +35,10 @@ def compute_average_loss(
             "(use reduction='none' in the loss function)"
         )
     local = loss.shape[0]
+    if global_batch_size is None and torch.compiler.is_compiling():
+        # in a compiled step the count comes back as a tensor: an int read back from the
+        # all-reduce would specialise the graph on it (a recompilation for a partial last batch)
+        return (loss.sum().float() / _global_count_tensor(loss)).to(loss.dtype)
     if global_batch_size is None:
         global_batch_size = _global_count(local)
     if global_batch_size <= 0 and local > 0:
@@ -69,4 +73,10 @@ def _global_count(local: int) -> int:
     return int(ctx.all_reduce("sum", torch.tensor(local, dtype=torch.int64)))
 
 
-eager_only(sys.modules[__name__], ["_global_count"])
+def _global_count_tensor(losses: torch.Tensor) -> torch.Tensor:
+    """``_global_count`` of ``losses``' batch as a float32 0-d tensor, at least 1 (for a compiled
+    step: the tensor is handed over, not its size, which would specialise the graph)."""
+    return torch.tensor(float(max(_global_count(losses.shape[0]), 1)), dtype=torch.float32)
+
+
+eager_only(sys.modules[__name__], ["_global_count", "_global_count_tensor"])

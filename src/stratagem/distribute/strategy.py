@@ -19,6 +19,7 @@ import torch
 
 from stratagem.comm import Communicator
 from stratagem.core.batches import place
+from stratagem.core.eager import eager_frames, eager_only
 from stratagem.distribute import context
 from stratagem.distribute.mixed_precision import Policy, RunOptions
 from stratagem.distribute.reduce_op import ReduceOp
@@ -57,6 +58,13 @@ class StrategyExtended(abc.ABC):
     """What a strategy must provide; ``Strategy`` turns it into tf.distribute's API."""
 
     _owner: weakref.ref[Strategy] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "call_for_replica" in cls.__dict__:
+            # under stratagem.function: run's machinery stays eager, the step it runs compiles
+            # (one graph per step function, not one per function run happened to be given)
+            eager_frames(cls, ["call_for_replica"])
 
     def bind(self, strategy: Strategy) -> None:
         """Called once by the Strategy this object extends."""
@@ -405,3 +413,9 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+# under stratagem.function: run's own frame is eager (the step it calls compiles on its own),
+# reductions and gathers are collectives and run eagerly with everything they call
+eager_frames(Strategy, ["run"])
+eager_only(Strategy, ["reduce", "gather"])

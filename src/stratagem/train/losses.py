@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from stratagem.core import tree
+from stratagem.core.eager import eager_only
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -494,10 +495,15 @@ class _Crossentropy(LossFunctionWrapper):
         self._checked = False
 
     def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        self._check_first(y_pred)
+        return super().call(y_true, y_pred)
+
+    def _check_first(self, y_pred: Any) -> None:
+        """The probability check on the first batch (eager in a compiled step: the flag read
+        there would specialise the graph on it, a recompilation after the first batch)."""
         if not self._checked and isinstance(y_pred, torch.Tensor) and y_pred.numel():
             _probability_check(type(self).__name__, y_pred, self.from_logits, self._binary)
             self._checked = True
-        return super().call(y_true, y_pred)
 
 
 class SparseCategoricalCrossentropy(_Crossentropy):
@@ -578,3 +584,8 @@ def _written_keras_order(fn: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return params[:2] == ["y_true", "y_pred"]
+
+
+# the first batch's check reads values back (a graph break and dynamo's warning in a compiled
+# step) and a flag: it runs eagerly
+eager_only(_Crossentropy, ["_check_first"])

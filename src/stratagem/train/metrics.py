@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from stratagem.core.eager import eager_only
 from stratagem.distribute import current
 from stratagem.distribute.loss import examples_in_step
 from stratagem.distribute.strategy import Strategy
@@ -375,6 +376,11 @@ def _initial(initializer: Any, shape: tuple[int, ...], dtype: torch.dtype) -> to
 def _unwrap(value: Any) -> Any:
     return value._value if isinstance(value, MetricVariable) else value
 
+
+
+# in a compiled step a metric's batch totals are computed in the graph; adding them to the
+# metric's state (Python attributes) and reading its result (a sync across replicas) run eagerly
+eager_only(Metric, ["add_totals", "result"])
 
 class MetricVariable:
     """A Keras-style metric's state variable (what ``Metric.add_weight`` returns): ``assign``,

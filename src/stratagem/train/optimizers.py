@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from stratagem.core.eager import eager_only
+
 __all__ = [
     "SGD",
     "Adagrad",
@@ -259,6 +261,10 @@ def _scheduled(cls: type[torch.optim.Optimizer]) -> Any:
             return out
 
     Scheduled.__name__ = Scheduled.__qualname__ = f"Keras{cls.__name__}"
+    # inside a compiled step the update runs eagerly: the learning rate, Adam's epsilon and
+    # ``iterations`` change every update, and a traced step would be specialised on each value
+    # (a recompilation per update, until dynamo gives up on the frame)
+    eager_only(Scheduled, ["step"])
     _SCHEDULED[cls] = Scheduled
     return Scheduled
 

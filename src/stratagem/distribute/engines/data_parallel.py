@@ -19,6 +19,7 @@ from stratagem import data
 from stratagem.comm import Communicator
 from stratagem.core import tree
 from stratagem.core.batches import place, to_tensors
+from stratagem.core.eager import eager_only
 from stratagem.distribute import context
 from stratagem.distribute.engines.device_feed import feed, feeds
 from stratagem.distribute.engines.input import (
@@ -171,19 +172,25 @@ class DataParallelExtended(StrategyExtended):
         return self.registry.capture() if self.registry is not None else contextlib.nullcontext()
 
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        owner = self.owner()
+        args, kwargs, ctx = self._prepare_call(fn, args, kwargs)
+        with context.replica_scope(ctx), self._run_checks():
+            return fn(*args, **kwargs)
+
+    def _prepare_call(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> tuple[Sequence[Any], dict[str, Any], ReplicaContext]:
+        """The host-side work before a replica's step (eager in a compiled caller): the inputs
+        placed on the device, the modules checked, buffers synced, the replica context."""
         args = place(args, self._device)
-        kwargs = place(dict(kwargs), self._device)
+        placed: dict[str, Any] = place(dict(kwargs), self._device)
         reg = self.registry
         if reg is not None:
-            for v in (getattr(fn, "__self__", None), *args, *kwargs.values()):
+            for v in (getattr(fn, "__self__", None), *args, *placed.values()):
                 if isinstance(v, nn.Module):
                     reg.check_module(v)
             if self.sync_buffers:
                 reg.sync_buffers()
-        ctx = ReplicaContext(owner, self.comm.rank)
-        with context.replica_scope(ctx), self._run_checks():
-            return fn(*args, **kwargs)
+        return args, placed, ReplicaContext(self.owner(), self.comm.rank)
 
     def _run_checks(self) -> contextlib.AbstractContextManager[None]:
         """While ``run`` executes: refuse modules and optimizers made outside the scope."""
@@ -254,3 +261,6 @@ class DataParallelExtended(StrategyExtended):
         place_on = None if feeds(self._device, options) else self._device
         out = PerReplicaDatasets(dataset_fn, self.comm, place_on, self.num_replicas_in_sync)
         return feed(out, self._device, options)
+
+
+eager_only(DataParallelExtended, ["_prepare_call"])

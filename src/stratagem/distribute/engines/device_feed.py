@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from stratagem.core import tree
+from stratagem.core.eager import eager_only
 
 
 class DeviceFeed:
@@ -162,3 +163,7 @@ def feed(dataset: Iterable[Any], device: torch.device | None, options: Any) -> A
     assert device is not None
     depth = getattr(options, "experimental_per_replica_buffer_size", 1) if options is not None else 1
     return DeviceFedDataset(dataset, device, depth)
+
+
+eager_only(DeviceFeed, ["__next__"])
+eager_only(DeviceFedDataset, ["__iter__"])  # taken eagerly inside a compiled step (see input.py)

@@ -19,6 +19,7 @@ import torch
 from stratagem.comm import Communicator
 from stratagem.core import tree
 from stratagem.core.batches import batch_size_of, place, slice_batch, split_sizes, to_tensors
+from stratagem.core.eager import eager_only
 from stratagem.data.iterator import Optional, get_next, get_next_as_optional
 
 
@@ -424,3 +425,12 @@ class PerReplicaIterator(_IteratorApi):
 
 
 _END: Any = object()
+
+
+# a step compiled with stratagem.function that iterates a distributed dataset (tf's
+# "iterating inside a tf.function") takes each batch eagerly: the vote is a collective, and the
+# iterators' Python state would otherwise be specialised into the graph (a recompilation a step)
+eager_only(DistributedIterator, ["__next__"])
+eager_only(PerReplicaIterator, ["__next__"])
+for _dataset in (DistributedDataset, ShardedDataset, PerReplicaDatasets):
+    eager_only(_dataset, ["__iter__"])

@@ -4,8 +4,10 @@ Decorating with ``torch.compiler.disable`` at import time would import dynamo (a
 process); instead the functions are recorded and wrapped the first time ``stratagem.function``
 compiles a step.
 
-Two kinds of marks. ``eager_only`` names methods or functions that run eagerly, with everything
-they call (``torch.compiler.disable``). ``eager_hooks`` names factories of autograd hooks: the
+Three kinds of marks. ``eager_only`` names methods or functions that run eagerly, with everything
+they call (``torch.compiler.disable``). ``eager_frames`` names functions whose own frame runs
+eagerly while the functions they call are compiled as usual (``disable(recursive=False)``):
+``strategy.run``'s machinery, between a compiled caller and the step it runs. ``eager_hooks`` names factories of autograd hooks: the
 closures they return were registered before dynamo was loaded, so they cannot be wrapped;
 instead dynamo is told to skip their code (each closure must do nothing but call an
 ``eager_only`` method). The autograd engine calls such hooks during a ``backward()`` inside a
@@ -20,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 _marked: list[tuple[Any, str]] = []
+_frames: list[tuple[Any, str]] = []
 _hooks: list[tuple[Any, str]] = []
 _applied: list[bool] = []
 
@@ -32,6 +35,14 @@ def eager_only(owner: Any, names: Iterable[str]) -> None:
         _disable(items)
 
 
+def eager_frames(owner: Any, names: Iterable[str]) -> None:
+    """Record attributes of ``owner`` whose own frames must not be traced (their callees are)."""
+    items = [(owner, n) for n in names]
+    _frames.extend(items)
+    if _applied:
+        _disable(items, recursive=False)
+
+
 def eager_hooks(owner: Any, factories: Iterable[str]) -> None:
     """Record methods of ``owner`` whose nested functions (hooks) dynamo must skip."""
     items = [(owner, n) for n in factories]
@@ -40,11 +51,11 @@ def eager_hooks(owner: Any, factories: Iterable[str]) -> None:
         _skip(items)
 
 
-def _disable(items: Iterable[tuple[Any, str]]) -> None:
+def _disable(items: Iterable[tuple[Any, str]], *, recursive: bool = True) -> None:
     import torch
 
     for owner, name in items:
-        setattr(owner, name, torch.compiler.disable(getattr(owner, name)))
+        setattr(owner, name, torch.compiler.disable(getattr(owner, name), recursive=recursive))
 
 
 def _nested_code(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -68,4 +79,5 @@ def disable_for_compiler() -> None:
     if not _applied:
         _applied.append(True)
         _disable(_marked)
+        _disable(_frames, recursive=False)
         _skip(_hooks)
