@@ -117,3 +117,65 @@ def test_recompiling_on_most_calls_is_one_warning_as_tf_function_warns_of_retrac
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     message = warnings[0].getMessage()
     assert "5 of the last 6 calls" in message  # the first call compiles; 5 recompile and "Python value the step reads changed" in message
+
+
+def fit_jit_compile_vs_eager():
+    """fit(jit_compile=True) and eager fit on 2 replicas, 2 epochs of a dataset with a partial
+    last batch, sg.optimizers' Adam and a metric: parameters, History, and recompilations."""
+    from torch._dynamo.utils import counters, guard_failures
+
+    strategy = sg.MirroredStrategy("cpu", num_replicas=2)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(44, 8, generator=g), torch.randint(0, 3, (44,), generator=g)
+    data = sg.data.Dataset.from_tensor_slices((x, y)).shuffle(44, seed=0).batch(16)  # 16, 16, 12
+    out = {}
+    for jit in (False, True):
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+            opt = sg.optimizers.Adam(learning_rate=0.01).build(model.parameters())
+        before = sum(len(v) for v in guard_failures.values())
+        graphs = counters["stats"]["unique_graphs"]
+        history = sg.fit(model, opt, nn.CrossEntropyLoss(), data, epochs=2, metrics=["accuracy"], verbose=0,
+                         jit_compile=jit)
+        out[jit] = {"params": [p.detach().clone() for p in model.parameters()], "history": history.history,
+                    "recompiles": sum(len(v) for v in guard_failures.values()) - before,
+                    "graphs": counters["stats"]["unique_graphs"] - graphs}
+    return {
+        "param_diff": max((a - b).abs().max().item() for a, b in zip(out[False]["params"], out[True]["params"])),
+        "eager": out[False]["history"], "compiled": out[True]["history"], "recompiles": out[True]["recompiles"],
+        "graphs": (out[False]["graphs"], out[True]["graphs"]),
+    }
+
+
+@pytest.mark.timeout(180)
+def test_fit_with_jit_compile_compiles_once_and_trains_as_eager(capfd):
+    r = sg.launch(fit_jit_compile_vs_eager, num_replicas=2, timeout=160)
+    assert r["graphs"][0] == 0 and r["graphs"][1] >= 1, r  # eager fit compiles nothing; jit_compile does
+    assert r["recompiles"] == 0, r  # the partial last batch and the second epoch reuse the graph
+    assert r["param_diff"] < 1e-5, r
+    for name in ("loss", "accuracy"):
+        assert r["compiled"][name] == pytest.approx(r["eager"][name], rel=1e-5, abs=1e-6), name
+    err = capfd.readouterr().err
+    assert "recompiled" not in err and "Graph break" not in err and "Warning" not in err, err
+
+
+@pytest.mark.timeout(120)
+def test_keras_compile_jit_compile_true_compiles_fit():
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g)
+    weights = []
+    for jit in (False, True):
+        torch.manual_seed(0)
+        model = sg.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+        model.compile(optimizer="adam", loss=sg.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], jit_compile=jit)
+        graphs = counters["stats"]["unique_graphs"]
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0)  # batches of 16, 16, 8
+        assert (counters["stats"]["unique_graphs"] > graphs) is jit
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert max((a - b).abs().max().item() for a, b in zip(*weights)) < 1e-5
+    with pytest.raises(ValueError, match="jit_compile must be True, False or 'auto'"):
+        model.compile(optimizer="adam", loss="mse", jit_compile="xla")

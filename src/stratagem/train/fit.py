@@ -86,7 +86,7 @@ def _make_steps(
             raise ValueError(f"precision={policy.name!r} is not supported under PipelineStrategy yet; use precision='32'")
         if options != TrainOptions():
             raise ValueError(
-                "gradient accumulation, clipping and class_weight are not supported under "
+                "gradient accumulation, clipping, class_weight and jit_compile are not supported under "
                 "PipelineStrategy yet (its micro-batches already accumulate); leave them unset"
             )
         from stratagem.pipeline.pipe import Pipe
@@ -308,6 +308,7 @@ def fit(
     global_clipnorm: float | None = None,
     lr_scheduler: Any = None,
     lr_scheduler_interval: str = "epoch",
+    jit_compile: bool | str = "auto",
 ) -> History:
     """Train ``model`` for ``epochs`` epochs over ``data``; returns the History of global logs.
 
@@ -332,7 +333,11 @@ def fit(
     ``class_weight`` ({class id: weight}, multiplied into the per-example weights);
     ``gradient_accumulation_steps=k`` (one optimizer update, and one gradient all-reduce, per k
     batches, equal to one step on the k-times larger batch); ``clipnorm`` (each gradient's norm),
-    ``clipvalue``, ``global_clipnorm`` applied to the reduced gradients, alike on every replica.
+    ``clipvalue``, ``global_clipnorm`` applied to the reduced gradients, alike on every replica;
+    ``jit_compile=True``: the forward pass and the loss compiled once with ``stratagem.function``
+    (``torch.compile``; the batch dimension dynamic, so a partial last batch does not recompile;
+    the backward pass is compiled with them; collectives and the update run eagerly); ``"auto"``
+    and ``False`` run eagerly.
 
     Metrics as Keras's ``compile`` takes them (``stratagem.train.metrics.compile_metrics``):
     ``metrics=`` are updated *without* sample weights or class weights, ``weighted_metrics=``
@@ -354,8 +359,11 @@ def fit(
     strategy = _strategy(model, optimizer, strategy, "fit")
     policy = Policy.of(precision)
     loss_fn = loss_names.resolve(loss_fn)
+    if jit_compile not in (True, False, "auto"):
+        raise ValueError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}")
     options = TrainOptions(gradient_accumulation_steps, clipnorm, clipvalue, global_clipnorm,
-                           dict(class_weight) if class_weight is not None else None)
+                           dict(class_weight) if class_weight is not None else None,
+                           jit_compile=jit_compile is True)
     _check_fit(strategy, optimizer, loss_fn, epochs, initial_epoch, lr_scheduler, lr_scheduler_interval)
     train_metrics = _tracked_metrics(model, loss_fn, metrics, weighted_metrics)
     if weighted_metrics and strategy.extended.execution is Execution.PIPELINE:

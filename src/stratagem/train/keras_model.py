@@ -69,7 +69,8 @@ class _Compiled:
     """What ``compile`` was given, resolved."""
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, optimizer_arg: Any, loss: Any, loss_arg: Any,
-                 metrics: Any, loss_weights: Any, steps_per_execution: int | str, weighted_metrics: Any = None) -> None:
+                 metrics: Any, loss_weights: Any, steps_per_execution: int | str, weighted_metrics: Any = None,
+                 jit_compile: bool = False) -> None:
         self.optimizer = optimizer
         self.optimizer_arg = optimizer_arg
         self.loss = loss
@@ -78,6 +79,7 @@ class _Compiled:
         self.weighted_metrics = weighted_metrics
         self.loss_weights = loss_weights
         self.steps_per_execution = steps_per_execution
+        self.jit_compile = jit_compile
 
 
 class _OutputsLoss(Loss):
@@ -403,11 +405,8 @@ class Model(nn.Module):
         auto_scale_loss: bool = True,
     ) -> None:
         """Configure the model for training (Keras's ``compile``; see the module's docstring)."""
-        if jit_compile is True:
-            raise ValueError(
-                "compile(jit_compile=True) is not offered: compile the step with @stratagem.function on a "
-                "custom training loop, or leave jit_compile='auto' (fit runs eagerly)"
-            )
+        if jit_compile not in (True, False, "auto"):
+            raise ValueError(f"compile: jit_compile must be True, False or 'auto', got {jit_compile!r}")
         del run_eagerly, auto_scale_loss  # fit runs eagerly; fp16 loss scaling is fit's precision=
         uninitialized = [n for n, p in self.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
         if uninitialized:
@@ -427,6 +426,7 @@ class Model(nn.Module):
         self._keras()["compiled"] = _Compiled(
             built, optimizer, resolved, loss, metrics if metrics is not None else [], loss_weights,
             steps_per_execution, weighted_metrics if weighted_metrics is not None else [],
+            jit_compile=jit_compile is True,
         )
 
     def _build_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
@@ -518,6 +518,7 @@ class Model(nn.Module):
             lr_scheduler=lr_scheduler, lr_scheduler_interval=lr_scheduler_interval,
             steps_per_epoch=steps_per_epoch, verbose=verbose, steps_per_execution=compiled.steps_per_execution,
             initial_epoch=initial_epoch, validation_steps=validation_steps, class_weight=class_weight,
+            jit_compile=compiled.jit_compile,
         )
         self.__dict__["history"] = history
         self._keras()["metrics_names"] = [n for n in history.params.get("metrics", ["loss"]) if not n.startswith("val_")]
@@ -707,6 +708,7 @@ def _compile_config(compiled: _Compiled | None) -> dict[str, Any] | None:
         "weighted_metrics": _serialize(compiled.weighted_metrics),
         "loss_weights": _serialize(compiled.loss_weights),
         "steps_per_execution": compiled.steps_per_execution,
+        "jit_compile": compiled.jit_compile,
     }
 
 
@@ -799,7 +801,8 @@ def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None,
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             keras.compile(optimizer=args["optimizer"], loss=args["loss"], metrics=args["metrics"] or None,
                           weighted_metrics=args["weighted_metrics"] or None,
-                          loss_weights=args["loss_weights"], steps_per_execution=spec.get("steps_per_execution", 1))
+                          loss_weights=args["loss_weights"], steps_per_execution=spec.get("steps_per_execution", 1),
+                          jit_compile=spec.get("jit_compile", "auto"))
     return keras
 
 

@@ -76,13 +76,16 @@ def _update(metrics: Sequence[Metric], y: Any, outputs: Any, sw: Any) -> None:
 class TrainOptions:
     """fit's per-update options: ``accumulate`` batches per optimizer update (one gradient
     all-reduce per update), gradient clipping of the reduced gradients (Keras's ``clipnorm``
-    per tensor, ``clipvalue``, ``global_clipnorm``), ``class_weight`` {class id: weight}."""
+    per tensor, ``clipvalue``, ``global_clipnorm``), ``class_weight`` {class id: weight},
+    ``jit_compile``: the forward pass and loss compiled with ``stratagem.function`` (Keras's
+    ``jit_compile=True``; the backward pass is compiled with them, collectives stay eager)."""
 
     accumulate: int = 1
     clipnorm: float | None = None
     clipvalue: float | None = None
     global_clipnorm: float | None = None
     class_weight: dict[int, float] | None = None
+    jit_compile: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
@@ -177,6 +180,27 @@ class DataParallelSteps:
                 )
             params = [q for g in optimizer.param_groups for q in g["params"]]
             self.pieces = PieceRunner(strategy, model, params, mode)
+        #: the forward pass and loss, compiled once for fit's whole run when jit_compile
+        self._forward: Callable[[Any, Any, bool], tuple[Any, torch.Tensor]] = self._forward_and_loss
+        if self.options.jit_compile:
+            from stratagem.distribute.function import function
+
+            self._forward = function(self._forward_and_loss)
+
+    def _forward_and_loss(self, x: Any, y: Any, fused: bool) -> tuple[Any, torch.Tensor]:
+        """The model's predictions on ``x`` and its loss: the mean over the batch (``fused``: the
+        loss module's own mean) or per-example losses (the model's own when ``loss_fn`` is None)."""
+        loss_fn = self.loss_fn
+        with self.policy.autocast(self.device):
+            outputs = call_model(self.model, x)
+            preds = predictions(outputs)
+            if fused:
+                part = loss_fn(preds, y).float()  # type: ignore[misc]
+            elif loss_fn is None:  # the model's own loss (a mapping's "loss")
+                part = model_loss(outputs, examples_in(x))
+            else:
+                part = per_example_loss(loss_fn, preds, y).float()
+        return preds, part
 
     def set_training(self, mode: bool) -> None:
         self.model.train(mode)
@@ -199,29 +223,25 @@ class DataParallelSteps:
         """Train on the batches of ``group`` in one ``strategy.run`` (one execution): one optimizer
         update per ``options.accumulate`` batches, the loss and metrics updated at its end.
         Returns the seconds spent in the steps themselves (for ``steps_per_execution="auto"``)."""
-        model, optimizer, loss_fn, policy, scaler = self.model, self.optimizer, self.loss_fn, self.policy, self.scaler
+        optimizer, loss_fn, scaler = self.optimizer, self.loss_fn, self.scaler
         assert optimizer is not None
-        device, options, strategy = self.device, self.options, self.strategy
+        options, strategy = self.options, self.strategy
         params = [p for g in optimizer.param_groups for p in g["params"]]
         # the loss module's own mean is the mean over examples: one op, not three (no weights)
         fused = type(loss_fn) in _MEAN_OF_EXAMPLES and loss_fn.reduction == "mean" and options.class_weight is None  # type: ignore[attr-defined,union-attr]
         record = ExecutionMetrics(loss_metric, metrics)
 
+        forward = self._forward
+
         def micro_step(x: Any, y: Any, sw: Any, total: int | None) -> None:
             n = y.shape[0] if fused and total and sw is None and type(y) is torch.Tensor and y.dim() else 0
-            with policy.autocast(device):
-                outputs = call_model(model, x)
-                preds = predictions(outputs)
-                if n:
-                    mean = loss_fn(preds, y).float()  # type: ignore[misc]
-                elif loss_fn is None:  # the model's own loss (a mapping's "loss")
-                    losses = model_loss(outputs, examples_in(x))
-                else:
-                    losses = per_example_loss(loss_fn, preds, y).float()
+            preds, part = forward(x, y, bool(n))
             if n:  # sum / total == mean * (n / total)
+                mean = part
                 loss = mean if total == n else mean * (n / (total or n))
                 record.add_mean_loss(mean, n)
             else:
+                losses = part
                 sw = options.weights_for(y, sw)
                 if sw is not None:
                     losses = losses * torch.as_tensor(sw, dtype=losses.dtype, device=losses.device)
