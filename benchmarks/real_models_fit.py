@@ -1,6 +1,7 @@
-"""nanoGPT trained by ``sg.fit`` against nanoGPT's own ``train.py`` loop, in one run.
+"""nanoGPT (or Hugging Face's GPT-2) trained by ``sg.fit`` against nanoGPT's own ``train.py`` loop, in one run.
 
-nanoGPT's ``model.py`` as published (``tests/real_models/nanogpt_model.py``), trained as its
+nanoGPT's ``model.py`` as published (``tests/real_models/nanogpt_model.py``; ``--model gpt2``:
+``transformers``' ``GPT2LMHeadModel`` of the same size, its own loss from ``labels``), trained as its
 ``train.py`` trains it: AdamW from the model's own ``configure_optimizers`` (weight decay on
 matrices only), gradient accumulation (``--accumulate`` micro-steps per update), global-norm
 clipping at 1.0, and a learning rate set every iteration (linear warm-up, then cosine decay:
@@ -57,22 +58,47 @@ def get_lr(it: int) -> float:
     return MIN_LR + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (LR - MIN_LR)
 
 
-def make_gpt(args: argparse.Namespace) -> GPT:
+def make_gpt(args: argparse.Namespace) -> nn.Module:
     torch.manual_seed(0)
+    if args.model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hf = GPT2Config(vocab_size=VOCAB, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,
+                        n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        tie_word_embeddings=True, use_cache=False)  # fmt: skip
+        hf.loss_type = "ForCausalLM"  # named, so transformers does not print its guess
+        return GPT2LMHeadModel(hf)
     cfg = GPTConfig(block_size=args.seq, vocab_size=VOCAB, n_layer=args.layers, n_head=args.heads,
                     n_embd=args.width, dropout=0.0, bias=False)  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT prints its parameter count
         return GPT(cfg)
 
 
-def optimizer_of(model: GPT) -> torch.optim.Optimizer:
+def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
+    if not isinstance(model, GPT):  # configure_optimizers' groups: decay on matrices only
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.99))
     with contextlib.redirect_stdout(io.StringIO()):  # configure_optimizers prints its groups
         return model.configure_optimizers(weight_decay=0.1, learning_rate=LR, betas=(0.9, 0.99), device_type="cpu")  # type: ignore[no-any-return]
 
 
 def model_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
-    """nanoGPT's own loss (its forward computes it from ``targets``): the replica's mean."""
+    """nanoGPT's own loss (its forward computes it from ``targets``): the replica's mean. (GPT-2's,
+    from ``labels``, is fit's ``loss_fn=None``: a model output's ``loss``.)"""
     return out[1]  # type: ignore[no-any-return]
+
+
+def blocks_of(model: nn.Module) -> Any:
+    return model.transformer.h  # both name their blocks so
+
+
+def forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gpt2: bool) -> torch.Tensor:
+    """One micro-step's loss, as each model's own training script computes it."""
+    if gpt2:
+        return model(input_ids=x, labels=y).loss  # type: ignore[no-any-return]
+    return model(x, y)[1]  # type: ignore[no-any-return]
 
 
 def main() -> None:
@@ -86,6 +112,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--only", choices=["mirrored", "sharded"], default=None)
+    parser.add_argument("--model", choices=["nanogpt", "gpt2"], default="nanogpt")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sg.MirroredStrategy(devices="cpu")  # forms the job (torchrun's variables)
@@ -98,11 +125,13 @@ def main() -> None:
              torch.randint(0, VOCAB, (args.batch, args.seq), generator=g)) for _ in range(8 * k)]  # fmt: skip
     mine = slice(rank * per, (rank + 1) * per)
 
+    gpt2 = args.model == "gpt2"
+
     def batches(start: int, count: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         out = []
         for i in range(start, start + count):
             x, y = pool[i % len(pool)]
-            out.append(({"idx": x, "targets": y}, y))
+            out.append(({"input_ids": x, "labels": y} if gpt2 else {"idx": x, "targets": y}, y))
         return out
 
     sides: dict[str, tuple[Callable[[int], float], Callable[[], nn.Module]]] = {}
@@ -118,7 +147,7 @@ def main() -> None:
         def run(updates: int) -> float:
             data = batches(taken[0], updates * k)
             taken[0] += updates * k
-            history = sg.fit(model, optimizer, model_loss, data, epochs=1, strategy=strategy, verbose=0,
+            history = sg.fit(model, optimizer, None if gpt2 else model_loss, data, epochs=1, strategy=strategy, verbose=0,
                              gradient_accumulation_steps=k, global_clipnorm=1.0,
                              lr_scheduler=schedule, lr_scheduler_interval="step")  # fmt: skip
             last[0] = history.history["loss"][-1]
@@ -131,7 +160,7 @@ def main() -> None:
         if sharded:
             from torch.distributed.fsdp import fully_shard
 
-            for block in raw.transformer.h:  # type: ignore[union-attr]
+            for block in blocks_of(raw):
                 fully_shard(block)
             fully_shard(raw)
             for m in raw.modules():
@@ -158,9 +187,9 @@ def main() -> None:
                         model.set_requires_gradient_sync(last_micro)  # type: ignore[operator]
                     else:
                         model.require_backward_grad_sync = last_micro  # type: ignore[assignment]
-                    x, y = data[u * k + micro][0]["idx"][mine], data[u * k + micro][1][mine]
-                    _, loss = model(x, y)
-                    loss = loss / k
+                    inputs, labels = data[u * k + micro]
+                    x, y = (inputs["input_ids"] if gpt2 else inputs["idx"])[mine], labels[mine]
+                    loss = forward(model, x, y, gpt2) / k
                     loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
@@ -186,7 +215,7 @@ def main() -> None:
 
     params = sum(p.numel() for p in make_gpt(args).parameters())
     if chief:
-        print(f"nanoGPT {params / 1e6:.1f} M parameters ({args.layers} layers, width {args.width}, seq {args.seq}), "
+        print(f"{'GPT-2 (transformers)' if gpt2 else 'nanoGPT'} {params / 1e6:.1f} M parameters ({args.layers} layers, width {args.width}, seq {args.seq}), "
               f"micro-batch {args.batch} x {args.seq} tokens, {k} micro-steps per update, clip 1.0, per-iteration LR, "
               f"AdamW (configure_optimizers), {n} processes (gloo, 1 thread each), "
               f"{args.rounds} rounds x {args.updates} updates", flush=True)  # fmt: skip

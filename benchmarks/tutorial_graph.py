@@ -1,0 +1,71 @@
+"""TensorFlow's custom-training tutorial in graph mode against the same program eager, in one run.
+
+``examples/tutorials/custom_training.py`` is the tutorial as written, eager; TensorFlow's own
+puts ``@tf.function`` on ``distributed_train_step``, ``distributed_test_step`` and
+``distributed_train_epoch``. This script runs the program both ways (``@sg.function`` in those
+three places), alternating, ``--rounds`` times each, 2 replicas, and prints the wall time of each
+whole run (start-up and compilation included: what the user waits for), their ratio, and whether
+anything was printed on stderr.
+
+Run: ``python benchmarks/tutorial_graph.py [--rounds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TUTORIAL = Path(__file__).resolve().parents[1] / "examples" / "tutorials" / "custom_training.py"
+GRAPH = ("distributed_train_step", "distributed_test_step", "distributed_train_epoch")
+
+
+def graph_variant(folder: Path) -> Path:
+    text = TUTORIAL.read_text()
+    for name in GRAPH:
+        text = text.replace(f"\ndef {name}(", f"\n@sg.function\ndef {name}(")
+    path = folder / "custom_training_graph.py"
+    path.write_text(text)
+    return path
+
+
+def timed(script: Path, folder: Path) -> tuple[float, str]:
+    env = {**os.environ, "CHECKPOINT_DIR": str(folder / f"ckpt-{time.monotonic_ns()}")}
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    took = time.perf_counter() - start
+    if r.returncode != 0:
+        raise SystemExit(f"{script.name} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return took, r.stderr
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        graph = graph_variant(folder)
+        times: dict[str, list[float]] = {"eager": [], "graph": []}
+        stderr: dict[str, str] = {"eager": "", "graph": ""}
+        for r in range(args.rounds):
+            order = [("eager", TUTORIAL), ("graph", graph)]
+            for name, script in order if r % 2 == 0 else reversed(order):
+                took, err = timed(script, folder)
+                times[name].append(took)
+                stderr[name] += err
+    med = {name: statistics.median(v) for name, v in times.items()}
+    print("TensorFlow's custom-training tutorial, 2 replicas, whole program (start-up and compilation included)")
+    for name, v in times.items():
+        clean = "clean stderr" if not stderr[name].strip() else f"stderr: {stderr[name].strip().splitlines()[0][:120]}"
+        print(f"{name:6s} {med[name]:6.1f} s  (runs: {', '.join(f'{t:.1f}' for t in v)}; {clean})")
+    print(f"graph / eager speed: {med['eager'] / med['graph']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
