@@ -5,7 +5,9 @@ puts ``@tf.function`` on ``distributed_train_step``, ``distributed_test_step`` a
 ``distributed_train_epoch``. This script runs the program both ways (``@sg.function`` in those
 three places), alternating, ``--rounds`` times each, 2 replicas, and prints the wall time of each
 whole run (start-up and compilation included: what the user waits for), their ratio, and whether
-anything was printed on stderr.
+anything was printed on stderr. Graph mode is timed twice: with a cold compile cache (a new
+``TORCHINDUCTOR_CACHE_DIR`` per run: a program's first run on a machine) and a warm one (the cache
+of an earlier run, unmeasured: every later run of the same program).
 
 Run: ``python benchmarks/tutorial_graph.py [--rounds 3]``.
 """
@@ -34,8 +36,10 @@ def graph_variant(folder: Path) -> Path:
     return path
 
 
-def timed(script: Path, folder: Path) -> tuple[float, str]:
-    env = {**os.environ, "CHECKPOINT_DIR": str(folder / f"ckpt-{time.monotonic_ns()}")}
+def timed(script: Path, folder: Path, cache: Path | None = None) -> tuple[float, str]:
+    stamp = time.monotonic_ns()
+    env = {**os.environ, "CHECKPOINT_DIR": str(folder / f"ckpt-{stamp}"),
+           "TORCHINDUCTOR_CACHE_DIR": str(cache or folder / f"cold-{stamp}")}  # fmt: skip
     start = time.perf_counter()
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     took = time.perf_counter() - start
@@ -51,20 +55,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         graph = graph_variant(folder)
-        times: dict[str, list[float]] = {"eager": [], "graph": []}
-        stderr: dict[str, str] = {"eager": "", "graph": ""}
+        warm = folder / "warm-cache"
+        timed(graph, folder, warm)  # fills the warm cache
+        times: dict[str, list[float]] = {"eager": [], "graph, cold cache": [], "graph, warm cache": []}
+        stderr: dict[str, str] = dict.fromkeys(times, "")
         for r in range(args.rounds):
-            order = [("eager", TUTORIAL), ("graph", graph)]
-            for name, script in order if r % 2 == 0 else reversed(order):
-                took, err = timed(script, folder)
+            order = [("eager", TUTORIAL, warm), ("graph, cold cache", graph, None), ("graph, warm cache", graph, warm)]
+            for name, script, cache in order if r % 2 == 0 else reversed(order):
+                took, err = timed(script, folder, cache)
                 times[name].append(took)
                 stderr[name] += err
     med = {name: statistics.median(v) for name, v in times.items()}
     print("TensorFlow's custom-training tutorial, 2 replicas, whole program (start-up and compilation included)")
     for name, v in times.items():
         clean = "clean stderr" if not stderr[name].strip() else f"stderr: {stderr[name].strip().splitlines()[0][:120]}"
-        print(f"{name:6s} {med[name]:6.1f} s  (runs: {', '.join(f'{t:.1f}' for t in v)}; {clean})")
-    print(f"graph / eager speed: {med['eager'] / med['graph']:.2f}x")
+        print(f"{name:17s} {med[name]:6.1f} s  (runs: {', '.join(f'{t:.1f}' for t in v)}; {clean})")
+    for name in ("graph, cold cache", "graph, warm cache"):
+        print(f"{name} / eager speed: {med['eager'] / med[name]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
-"""Collectives run eagerly under torch.compile: marked here, handed to dynamo on first use.
+"""What ``stratagem.function`` does not trace: marked here, handed to dynamo on first use.
 
 Decorating with ``torch.compiler.disable`` at import time would import dynamo (about 2 s per
 process); instead the functions are recorded and wrapped the first time ``stratagem.function``
-compiles a step.
+compiles a step. Standard library only (torch is imported when the marks are applied), so every
+layer may mark its own.
 
 Three kinds of marks. ``eager_only`` names methods or functions that run eagerly, with everything
-they call (``torch.compiler.disable``). ``eager_frames`` names functions whose own frame runs
-eagerly while the functions they call are compiled as usual (``disable(recursive=False)``):
-``strategy.run``'s machinery, between a compiled caller and the step it runs. ``eager_hooks`` names factories of autograd hooks: the
-closures they return were registered before dynamo was loaded, so they cannot be wrapped;
-instead dynamo is told to skip their code (each closure must do nothing but call an
-``eager_only`` method). The autograd engine calls such hooks during a ``backward()`` inside a
-compiled step, and dynamo would otherwise trace each closure and specialise it on its captured
-values: one recompilation per parameter.
+they call (``torch.compiler.disable``): collectives, a dataset's iterators, a metric's state.
+``eager_frames`` names functions whose own frame runs eagerly while the functions they call are
+compiled as usual (``disable(recursive=False)``): ``strategy.run``'s machinery, between a compiled
+caller and the step it runs. ``eager_hooks`` names factories of autograd hooks: the closures they
+return were registered before dynamo was loaded, so they cannot be wrapped; instead dynamo is
+told to skip their code (each closure must do nothing but call an ``eager_only`` method). The
+autograd engine calls such hooks during a ``backward()`` inside a compiled step, and dynamo would
+otherwise trace each closure and specialise it on its captured values: one recompilation per
+parameter.
+
+A module-level function is wrapped in its module: only calls that look it up there at call time
+(from the same module) run eagerly; a name imported elsewhere keeps the unwrapped function.
 """
 
 from __future__ import annotations
