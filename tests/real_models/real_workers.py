@@ -233,6 +233,9 @@ def pipeline(names: list[str], data_parallel: int = 1, sharded: bool = False, te
                 masked = whole.bert(**x0).last_hidden_state
                 unmasked = whole.bert(input_ids=x0["input_ids"]).last_hidden_state
                 mask_matters = float((unmasked - masked).abs().max())
+        # nanoGPT is clipped as train.py clips (global norm, at 0.3 so it acts on every step): the
+        # norm over both stages, the tie crossing them counted once
+        norm = case.fit_kwargs.get("global_clipnorm")
         # one device: the unsplit model, the same layers
         torch.manual_seed(SEED)
         ref = M.stages_of(name, quiet_build(case))
@@ -243,6 +246,8 @@ def pipeline(names: list[str], data_parallel: int = 1, sharded: bool = False, te
             chunks = 2 * data_parallel  # 2 micro-batches per copy (BatchNorm: each its own)
             for xs, ys in zip(pieces(x, chunks), y.chunk(chunks)):
                 (per_example(ref(xs), ys).sum() / y.shape[0]).backward()
+            if norm is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), norm)
             ref_opt.step()
         want = full_state(ref)
         for how in ("fit", "loop"):
@@ -254,10 +259,13 @@ def pipeline(names: list[str], data_parallel: int = 1, sharded: bool = False, te
             with s.scope():
                 opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
             if how == "fit":
-                stratagem.fit(pipe, opt, per_example, batches, verbose=0)
+                stratagem.fit(pipe, opt, per_example, batches, verbose=0,
+                              **({"global_clipnorm": norm} if norm is not None else {}))
             else:
                 for x, y in s.experimental_distribute_dataset(batches):
                     s.run(pipe.train_step, args=(x, y))
+                    if norm is not None:
+                        pipe.clip_grad_norm_(norm)
                     opt.step()
                     opt.zero_grad()
             got = pipe.state_dict()

@@ -49,6 +49,7 @@ class Pipe:
         replicas: Communicator,
         tied: TiedGradients | None = None,
         sharded: bool = False,
+        pipeline: Communicator | None = None,
     ) -> None:
         self.model = model
         #: this process's chunks of the model, in model order (one but under interleaved plans)
@@ -68,6 +69,7 @@ class Pipe:
         self.replicas = replicas
         self.tied = tied  # weights tied to another stage's: gradients summed after each backward
         self.sharded = sharded  # the layers are sharded over the copies (FSDP reduces the gradients)
+        self.pipeline = pipeline  # this copy's stages (one process each): a norm over the whole model
         self.num_microbatches = schedule.num_microbatches
         owned = {id(p) for p in self.module.parameters()}
         self._named = [(n, p) for n, p in model.named_parameters() if id(p) in owned]
@@ -195,6 +197,31 @@ class Pipe:
         if self.tied is not None:
             self.tied.sum_()
         return loss.float()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole pipeline, after ``train_step`` on every
+        process: the norm of every stage's gradients together (a weight tied across stages
+        counted once, a sharded or split gradient whole), and every stage's gradients scaled by
+        the same ``min(1, max_norm / (norm + 1e-6))``. Returns the total norm (on every process)."""
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        skip = {id(p) for p in self.tied.duplicates()} if self.tied is not None else set()
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        norms = []
+        for p in self.parameters():
+            if p.grad is None or id(p) in skip:
+                continue
+            n = torch.linalg.vector_norm(p.grad)
+            norms.append((n.full_tensor() if hasattr(n, "full_tensor") else n).float().reshape(1))
+        device = self.pipeline.device if self.pipeline is not None else self.stage.device
+        squares = torch.cat(norms).to(device).square().sum() if norms else torch.zeros((), device=device)
+        if self.pipeline is not None and self.pipeline.world_size > 1:
+            self.pipeline.all_reduce_(squares, "sum")
+        total = squares.sqrt()
+        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        for g in grads:
+            g.mul_(coef)
+        return total
 
     def predict(self, x: Any) -> torch.Tensor:
         """The model's output on ``x``, run through the stages in micro-batches without autograd;

@@ -62,6 +62,7 @@ class TiedGradients:
         tie's ends are summed within each copy (the copies' own sums are then alike, and the
         stage's gradient all-reduce over copies keeps them so)."""
         self.ties = list(ties)
+        self.stage = stage
         self._local: list[tuple[Tie, nn.Parameter, Communicator]] = []
         groups: dict[tuple[int, ...], Communicator] = {}
         for stages in sorted({t.stages for t in self.ties}):
@@ -79,6 +80,11 @@ class TiedGradients:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p, _ in self._local]
+
+    def duplicates(self) -> list[nn.Parameter]:
+        """This stage's ends of ties whose first end is on another stage: after ``sum_`` they hold
+        the same gradient as that end, so a norm over the whole pipeline counts them there only."""
+        return [p for tie, p, _ in self._local if self.stage != min(tie.stages)]
 
     def sum_(self) -> None:
         """After a step's backward: every end's gradient becomes the sum over the ends."""

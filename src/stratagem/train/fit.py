@@ -84,10 +84,11 @@ def _make_steps(
     if strategy.extended.execution is Execution.PIPELINE:
         if policy.name != "32":
             raise ValueError(f"precision={policy.name!r} is not supported under PipelineStrategy yet; use precision='32'")
-        if options != TrainOptions():
+        if options.accumulate != 1 or options.class_weight is not None or options.jit_compile:
             raise ValueError(
-                "gradient accumulation, clipping, class_weight and jit_compile are not supported under "
-                "PipelineStrategy yet (its micro-batches already accumulate); leave them unset"
+                "gradient_accumulation_steps, class_weight and jit_compile are not supported under "
+                "PipelineStrategy yet (its micro-batches already accumulate: raise num_microbatches "
+                "and the batch size instead); leave them unset"
             )
         from stratagem.pipeline.pipe import Pipe
 
@@ -96,7 +97,7 @@ def _make_steps(
                 "loss_fn=None (the model's own loss) is not supported under PipelineStrategy: the "
                 "last stage computes the loss from the model's output; pass a loss_fn"
             )
-        return PipelineSteps(strategy, model, optimizer, loss_fn)
+        return PipelineSteps(strategy, model, optimizer, loss_fn, options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     return DataParallelSteps(strategy, model, optimizer, loss_fn, policy, options)

@@ -21,6 +21,7 @@ writes logs.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from torch import nn
 from stratagem.distribute.strategy import Strategy
 from stratagem.train.losses import LossFn, per_example_loss
 from stratagem.train.metrics import Metric
-from stratagem.train.steps import unpack
+from stratagem.train.steps import TrainOptions, unpack
 
 _PIPES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
@@ -97,8 +98,11 @@ def _pipe_for(strategy: Strategy, model: Any, optimizer: torch.optim.Optimizer |
 class PipelineSteps:
     """Train, test and predict steps through this process's stage of a Pipe."""
 
-    def __init__(self, strategy: Strategy, model: Any, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn | None) -> None:
+    def __init__(self, strategy: Strategy, model: Any, optimizer: torch.optim.Optimizer | None, loss_fn: LossFn | None,
+                 options: TrainOptions | None = None) -> None:  # fmt: skip
         self.strategy = strategy
+        #: clipping (the pipeline's micro-batches already accumulate: no accumulation here)
+        self.options = options or TrainOptions()
         self.pipe = _pipe_for(strategy, model, optimizer, loss_fn)
         self.module: nn.Module = self.pipe.model
         self.optimizer = optimizer
@@ -146,11 +150,24 @@ class PipelineSteps:
                 m.update_state(y, outputs)
         optimizer.zero_grad(set_to_none=True)
         share = self.strategy.run(self.pipe.train_step, args=(x, y))
+        self._clip()
         optimizer.step()
         n = int(y.shape[0])
         total = self._global_count(n)  # the pipeline's loss is (sum over this copy) / total
         loss_sum = float(share) * total
         loss_metric.update_state(torch.full((n,), loss_sum / n if n else 0.0, dtype=torch.float64))
+
+    def _clip(self) -> None:
+        """fit's clipping of the step's gradients: per tensor (``clipnorm``, ``clipvalue``) on
+        each stage, the global norm (``global_clipnorm``) over the whole pipeline."""
+        options = self.options
+        if not options.clips:
+            return
+        if options.clipnorm is not None or options.clipvalue is not None:
+            # per tensor: each stage's own (a tied weight's ends hold the same gradient: clipped alike)
+            dataclasses.replace(options, global_clipnorm=None).clip(list(self.pipe.parameters()))
+        if options.global_clipnorm is not None:
+            self.pipe.clip_grad_norm_(options.global_clipnorm)
 
     def test(self, batch: Any, loss_metric: Metric, metrics: Sequence[Metric]) -> None:
         assert self.loss_fn is not None

@@ -247,7 +247,7 @@ class PipelineExtended(OverReplicas):
             pipe = Pipe(
                 model, stages, channel, self.schedule, partition,
                 rematerialize=cfg.rematerialize, loss_reduction=reduction, replicas=self.replicas,
-                tied=tied, sharded=self.sharding is not None,
+                tied=tied, sharded=self.sharding is not None, pipeline=self.pipeline_comm,
             )  # fmt: skip
         for t in (*modules.parameters(), *modules.buffers()):
             ownership.claim(t, self.owner())
