@@ -12,7 +12,13 @@ machine noise hits both alike:
   lr_scheduler=LambdaLR(get_lr), lr_scheduler_interval="step")`` against ``train.py``'s DDP loop
   (``require_backward_grad_sync`` off on every micro-step but the last, ``clip_grad_norm_``);
 - ``ShardedStrategy`` + the same ``fit`` call against the same loop over FSDP2 (``fully_shard``
-  per block and the root, ``set_requires_gradient_sync(False)`` on every micro-step but the last).
+  per block and the root, ``set_requires_gradient_sync(False)`` on every micro-step but the last);
+- nanoGPT only, ``PipelineStrategy`` (2 stages: embeddings + 3 blocks | 3 blocks + head, the tie
+  across them, GPipe, ``--microbatches``, the default ``rematerialize="auto"``) + ``fit(...,
+  global_clipnorm=1.0, lr_scheduler=...)`` against the same split under
+  ``torch.distributed.pipelining``'s ``ScheduleGPipe``, the tie's gradient all-reduced and the
+  global norm taken across the stages by hand. A pipeline accumulates over its micro-batches, so
+  both sides take each update's micro-steps as one mini-batch (``--accumulate`` x ``--batch``).
 
 Both sides train from the same initial weights on the same batches; the script prints each
 side's last loss and the largest parameter difference at the end (they must agree), then
@@ -90,7 +96,7 @@ def model_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
     return out[1]  # type: ignore[no-any-return]
 
 
-def blocks_of(model: nn.Module) -> Any:
+def blocks_of(model: Any) -> Any:
     return model.transformer.h  # both name their blocks so
 
 
@@ -111,7 +117,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--only", choices=["mirrored", "sharded"], default=None)
+    parser.add_argument("--only", choices=["mirrored", "sharded", "pipeline"], default=None)
+    parser.add_argument("--microbatches", type=int, default=4, help="the pipeline pair's micro-batches")
     parser.add_argument("--model", choices=["nanogpt", "gpt2"], default="nanogpt")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -165,7 +172,7 @@ def main() -> None:
             fully_shard(raw)
             for m in raw.modules():
                 if hasattr(m, "set_force_sum_reduction_for_comms"):
-                    m.set_force_sum_reduction_for_comms(True)  # gloo has no AVG
+                    m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # gloo has no AVG
             model: nn.Module = raw
         else:
             model = nn.parallel.DistributedDataParallel(raw)
@@ -199,12 +206,84 @@ def main() -> None:
 
         return run, lambda: raw
 
+    def pipeline_side() -> tuple[Callable[[int], float], Callable[[], nn.Module]]:
+        from real_cases import stages_of, token_mean
+
+        strategy = sg.PipelineStrategy(num_stages=2, num_microbatches=args.microbatches, balance=[4, 4])
+        with contextlib.redirect_stdout(io.StringIO()):  # the pipeline's plan
+            pipe = strategy.pipeline(stages_of("nanogpt", make_gpt(args)), _token_loss, loss_reduction="mean")
+        with strategy.scope():
+            optimizer = _decay_groups(pipe.parameters())
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: get_lr(it) / LR)
+        taken = [0]
+
+        def run(updates: int) -> float:
+            data = [joined(taken[0] + u * k) for u in range(updates)]
+            taken[0] += updates * k
+            history = sg.fit(pipe, optimizer, token_mean, data, epochs=1, strategy=strategy, verbose=0,
+                             global_clipnorm=1.0, lr_scheduler=schedule, lr_scheduler_interval="step")  # fmt: skip
+            return float(history.history["loss"][-1])
+
+        return run, lambda: pipe  # type: ignore[return-value]
+
+    def torch_pipeline_side() -> tuple[Callable[[int], float], Callable[[], nn.Module]]:
+        from real_cases import stages_of
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        layers = list(stages_of("nanogpt", make_gpt(args)))
+        part = nn.Sequential(*(layers[:4] if rank == 0 else layers[4:]))
+        ends: Any = (part[0], part[-1])
+        tied = ends[0].wte.weight if rank == 0 else ends[1].lm_head.weight
+        stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+        gpipe = ScheduleGPipe(stage, args.microbatches, loss_fn=_token_loss)
+        optimizer = _decay_groups(part.parameters())
+        it = [0]
+        taken = [0]
+
+        def run(updates: int) -> float:
+            for u in range(updates):
+                x, y = joined(taken[0] + u * k)
+                lr = get_lr(it[0])
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                if rank == 0:
+                    gpipe.step(x)
+                else:
+                    gpipe.step(target=y)
+                grad = tied.grad if tied.grad is not None else torch.zeros_like(tied)
+                dist.all_reduce(grad)  # the tie: embedding (stage 0) + head (stage 1) gradients
+                tied.grad = grad
+                # the global norm across both stages, the tie counted once (on stage 0)
+                norms = [torch.linalg.vector_norm(p.grad) for p in part.parameters()
+                         if p.grad is not None and (rank == 0 or p is not tied)]  # fmt: skip
+                squares = torch.stack(norms).square().sum()
+                dist.all_reduce(squares)
+                coef = float(torch.clamp(1.0 / (squares.sqrt() + 1e-6), max=1.0))
+                for p in part.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                it[0] += 1
+            taken[0] += updates * k
+            return 0.0
+
+        return run, lambda: part
+
+    def joined(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An update's micro-steps as one mini-batch (for the pipelines)."""
+        xs, ys = zip(*(pool[(i + j) % len(pool)] for j in range(k)))
+        return torch.cat(xs), torch.cat(ys)
+
     if args.only in (None, "mirrored"):
         sides["fit Mirrored"] = fit_side(sg.MirroredStrategy(devices="cpu"))
         sides["train.py DDP"] = hand_side(sharded=False)
     if args.only in (None, "sharded"):
         sides["fit Sharded"] = fit_side(sg.ShardedStrategy(devices="cpu"))
         sides["train.py FSDP2"] = hand_side(sharded=True)
+    if args.only in (None, "pipeline") and not gpt2 and n == 2:
+        sides["fit Pipeline"] = pipeline_side()
+        sides["torch pipelining"] = torch_pipeline_side()
 
     def timed(run: Callable[[int], float]) -> float:
         dist.barrier()
@@ -227,18 +306,35 @@ def main() -> None:
         for name, (run, _) in order:
             runs[name].append(timed(run))
     finals = {name: _whole(model()) for name, (_, model) in sides.items()}
+    pairs = [(a, b) for a, b in (("fit Mirrored", "train.py DDP"), ("fit Sharded", "train.py FSDP2"),
+                                 ("fit Pipeline", "torch pipelining")) if a in runs]  # fmt: skip
+    diffs = {}
+    for ours, theirs in pairs:  # the largest difference on any process (a pipeline's stages differ)
+        d = torch.tensor(max((a - b).abs().max().item() for a, b in zip(finals[ours], finals[theirs])))
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        diffs[ours] = float(d)
     if chief:
         med = {name: statistics.median(v) for name, v in runs.items()}
         for name, v in runs.items():
-            print(f"{name:15s} {med[name]:8.0f} tokens/s  (rounds: {', '.join(f'{x:.0f}' for x in v)})")
-        for ours, theirs in (("fit Mirrored", "train.py DDP"), ("fit Sharded", "train.py FSDP2")):
-            if ours not in runs:
-                continue
+            print(f"{name:16s} {med[name]:8.0f} tokens/s  (rounds: {', '.join(f'{x:.0f}' for x in v)})")
+        for ours, theirs in pairs:
             paired = statistics.median(a / b for a, b in zip(runs[ours], runs[theirs]))
-            diff = max((a - b).abs().max().item() for a, b in zip(finals[ours], finals[theirs]))
+            diff = diffs[ours]
             print(f"ratio {ours} / {theirs}: {med[ours] / med[theirs]:.3f} of the medians, {paired:.3f} median "
                   f"of the rounds' ratios; parameters after {1 + args.rounds * args.updates} updates differ by "
                   f"at most {diff:.1e}")  # fmt: skip
+
+
+def _token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _decay_groups(params: Any) -> torch.optim.Optimizer:
+    """nanoGPT's configure_optimizers groups (decay on matrices only) over ``params``."""
+    params = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=LR, betas=(0.9, 0.99))  # fmt: skip
 
 
 def _whole(model: nn.Module) -> list[torch.Tensor]:

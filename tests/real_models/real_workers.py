@@ -236,10 +236,15 @@ def pipeline(names: list[str], data_parallel: int = 1, sharded: bool = False, te
         # nanoGPT is clipped as train.py clips (global norm, at 0.3 so it acts on every step): the
         # norm over both stages, the tie crossing them counted once
         norm = case.fit_kwargs.get("global_clipnorm")
+
+        def decay(step: int, acts: bool = norm is not None) -> float:  # and a learning rate set every update, as train.py's
+            return 1.0 / (1.0 + step) if acts else 1.0
+
         # one device: the unsplit model, the same layers
         torch.manual_seed(SEED)
         ref = M.stages_of(name, quiet_build(case))
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, decay)
         init = full_state(ref)
         for x, y in batches:
             ref_opt.zero_grad()
@@ -249,6 +254,7 @@ def pipeline(names: list[str], data_parallel: int = 1, sharded: bool = False, te
             if norm is not None:
                 torch.nn.utils.clip_grad_norm_(ref.parameters(), norm)
             ref_opt.step()
+            ref_schedule.step()
         want = full_state(ref)
         for how in ("fit", "loop"):
             torch.manual_seed(SEED)
@@ -258,15 +264,17 @@ def pipeline(names: list[str], data_parallel: int = 1, sharded: bool = False, te
             got_init = {k: v.clone() for k, v in pipe.state_dict().items()}
             with s.scope():
                 opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, decay)
             if how == "fit":
-                stratagem.fit(pipe, opt, per_example, batches, verbose=0,
-                              **({"global_clipnorm": norm} if norm is not None else {}))
+                stratagem.fit(pipe, opt, per_example, batches, verbose=0, lr_scheduler=schedule,
+                              lr_scheduler_interval="step", **({"global_clipnorm": norm} if norm is not None else {}))
             else:
                 for x, y in s.experimental_distribute_dataset(batches):
                     s.run(pipe.train_step, args=(x, y))
                     if norm is not None:
                         pipe.clip_grad_norm_(norm)
                     opt.step()
+                    schedule.step()
                     opt.zero_grad()
             got = pipe.state_dict()
             with torch.no_grad():  # predict: the output travels back to every stage of a copy

@@ -246,11 +246,6 @@ def _check_scheduler(scheduler: Any, interval: str, strategy: Strategy, optimize
             "lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler over the optimizer fit steps; "
             f"got {type(scheduler).__name__}" + (" over another optimizer" if hasattr(scheduler, "step") else "")
         )
-    if strategy.extended.execution is Execution.PIPELINE and interval == "step":
-        raise ValueError(
-            "lr_scheduler_interval='step' is not supported under PipelineStrategy yet; use 'epoch', or a "
-            "Keras schedule as the optimizer's learning_rate (stratagem.optimizers)"
-        )
 
 
 def _reset(metrics: Sequence[Metric]) -> None:

@@ -103,6 +103,8 @@ class PipelineSteps:
         self.strategy = strategy
         #: clipping (the pipeline's micro-batches already accumulate: no accumulation here)
         self.options = options or TrainOptions()
+        #: called after every optimizer update (fit's ``lr_scheduler_interval="step"``)
+        self.after_update: Any = None
         self.pipe = _pipe_for(strategy, model, optimizer, loss_fn)
         self.module: nn.Module = self.pipe.model
         self.optimizer = optimizer
@@ -152,6 +154,8 @@ class PipelineSteps:
         share = self.strategy.run(self.pipe.train_step, args=(x, y))
         self._clip()
         optimizer.step()
+        if self.after_update is not None:
+            self.after_update()
         n = int(y.shape[0])
         total = self._global_count(n)  # the pipeline's loss is (sum over this copy) / total
         loss_sum = float(share) * total
