@@ -67,25 +67,13 @@ def recompilation_reasons(before: dict[Any, int]) -> list[str]:
     return lines
 
 
-def _batch_dims_dynamic(args: Any, kwargs: Any) -> None:
-    """Mark the first dimension of every input tensor dynamic (where dynamo can keep it so):
-    a partial last batch runs in the graph compiled for the full ones, not a recompiled one,
-    each epoch (tf.function retraces for it; torch's automatic dynamic shapes would recompile
-    once per frame). ``dynamic=False`` keeps every shape static."""
-    import torch
-
-    from stratagem.core import tree
-
-    for leaf in tree.flatten((args, kwargs))[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
-            torch._dynamo.maybe_mark_dynamic(leaf, 0)
-
-
 class Function:
     """A step function compiled on first call with ``torch.compile``; called like the original.
 
-    Compiled once per input signature; the first dimension of input tensors is dynamic (a
-    partial last batch runs in the same graph) unless ``dynamic=False``. When dynamo compiles
+    Compiled once per input signature; a partial last batch recompiles once, into a graph whose
+    batch dimension is dynamic (dynamo's automatic dynamic shapes), which later epochs reuse; no
+    input is marked dynamic up front (marking it changes how torch.compile initializes lazy
+    modules while tracing, differently with and without a strategy's hooks). When dynamo compiles
     any frame of the step again, one line at INFO (logger ``stratagem.function``) names the frame
     and the guard that failed, the cause; ``recompilations`` counts them. Recompiling on 5 of the
     last 10 calls is a WARNING once, with the latest cause (tf.function's retracing warning).
@@ -108,8 +96,6 @@ class Function:
 
             disable_for_compiler()  # collectives and gradient hooks run eagerly
             self._compiled = torch.compile(self.python_function, **self.compile_kwargs)
-        if self.compile_kwargs.get("dynamic") is None:
-            _batch_dims_dynamic(args, kwargs)
         before = _guard_failures()
         for lg in _profiler_note_loggers:
             lg.addFilter(_drop_profiler_notes)

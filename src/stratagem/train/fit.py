@@ -331,7 +331,7 @@ def fit(
     batches, equal to one step on the k-times larger batch); ``clipnorm`` (each gradient's norm),
     ``clipvalue``, ``global_clipnorm`` applied to the reduced gradients, alike on every replica;
     ``jit_compile=True``: the forward pass and the loss compiled once with ``stratagem.function``
-    (``torch.compile``; the batch dimension dynamic, so a partial last batch does not recompile;
+    (``torch.compile``; a partial last batch recompiles once, into a dynamic batch dimension;
     the backward pass is compiled with them; collectives and the update run eagerly); ``"auto"``
     and ``False`` run eagerly.
 
