@@ -37,7 +37,7 @@ import stratagem as sg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "real_models"))
 from nanogpt_model import GPT, GPTConfig  # noqa: E402
-from real_cases import stages_of  # noqa: E402
+from real_cases import stages_of, sum_tie, torch_gpipe  # noqa: E402
 
 VOCAB, SEQ = 65, 256
 
@@ -144,14 +144,8 @@ def main() -> None:
         pipe_opt.zero_grad()
 
     steps["PipelineStrategy"] = pipe_step
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
     torch.manual_seed(0)
-    layers = list(stages_of("nanogpt", gpt()))
-    part = nn.Sequential(*(layers[:4] if rank == 0 else layers[4:]))
-    tied = part[0].wte.weight if rank == 0 else part[-1].lm_head.weight
-    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, args.microbatches, loss_fn=token_loss)
+    part, tied, schedule = torch_gpipe(gpt(), rank, args.microbatches, token_loss)
     torch_opt = adamw(part.parameters())
 
     def torch_pipe_step() -> None:
@@ -159,9 +153,7 @@ def main() -> None:
             schedule.step(x)
         else:
             schedule.step(target=y)
-        grad = tied.grad if tied.grad is not None else torch.zeros_like(tied)
-        dist.all_reduce(grad)  # the tie: embedding (stage 0) + head (stage 1) gradients
-        tied.grad = grad
+        sum_tie(tied)
         torch_opt.step()
         torch_opt.zero_grad()
 

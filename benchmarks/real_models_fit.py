@@ -82,10 +82,7 @@ def make_gpt(args: argparse.Namespace) -> nn.Module:
 
 def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
     if not isinstance(model, GPT):  # configure_optimizers' groups: decay on matrices only
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-        return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.99))
+        return _decay_groups(model.parameters())
     with contextlib.redirect_stdout(io.StringIO()):  # configure_optimizers prints its groups
         return model.configure_optimizers(weight_decay=0.1, learning_rate=LR, betas=(0.9, 0.99), device_type="cpu")  # type: ignore[no-any-return]
 
@@ -227,15 +224,9 @@ def main() -> None:
         return run, lambda: pipe  # type: ignore[return-value]
 
     def torch_pipeline_side() -> tuple[Callable[[int], float], Callable[[], nn.Module]]:
-        from real_cases import stages_of
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+        from real_cases import sum_tie, torch_gpipe
 
-        layers = list(stages_of("nanogpt", make_gpt(args)))
-        part = nn.Sequential(*(layers[:4] if rank == 0 else layers[4:]))
-        ends: Any = (part[0], part[-1])
-        tied = ends[0].wte.weight if rank == 0 else ends[1].lm_head.weight
-        stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-        gpipe = ScheduleGPipe(stage, args.microbatches, loss_fn=_token_loss)
+        part, tied, gpipe = torch_gpipe(make_gpt(args), rank, args.microbatches, _token_loss)
         optimizer = _decay_groups(part.parameters())
         it = [0]
         taken = [0]
@@ -250,9 +241,7 @@ def main() -> None:
                     gpipe.step(x)
                 else:
                     gpipe.step(target=y)
-                grad = tied.grad if tied.grad is not None else torch.zeros_like(tied)
-                dist.all_reduce(grad)  # the tie: embedding (stage 0) + head (stage 1) gradients
-                tied.grad = grad
+                sum_tie(tied)
                 # the global norm across both stages, the tie counted once (on stage 0)
                 norms = [torch.linalg.vector_norm(p.grad) for p in part.parameters()
                          if p.grad is not None and (rank == 0 or p is not tied)]  # fmt: skip

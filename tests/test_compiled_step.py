@@ -69,15 +69,20 @@ def test_compiled_step_under_mirrored_compiles_once_and_matches_eager():
     assert r["param_diff"] < 1e-5
 
 
-@pytest.mark.timeout(60)
-def test_a_partial_batch_recompiles_once_and_a_recompilation_is_logged_at_info_with_its_cause(caplog):
-    # dynamo keeps what it compiled per code object for the life of the process: an earlier run
-    # of this test (pytest-repeat, the census) left versions of `forward` that the calls below
-    # would reuse without recompiling. Start from what a new program has.
+def _fresh_linear():
+    """A Linear(4, 1) under OneDeviceStrategy, in a process as new to dynamo as a new program:
+    dynamo keeps what it compiled per code object for the life of the process, and an earlier
+    run of a test (pytest-repeat, the census) would leave versions its calls reuse."""
     torch._dynamo.reset()
     s = sg.OneDeviceStrategy("cpu")
     with s.scope():
         model = nn.Linear(4, 1)
+    return s, model
+
+
+@pytest.mark.timeout(60)
+def test_a_partial_batch_recompiles_once_and_a_recompilation_is_logged_at_info_with_its_cause(caplog):
+    s, model = _fresh_linear()
     k = 2.0
 
     def forward(x):
@@ -105,10 +110,7 @@ def test_a_partial_batch_recompiles_once_and_a_recompilation_is_logged_at_info_w
 
 @pytest.mark.timeout(60)
 def test_recompiling_on_most_calls_is_one_warning_as_tf_function_warns_of_retracing(caplog):
-    torch._dynamo.reset()
-    s = sg.OneDeviceStrategy("cpu")
-    with s.scope():
-        model = nn.Linear(4, 1)
+    s, model = _fresh_linear()
     box = {"k": 0.0}
 
     def forward(x):

@@ -256,6 +256,29 @@ def stages_of(name: str, model: nn.Module) -> nn.Sequential:
     return nn.Sequential(GPTEmbed(t.wte, t.wpe, t.drop), *blocks, GPTHead(t.ln_f, model.lm_head))
 
 
+def torch_gpipe(model: nn.Module, rank: int, microbatches: int, loss_fn: Any) -> tuple[nn.Module, nn.Parameter, Any]:
+    """A GPT's 2-stage split (embeddings + 3 blocks | 3 blocks + head) as a user writes it with
+    ``torch.distributed.pipelining``: this rank's part, its end of the tied embedding/head weight,
+    and a ``ScheduleGPipe`` over ``microbatches``."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    layers = list(stages_of("nanogpt", model))
+    part = nn.Sequential(*(layers[:4] if rank == 0 else layers[4:]))
+    ends: Any = (part[0], part[-1])
+    tied = ends[0].wte.weight if rank == 0 else ends[1].lm_head.weight
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    return part, tied, ScheduleGPipe(stage, microbatches, loss_fn=loss_fn)
+
+
+def sum_tie(tied: nn.Parameter) -> None:
+    """The tie by hand: the embedding's (stage 0) and the head's (stage 1) gradients summed."""
+    import torch.distributed as dist
+
+    grad = tied.grad if tied.grad is not None else torch.zeros_like(tied)
+    dist.all_reduce(grad)
+    tied.grad = grad
+
+
 def token_mean(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
 

@@ -554,8 +554,8 @@ class FailureMonitor:
         try:
             self._store.wait(others, datetime.timedelta(seconds=self._store_timeout))
             for p in range(self.world_size):
-                if p != self.rank:
-                    self._peer(p)
+                if p != self.rank and p not in self._peers:
+                    self._peer_blocking(p)  # published (the wait returned): one read
         except Exception:  # noqa: BLE001 - a peer gone, or the store unreachable: the heartbeat decides
             pass
 

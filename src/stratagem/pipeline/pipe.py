@@ -206,13 +206,14 @@ class Pipe:
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
         skip = {id(p) for p in self.tied.duplicates()} if self.tied is not None else set()
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        norms = []
+        grads, norms = [], []
         for p in self.parameters():
-            if p.grad is None or id(p) in skip:
+            if p.grad is None:
                 continue
-            n = torch.linalg.vector_norm(p.grad)
-            norms.append((n.full_tensor() if hasattr(n, "full_tensor") else n).float().reshape(1))
+            grads.append(p.grad)
+            if id(p) not in skip:
+                n = torch.linalg.vector_norm(p.grad)
+                norms.append((n.full_tensor() if hasattr(n, "full_tensor") else n).float().reshape(1))
         device = self.pipeline.device if self.pipeline is not None else self.stage.device
         squares = torch.cat(norms).to(device).square().sum() if norms else torch.zeros((), device=device)
         if self.pipeline is not None and self.pipeline.world_size > 1:

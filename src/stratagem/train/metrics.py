@@ -377,10 +377,10 @@ def _unwrap(value: Any) -> Any:
     return value._value if isinstance(value, MetricVariable) else value
 
 
-
 # in a compiled step a metric's batch totals are computed in the graph; adding them to the
 # metric's state (Python attributes) and reading its result (a sync across replicas) run eagerly
 eager_only(Metric, ["add_totals", "result"])
+
 
 class MetricVariable:
     """A Keras-style metric's state variable (what ``Metric.add_weight`` returns): ``assign``,

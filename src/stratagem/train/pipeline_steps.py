@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -103,8 +103,10 @@ class PipelineSteps:
         self.strategy = strategy
         #: clipping (the pipeline's micro-batches already accumulate: no accumulation here)
         self.options = options or TrainOptions()
+        #: the per-tensor clipping (``clipnorm``, ``clipvalue``) alone: each stage's own
+        self._per_tensor = dataclasses.replace(self.options, global_clipnorm=None)
         #: called after every optimizer update (fit's ``lr_scheduler_interval="step"``)
-        self.after_update: Any = None
+        self.after_update: Callable[[], Any] | None = None
         self.pipe = _pipe_for(strategy, model, optimizer, loss_fn)
         self.module: nn.Module = self.pipe.model
         self.optimizer = optimizer
@@ -164,14 +166,11 @@ class PipelineSteps:
     def _clip(self) -> None:
         """fit's clipping of the step's gradients: per tensor (``clipnorm``, ``clipvalue``) on
         each stage, the global norm (``global_clipnorm``) over the whole pipeline."""
-        options = self.options
-        if not options.clips:
-            return
-        if options.clipnorm is not None or options.clipvalue is not None:
-            # per tensor: each stage's own (a tied weight's ends hold the same gradient: clipped alike)
-            dataclasses.replace(options, global_clipnorm=None).clip(list(self.pipe.parameters()))
-        if options.global_clipnorm is not None:
-            self.pipe.clip_grad_norm_(options.global_clipnorm)
+        if self._per_tensor.clips:
+            # (a tied weight's ends hold the same gradient: clipped alike on their stages)
+            self._per_tensor.clip(list(self.pipe.parameters()))
+        if self.options.global_clipnorm is not None:
+            self.pipe.clip_grad_norm_(self.options.global_clipnorm)
 
     def test(self, batch: Any, loss_metric: Metric, metrics: Sequence[Metric]) -> None:
         assert self.loss_fn is not None
