@@ -148,3 +148,34 @@ def mixed_precision(steps: int) -> dict[str, Any]:
         want.append(float(loss.detach()))
     return {"dtypes": sorted(set(seen)), "stored": str(model[0].q.weight.dtype),
             "relative": max(abs(a - b) / abs(b) for a, b in zip(losses, want))}
+
+
+def hsdp_x_tensor(tmp: str, steps: int) -> dict[str, Any]:
+    """HSDP x TP on 8 processes: a ("data", "model") mesh of 4 x 2 with
+    ``ShardingOptions(units=Block, shard_size=2)``: each Block split over "model", sharded over
+    pairs of data replicas and replicated across the pairs (torch's 3-D mesh data_replicate x
+    data_shard x model). The custom loop and fit against one device, the groups' sizes, and a
+    checkpoint that restores into one plain process (the test trains it on there)."""
+    mesh = stratagem.DeviceMesh((4, 2), ("data", "model"))
+    strategy = stratagem.ModelParallelStrategy(mesh, _layouts(mesh),
+                                               sharding=stratagem.ShardingOptions(units=Block, shard_size=2))  # fmt: skip
+    s = strategy
+    batches = seq_batches(steps, size=8)
+    model, losses = train_under(s, make_transformer, make_adam, seq_mse, batches)
+    want = train_reference(make_transformer, make_adam, seq_mse, batches, seed=0)
+    out: dict[str, Any] = {"units": _units(model), "losses": losses, "diff": max_diff(full_state(model), want)}
+    out["replicas"] = s.num_replicas_in_sync
+    out["mesh"] = str(model[0].q.weight.device_mesh.mesh_dim_names)
+    out["q_placements"] = str(model[0].q.weight.placements)
+    out["local_q_shape"] = tuple(model[0].q.weight.to_local().shape)
+    torch.manual_seed(0)
+    with s.scope():
+        fitted = make_transformer()
+        opt = make_adam(fitted.parameters())
+    half = steps // 2
+    stratagem.fit(fitted, opt, seq_mse, batches[:half], verbose=0)
+    manager = stratagem.CheckpointManager(stratagem.Checkpoint(model=fitted, optimizer=opt), Path(tmp, "hsdp_tp"))
+    out["ckpt"] = manager.save(half)
+    stratagem.fit(fitted, opt, seq_mse, batches[half:], verbose=0)
+    out["fit_diff"] = max_diff(full_state(fitted), want)
+    return out

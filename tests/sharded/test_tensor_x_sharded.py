@@ -91,9 +91,40 @@ def test_sharding_it_cannot_take_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no such axis with 2 or more processes"):
         ModelParallelStrategy(flat, LayoutMap(flat), devices="cpu", sharding=stratagem.ShardingOptions())
     mesh = DeviceMesh((2, 2), ("data", "model"))
-    with pytest.raises(ValueError, match=r"shard_size=2\) \(HSDP\) is not taken"):
-        ModelParallelStrategy(mesh, LayoutMap(mesh), devices="cpu", sharding=stratagem.ShardingOptions(shard_size=2))
+    with pytest.raises(ValueError, match=r"shard_size=3\) must divide the 2 processes of the batch axis 'data'"):
+        ModelParallelStrategy(mesh, LayoutMap(mesh), devices="cpu", sharding=stratagem.ShardingOptions(shard_size=3))
+    taken = DeviceMesh((2, 2), ("data_shard", "model"))
+    with pytest.raises(ValueError, match="names mesh .* already uses"):
+        ModelParallelStrategy(taken, LayoutMap(taken), batch_axis="data_shard", devices="cpu",
+                              sharding=stratagem.ShardingOptions(shard_size=1))
     with pytest.raises(ValueError, match="must be a stratagem.ShardingOptions"):
         ModelParallelStrategy(mesh, LayoutMap(mesh), devices="cpu", sharding={"units": 1})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="gradient_op must be 'sum' or 'mean'"):
         ModelParallelStrategy(mesh, LayoutMap(mesh), devices="cpu", sharding=stratagem.ShardingOptions(gradient_op="avg"))
+
+
+@pytest.mark.slow  # 8 processes: the slow tier (CI runs it)
+@pytest.mark.timeout(300)
+def test_hsdp_x_tensor_on_8_processes_equals_one_device_and_restores_in_one_process(tmp_path: Path) -> None:
+    outs = [r.value for r in run_workers(tx.hsdp_x_tensor, 8, args=(str(tmp_path), STEPS), timeout=280)]
+    for out in outs:
+        assert out["replicas"] == 4  # the batch is split over the whole data axis
+        assert out["mesh"] == "('data_replicate', 'data_shard', 'model')"
+        assert out["q_placements"].count("Replicate()") == 1, out["q_placements"]  # replicated across pairs
+        assert out["local_q_shape"] == (w.D // 4, w.D)  # rows split over "model", then over a pair
+        assert sorted(out["units"]) == ["0", "1", "<root>"]
+        assert not _bad(out["diff"]), f"HSDP x TP differs from one device: {_bad(out['diff'])}"
+        assert not _bad(out["fit_diff"]), f"fit under HSDP x TP differs from one device: {_bad(out['fit_diff'])}"
+    assert len({tuple(o["losses"]) for o in outs}) == 1
+    batches = w.seq_batches(STEPS, size=8)
+    torch.manual_seed(5)
+    model = w.make_transformer()
+    opt = w.make_adam(model.parameters())
+    ckpt = outs[0]["ckpt"]
+    stratagem.CheckpointManager(stratagem.Checkpoint(model=model, optimizer=opt), Path(ckpt).parent).restore(ckpt)
+    for x, y in batches[STEPS // 2 :]:
+        opt.zero_grad()
+        w.seq_mse(model(x), y).mean().backward()
+        opt.step()
+    want = train_reference(w.make_transformer, w.make_adam, w.seq_mse, batches, seed=0)
+    assert not _bad(w.max_diff(model.state_dict(), want))

@@ -3,26 +3,43 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from stratagem.cluster import ClusterSpec, ensure_replicas
 from stratagem.comm import Communicator
-from stratagem.core.mesh import DeviceMesh
+from stratagem.core.mesh import DATA, DeviceMesh
 from stratagem.distribute.devices import plan_devices
+from stratagem.distribute.engines.torch_mesh import JobMesh
 from stratagem.distribute.join import join
 
 
-@dataclass(frozen=True)
 class Started:
     """What a strategy starts from: this process's place in the job, its device, the devices
-    of this machine's processes, and the job's communicator."""
+    of this machine's processes, the job's communicator, and (``mesh()``) the job's one mesh."""
 
-    spec: ClusterSpec
-    device: torch.device
-    devices: tuple[str, ...]
-    comm: Communicator
+    def __init__(
+        self, spec: ClusterSpec, device: torch.device, devices: tuple[str, ...], comm: Communicator,
+        layout: DeviceMesh | None = None,
+    ) -> None:  # fmt: skip
+        self.spec = spec
+        self.device = device
+        self.devices = devices
+        self.comm = comm
+        self._layout = layout
+        self._mesh: JobMesh | None = None
+
+    def mesh(self, layout: DeviceMesh | None = None) -> JobMesh:
+        """The job's one mesh (made on the first call): ``layout`` (a strategy whose layout
+        depends on the job's size, as HSDP's, gives it here), else the mesh ``start`` was given,
+        else one ``data`` axis over every process. Every process group the strategy needs is one
+        of its axes' (``JobMesh.comm``)."""
+        if self._mesh is None:
+            chosen = layout or self._layout or DeviceMesh.of((DATA, self.comm.world_size))
+            self._mesh = JobMesh(chosen, self.comm, self.device)
+        elif layout is not None and layout != self._mesh.layout:
+            raise ValueError(f"the job's mesh is {self._mesh.layout}; it cannot also be {layout}")
+        return self._mesh
 
 
 def start(
@@ -56,4 +73,4 @@ def start(
         local = None if isinstance(devices, (list, tuple)) else spec.local_world_size
         plan = plan_devices(devices, local, cuda, what=what)
     device = torch.device(plan[spec.local_rank % len(plan)])
-    return Started(spec, device, tuple(plan), join(spec, device, timeout=timeout))
+    return Started(spec, device, tuple(plan), join(spec, device, timeout=timeout), mesh)

@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from stratagem.comm import Communicator
+from stratagem.core.mesh import DATA, PIPELINE
 from stratagem.distribute import context, ownership
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.fsdp import ShardingOptions, apply_fsdp
 from stratagem.distribute.engines.layout import LayoutMap
 from stratagem.distribute.engines.over_replicas import OverReplicas
+from stratagem.distribute.engines.torch_mesh import JobMesh
 from stratagem.distribute.strategy import Execution, ReplicaContext, StateLayout
 from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.errors import PipelineConfigError
@@ -39,10 +41,7 @@ class PipelineExtended(OverReplicas):
     def __init__(
         self,
         config: PipelineConfig,
-        world: Communicator,
-        pipeline: Communicator,
-        replicas: Communicator,
-        device: torch.device,
+        job: JobMesh,
         upstream: Communicator | None = None,
         *,
         sharding: ShardingOptions | None = None,
@@ -51,13 +50,13 @@ class PipelineExtended(OverReplicas):
         self.config = config
         self.sharding = sharding  # each stage's layers sharded over its copies (FSDP), or None
         self.layout_map = layout_map if config.tensor_parallel > 1 else None  # each stage's layers split (TP)
-        self._job_mesh: Any = None  # torch's mesh of the whole job (data x pipeline x model), once made
+        self.job = job  # the job's mesh (config.mesh: data x pipeline [x model]) and its groups
         self.plans: list[dict[str, str]] = []  # the tensor-parallel plan of each layer of the last pipeline()
         self.upstream_comm = upstream  # the pipeline's ranks again, for messages to a lower stage
-        self._world = world
-        self.pipeline_comm = pipeline
-        self.replicas = replicas
-        self._device = device
+        self._world = world = job.world
+        self.pipeline_comm = job.comm(PIPELINE)
+        self.replicas = replicas = job.comm(DATA)
+        self._device = device = job.device
         self.stage = config.stage_of(world.rank)
         self.copy = config.copy_of(world.rank)
         self.schedule: Schedule = config.make_schedule()
@@ -260,31 +259,15 @@ class PipelineExtended(OverReplicas):
                 print(f"stratagem PipelineStrategy: tied across stages, gradients summed: {tie}", flush=True)
         return pipe
 
-    def _torch_mesh(self) -> Any:
-        """torch's DeviceMesh of the whole job (``config.mesh``: data x pipeline x model), made
-        once: the tensor-parallel split and the sharding of a split stage take their axes from
-        it (FSDP x TP needs both on one mesh)."""
-        if self._job_mesh is None:
-            from stratagem.distribute.engines.torch_mesh import build_torch_mesh
-
-            self._job_mesh = build_torch_mesh(self.config.mesh, self._world, self._device)
-        return self._job_mesh
-
     def _shard(self, stages: Sequence[Stage]) -> None:
-        """Shard every layer of this process's stages over the stage's copies (the replica
-        group, a 1-D mesh; with tensor parallelism the job mesh's data axis, beside the tensor
-        axis its layers are split along: FSDP x TP): each layer with parameters is FSDP's unit
+        """Shard every layer of this process's stages over the stage's copies (the job mesh's
+        data axis, whose group is the replica communicator's; with tensor parallelism beside the
+        tensor axis its layers are split along: FSDP x TP): each layer with parameters is FSDP's unit
         and root (a stage runs its layers one by one), with ``sharding``'s options; gradients are
         summed across the copies (reduce-scattered at each micro-batch's backward and
         accumulated in the shards)."""
-        from stratagem.core.mesh import DATA, DeviceMesh
-        from stratagem.distribute.engines.torch_mesh import build_torch_mesh
-
         assert self.sharding is not None
-        if self.layout_map is not None:
-            mesh = self._torch_mesh()[DATA]
-        else:
-            mesh = build_torch_mesh(DeviceMesh.of((DATA, self.replicas.world_size)), self.replicas, self._device)
+        mesh = self.job.torch[DATA]
         for st in stages:
             for layer in st.layers:
                 if any(True for _ in layer.parameters()):
@@ -300,7 +283,7 @@ class PipelineExtended(OverReplicas):
 
         assert self.layout_map is not None
         cfg = self.config
-        mesh = self._torch_mesh()[cfg.tensor_axis]
+        mesh = self.job.torch[cfg.tensor_axis]
         layers = [layer for st in stages for layer in st.layers]
         self.plans = []  # the last pipeline()'s
         for name, layer in zip(names, layers):

@@ -31,30 +31,36 @@ from stratagem.distribute.engines.fsdp import ShardedRoots, ShardingOptions, app
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.engines.shard_plan import UnitPlan
-from stratagem.distribute.engines.torch_mesh import build_torch_mesh
+from stratagem.distribute.engines.torch_mesh import JobMesh
 from stratagem.distribute.strategy import StateLayout, Strategy
+
+
+def sharded_layout(n: int, shard_size: int | None) -> DeviceMesh:
+    """The processes of a sharded job of ``n``: sharded over all of them, or (HSDP,
+    ``shard_size``) within groups of ``shard_size`` consecutive ranks and replicated across the
+    groups; a ValueError for a ``shard_size`` that does not divide ``n``."""
+    if shard_size is not None and (shard_size < 1 or n % shard_size):
+        raise ValueError(
+            f"shard_size={shard_size} must divide the {n} processes (groups of "
+            f"shard_size processes each hold one sharded copy)"
+        )
+    if shard_size is None or shard_size == n:
+        return DeviceMesh.of((DATA_SHARD, n))
+    return DeviceMesh.of((DATA_REPLICATE, n // shard_size), (DATA_SHARD, shard_size))
 
 
 class ShardedExtended(OverReplicas):
     """Every process holds 1/N of each parameter, its gradient and its optimizer state."""
 
-    def __init__(
-        self, comm: Communicator, device: torch.device, options: ShardingOptions, *, name: str, init: str = "auto"
-    ) -> None:
+    def __init__(self, job: JobMesh, options: ShardingOptions, *, name: str, init: str = "auto") -> None:
         if options.gradient_op not in ("sum", "mean"):
             raise ValueError(f"gradient_op must be 'sum' or 'mean', got {options.gradient_op!r}")
-        size = options.shard_size
-        if size is not None and (size < 1 or comm.world_size % size):
-            raise ValueError(
-                f"shard_size={size} must divide the {comm.world_size} processes (groups of "
-                f"shard_size processes each hold one sharded copy)"
-            )
-        self.comm = comm
-        self._device = device
+        self.job = job  # its layout: sharded_layout(N, options.shard_size)
+        self.comm = comm = job.world
+        self._device = device = job.device
         self.options = options
         self.name = name
         self._dp = DataParallelExtended(comm, device, mirror=False, name=name)
-        self._mesh: Any = None
         self.build = ShardedBuild(comm, device, name, self._shard, self.owner, init)
         self.plans: list[UnitPlan] = []
         self.roots = ShardedRoots()
@@ -69,18 +75,11 @@ class ShardedExtended(OverReplicas):
     @property
     def mesh(self) -> Any:
         """The DeviceMesh the parameters are sharded over."""
-        if self._mesh is None:
-            self._mesh = build_torch_mesh(self.layout, self.comm, self._device)
-        return self._mesh
+        return self.job.torch
 
     @property
     def layout(self) -> DeviceMesh:
-        """The processes: sharded over all of them, or (HSDP, ``shard_size``) within groups of
-        ``shard_size`` consecutive ranks and replicated across the groups."""
-        n, size = self.comm.world_size, self.options.shard_size
-        if size is None or size == n:
-            return DeviceMesh.of((DATA_SHARD, n))
-        return DeviceMesh.of((DATA_REPLICATE, n // size), (DATA_SHARD, size))
+        return self.job.layout
 
     # --- facts ------------------------------------------------------------------------------
     @property

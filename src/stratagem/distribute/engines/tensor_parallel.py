@@ -22,6 +22,7 @@ from torch import nn
 
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.failure import collectives_explained
+from stratagem.core.mesh import DATA_REPLICATE, DATA_SHARD
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.fsdp import ShardedRoots, ShardingOptions, apply_fsdp
@@ -33,7 +34,7 @@ from stratagem.distribute.engines.layout import (
 )
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
-from stratagem.distribute.engines.torch_mesh import build_torch_mesh
+from stratagem.distribute.engines.torch_mesh import JobMesh
 from stratagem.distribute.strategy import StateLayout, Strategy
 
 _RULES: list[bool] = []
@@ -146,8 +147,7 @@ class TensorParallelExtended(OverReplicas):
 
     def __init__(
         self,
-        world: Communicator,
-        device: torch.device,
+        job: JobMesh,
         mesh: DeviceMesh,
         layout_map: LayoutMap,
         *,
@@ -157,25 +157,28 @@ class TensorParallelExtended(OverReplicas):
         init: str = "auto",
         sharding: ShardingOptions | None = None,
     ) -> None:
-        mesh.check_world(world.world_size, name)
+        mesh.check_world(job.world.world_size, name)
         if model_axis not in mesh.axis_names:
             raise ValueError(f"{name}: the mesh has axes {mesh.axis_names}, none named {model_axis!r}")
         if batch_axis is not None and batch_axis not in mesh.axis_names:
             batch_axis = None
-        self.world_comm = world
-        self._device = device
+        self.job = job
+        self.world_comm = world = job.world
+        self._device = device = job.device
         self.mesh = mesh
         self.layout_map = layout_map
         self.model_axis = model_axis
         self.batch_axis = batch_axis
         self.name = name
         self.sharding = sharding or ShardingOptions()
-        data_groups = mesh.groups(batch_axis) if batch_axis is not None else [[r] for r in range(mesh.size)]
-        self.data_comm: Communicator = (
-            world.split(data_groups) if len(data_groups[0]) > 1 else LocalCommunicator(device)
-        )
+        # the batch axis on the job's mesh: itself, or (HSDP x TP) cut into replicate x shard
+        self.data_axes: tuple[str, ...] = (
+            () if batch_axis is None
+            else (DATA_REPLICATE, DATA_SHARD) if DATA_SHARD in job.layout.axis_names and batch_axis not in job.layout.axis_names
+            else (batch_axis,)
+        )  # fmt: skip
+        self.data_comm: Communicator = job.comm(*self.data_axes) if self.data_axes else LocalCommunicator(device)
         self._dp = DataParallelExtended(self.data_comm, device, mirror=False, name=name)
-        self._torch_mesh: Any = None
         self.build = ShardedBuild(world, device, name, self._shard, self.owner, init)
         self.plans: list[dict[str, str]] = []
         self.plans_fsdp: list[Any] = []  # the FSDP unit plan of each model sharded over the batch axis
@@ -190,10 +193,9 @@ class TensorParallelExtended(OverReplicas):
 
     @property
     def torch_mesh(self) -> Any:
-        """torch's DeviceMesh with the same shape and axis names."""
-        if self._torch_mesh is None:
-            self._torch_mesh = build_torch_mesh(self.mesh, self.world_comm, self._device)
-        return self._torch_mesh
+        """torch's DeviceMesh of the job (the mesh's shape and axis names; with HSDP x TP the
+        batch axis is two, ``data_replicate`` x ``data_shard``)."""
+        return self.job.torch
 
     # --- facts ------------------------------------------------------------------------------
     @property
@@ -240,10 +242,11 @@ class TensorParallelExtended(OverReplicas):
                 split_layers(root, plan, self.torch_mesh[self.model_axis])
             if materialized:
                 root.to(self._device)  # what stays whole (the split parts are on it already)
-            if self.batch_axis is not None and self.mesh.axis_size(self.batch_axis) > 1:
+            if self.data_comm.world_size > 1:
                 # each unit's tensor-parallel parts sharded over the data axis, as ShardedStrategy
-                # shards (torchtitan's FSDP x TP), with its options; summed across replicas
-                self.plans_fsdp.append(apply_fsdp(root, self.torch_mesh[self.batch_axis], self.sharding))
+                # shards (torchtitan's FSDP x TP; HSDP x TP over replicate x shard), with its
+                # options; summed across replicas
+                self.plans_fsdp.append(apply_fsdp(root, self.torch_mesh[self.data_axes], self.sharding))
                 self.roots.add(root)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

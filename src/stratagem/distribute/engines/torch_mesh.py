@@ -1,4 +1,6 @@
-"""torch's DeviceMesh for a stratagem mesh (``core/mesh.py``), made in one place for every engine."""
+"""The job's one mesh: stratagem's rank layout (``core/mesh.py``), torch's ``DeviceMesh`` with the
+same shape and axis names (made once, when an engine first needs it), and every sub-communicator
+a strategy uses, taken from torch's mesh's groups."""
 
 from __future__ import annotations
 
@@ -7,9 +9,59 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.comm import Communicator
-from stratagem.comm.communicator import before_world_group, owned_mesh
+from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.comm.communicator import ProcessGroupCommunicator, before_world_group, owned_mesh
 from stratagem.core.mesh import DeviceMesh
+
+
+class JobMesh:
+    """One per strategy: its processes as ``layout`` (a ``core.mesh.DeviceMesh``) over the job's
+    communicator ``world``. ``comm(*axes)`` is the communicator of this process's neighbours
+    along ``axes`` (a pipeline, a stage's copies, a tensor-parallel group): the group torch's mesh
+    made for that axis (``init_device_mesh`` makes one per axis; several axes are flattened into
+    one group), so FSDP, tensor parallelism and stratagem's own collectives talk over the same
+    groups. An axis of one process is a ``LocalCommunicator`` and the whole mesh is ``world``
+    itself; neither makes a group. (The strategy has checked the layout against the job's size,
+    in its own words; torch's mesh checks again when it is made.)"""
+
+    def __init__(self, layout: DeviceMesh, world: Communicator, device: torch.device) -> None:
+        self.layout = layout
+        self.world = world
+        self.device = device
+        self._torch: Any = None
+        self._comms: dict[tuple[str, ...], Communicator] = {}
+
+    @property
+    def torch(self) -> Any:
+        """torch's ``DeviceMesh`` with the layout's shape and axis names (made on first use: a
+        collective over the whole job, as every process asks at the same point)."""
+        if self._torch is None:
+            self._torch = build_torch_mesh(self.layout, self.world, self.device)
+        return self._torch
+
+    def comm(self, *axes: str) -> Communicator:
+        """The communicator of this process's group along ``axes`` (outermost first)."""
+        key = tuple(a for a in self.layout.axis_names if a in axes)
+        unknown = sorted(set(axes) - set(self.layout.axis_names))
+        if unknown:
+            raise ValueError(f"the mesh {self.layout} has no axis {', '.join(map(repr, unknown))}")
+        if key not in self._comms:
+            size = 1
+            for a in key:
+                size *= self.layout.axis_size(a)
+            if size == 1:
+                self._comms[key] = LocalCommunicator(self.device)
+            elif size == self.world.world_size:
+                self._comms[key] = self.world
+            else:
+                sub = self.torch[key] if len(key) > 1 else self.torch[key[0]]
+                if len(key) > 1:
+                    sub = sub._flatten()
+                group = sub.get_group()
+                self._comms[key] = ProcessGroupCommunicator(
+                    group, self.device, ranks=dist.get_process_group_ranks(group), probe=getattr(self.world, "probe", None)
+                )
+        return self._comms[key]
 
 
 def build_torch_mesh(mesh: DeviceMesh, comm: Communicator, device: torch.device) -> Any:

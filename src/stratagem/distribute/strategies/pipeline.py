@@ -19,7 +19,6 @@ from typing import Any, final
 import torch
 from torch import nn
 
-from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.core.mesh import DATA, PIPELINE
 from stratagem.core.warn import warn_user
 from stratagem.distribute.engines.fsdp import ShardingOptions
@@ -92,22 +91,14 @@ class PipelineStrategy(Strategy):
         )  # fmt: skip
         _check_sharding(sharding, config)
         started = start("PipelineStrategy", devices, timeout=timeout, mesh=config.mesh, check_world=config.check_world)
-        env, device, world = started.spec, started.device, started.comm
-        pipeline_comm: Communicator
-        replicas: Communicator
-        if config.data_parallel == 1 and config.tensor_parallel == 1:
-            pipeline_comm, replicas = world, LocalCommunicator(device)
-        else:
-            pipeline_comm = world.split(config.pipeline_groups())
-            replicas = world.split(config.replica_groups()) if config.data_parallel > 1 else LocalCommunicator(device)
-        # the same pipelines again, for the messages that go to a lower stage (see p2p.Channel)
-        upstream = world.split(config.pipeline_groups()) if config.num_stages > 1 else None
+        env, device, job = started.spec, started.device, started.mesh()
+        # the pipeline's ranks again, for the messages that go to a lower stage (see p2p.Channel):
+        # torch's mesh has one group per axis, so this second one is made by hand
+        upstream = job.world.split(config.pipeline_groups()) if config.num_stages > 1 else None
         self.cluster_spec = env
         self.config = config
         self.device = device
-        self._pipeline_ext = PipelineExtended(
-            config, world, pipeline_comm, replicas, device, upstream, sharding=sharding, layout_map=layout_map
-        )
+        self._pipeline_ext = PipelineExtended(config, job, upstream, sharding=sharding, layout_map=layout_map)
         super().__init__(self._pipeline_ext)
 
     # --- pipeline facts -----------------------------------------------------------------------------

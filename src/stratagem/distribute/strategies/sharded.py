@@ -12,7 +12,7 @@ from typing import Any, final
 from stratagem.distribute.engines.build import check_init
 from stratagem.distribute.engines.fsdp import ShardingOptions
 from stratagem.distribute.engines.shard_plan import UnitSpec
-from stratagem.distribute.engines.sharded import ShardedExtended
+from stratagem.distribute.engines.sharded import ShardedExtended, sharded_layout
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.startup import start
 from stratagem.distribute.strategy import Strategy
@@ -77,4 +77,5 @@ class ShardedStrategy(Strategy):
         )
         self.cluster_spec = started.spec
         self.device = device
-        super().__init__(ShardedExtended(started.comm, device, options, name="ShardedStrategy", init=init))
+        job = started.mesh(sharded_layout(started.comm.world_size, shard_size))
+        super().__init__(ShardedExtended(job, options, name="ShardedStrategy", init=init))

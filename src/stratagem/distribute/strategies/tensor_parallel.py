@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import final
 
+from stratagem.core.mesh import DATA_REPLICATE, DATA_SHARD
 from stratagem.distribute.engines.build import check_init
 from stratagem.distribute.engines.fsdp import ShardingOptions
 from stratagem.distribute.engines.layout import DeviceMesh, LayoutMap
@@ -46,14 +47,29 @@ class ModelParallelStrategy(Strategy):
         _check_sharding(sharding, mesh, batch_axis)
         started = start("ModelParallelStrategy", devices, timeout=timeout, mesh=mesh)
         self.cluster_spec = started.spec
-        self.device = device = started.device
-        comm = started.comm
+        self.device = started.device
+        job = started.mesh(_job_layout(mesh, batch_axis, sharding))
         super().__init__(
             TensorParallelExtended(
-                comm, device, mesh, layout_map, model_axis=model_axis, batch_axis=batch_axis, name="ModelParallelStrategy",
+                job, mesh, layout_map, model_axis=model_axis, batch_axis=batch_axis, name="ModelParallelStrategy",
                 init=init, sharding=sharding or ShardingOptions(),
             )
         )
+
+
+def _job_layout(mesh: DeviceMesh, batch_axis: str | None, sharding: ShardingOptions | None) -> DeviceMesh:
+    """The job's mesh: the user's, or with ``shard_size`` (HSDP x TP) its batch axis cut into
+    ``data_replicate`` (groups of ``shard_size`` processes holding one sharded copy each) x
+    ``data_shard`` (``shard_size``), as ShardedStrategy(shard_size=...) lays out HSDP."""
+    if sharding is None or sharding.shard_size is None or batch_axis is None:
+        return mesh
+    n, size = mesh.axis_size(batch_axis), sharding.shard_size
+    if size == n:
+        return mesh
+    axes: list[tuple[str, int]] = []
+    for name, degree in zip(mesh.axis_names, mesh.shape):
+        axes += [(DATA_REPLICATE, n // size), (DATA_SHARD, size)] if name == batch_axis else [(name, degree)]
+    return DeviceMesh.of(*axes)
 
 
 def _check_sharding(sharding: object, mesh: DeviceMesh, batch_axis: str | None) -> None:
@@ -76,9 +92,17 @@ def _check_sharding(sharding: object, mesh: DeviceMesh, batch_axis: str | None) 
             f"ModelParallelStrategy: sharding=ShardingOptions(gradient_op={sharding.gradient_op!r}): "
             "gradient_op must be 'sum' or 'mean'"
         )
-    if sharding.shard_size is not None:
+    size, n = sharding.shard_size, mesh.axis_size(batch_axis)
+    if size is not None and (not isinstance(size, int) or size < 1 or n % size):
         raise ValueError(
-            f"ModelParallelStrategy: sharding=ShardingOptions(shard_size={sharding.shard_size}) "
-            "(HSDP) is not taken with tensor parallelism yet: the model is sharded over the whole "
-            "batch axis; leave shard_size=None"
+            f"ModelParallelStrategy: sharding=ShardingOptions(shard_size={size!r}) must divide the "
+            f"{n} processes of the batch axis {batch_axis!r} (each group of shard_size processes "
+            "holds one sharded copy, HSDP); use a divisor of it, or None to shard over the whole axis"
+        )
+    clash = {DATA_REPLICATE, DATA_SHARD} & set(mesh.axis_names)
+    if size is not None and size != n and clash:
+        raise ValueError(
+            f"ModelParallelStrategy: sharding=ShardingOptions(shard_size={size}) cuts the batch axis "
+            f"into {DATA_REPLICATE!r} x {DATA_SHARD!r}, names mesh {mesh} already uses for "
+            f"{sorted(clash)}; name the batch axis 'data'"
         )
