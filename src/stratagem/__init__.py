@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         OneDeviceStrategy,
         OutsideScopeError,
         ParameterServerStrategy,
+        PipelineOptions,
         PipelineStrategy,
         ReduceOp,
         ReplicaContext,
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
         mixed_precision,
         scale_regularization_loss,
         strategy_of,
+        strategy_on_mesh,
     )
     from stratagem.distribute.bootstrap import (
         ClusterConfigurationError,
@@ -116,6 +118,7 @@ __all__ = [
     "ParameterServerStrategy",
     "OutsideScopeError",
     "ParameterServerError",
+    "PipelineOptions",
     "PipelineStrategy",
     "RNGState",
     "ReduceOp",
@@ -155,6 +158,7 @@ __all__ = [
     "predict",
     "print",
     "strategy_of",
+    "strategy_on_mesh",
 ]
 __all__ += ["Model", "Sequential", "keras_model", "load_model", "optimizers", "utils"]
 
@@ -191,6 +195,7 @@ _DEFINED_IN: dict[str, str] = {
     "OneDeviceStrategy": "stratagem.distribute",
     "OutsideScopeError": "stratagem.distribute",
     "ParameterServerStrategy": "stratagem.distribute",
+    "PipelineOptions": "stratagem.distribute",
     "PipelineStrategy": "stratagem.distribute",
     "ReduceOp": "stratagem.distribute",
     "ReplicaContext": "stratagem.distribute",
@@ -209,6 +214,7 @@ _DEFINED_IN: dict[str, str] = {
     "mixed_precision": "stratagem.distribute",
     "scale_regularization_loss": "stratagem.distribute",
     "strategy_of": "stratagem.distribute",
+    "strategy_on_mesh": "stratagem.distribute",
     "ClusterConfigurationError": "stratagem.distribute.bootstrap",
     "CommunicationOptions": "stratagem.distribute.bootstrap",
     "connect_to_cluster": "stratagem.distribute.bootstrap",

@@ -21,10 +21,12 @@ from stratagem.distribute.strategies import (
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     ParameterServerStrategy,
+    PipelineOptions,
     PipelineStrategy,
     ShardedStrategy,
     TPUStrategy,
     initialize_tpu_system,
+    strategy_on_mesh,
 )
 from stratagem.distribute.strategy import (
     PerReplica,
@@ -44,6 +46,7 @@ __all__ = [
     "OneDeviceStrategy",
     "OutsideScopeError",
     "ParameterServerStrategy",
+    "PipelineOptions",
     "PipelineStrategy",
     "ReduceOp",
     "PerReplica",
@@ -58,6 +61,7 @@ __all__ = [
     "ValueContext",
     "compute_average_loss",
     "scale_regularization_loss",
+    "strategy_on_mesh",
     "function",
     "get_replica_context",
     "get_strategy",

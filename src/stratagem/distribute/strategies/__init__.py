@@ -3,6 +3,7 @@
 from stratagem.distribute.strategies.default import DefaultStrategy
 from stratagem.distribute.strategies.mirrored import MirroredStrategy
 from stratagem.distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
+from stratagem.distribute.strategies.on_mesh import PipelineOptions, strategy_on_mesh
 from stratagem.distribute.strategies.one_device import OneDeviceStrategy
 from stratagem.distribute.strategies.parameter_server import ParameterServerStrategy
 from stratagem.distribute.strategies.pipeline import PipelineStrategy
@@ -17,8 +18,10 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "ParameterServerStrategy",
+    "PipelineOptions",
     "PipelineStrategy",
     "ShardedStrategy",
     "TPUStrategy",
     "initialize_tpu_system",
+    "strategy_on_mesh",
 ]
