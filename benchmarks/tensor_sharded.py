@@ -11,12 +11,16 @@ row-wise), then ``fully_shard`` on each block and the root over "dp" (sum-type r
 has no AVG). stratagem is given the same split by a LayoutMap. The two alternate in rounds so
 machine noise hits both alike; samples/s is the median over rounds.
 
-Run: ``torchrun --nproc-per-node 4 benchmarks/tensor_sharded.py [--width 256] [--seq 64]``
+Run: ``torchrun --nproc-per-node 4 benchmarks/tensor_sharded.py [--width 256] [--seq 64]``.
+HSDP x TP: ``torchrun --nproc-per-node 8 benchmarks/tensor_sharded.py --shard-size 2`` (4 data x 2
+model; stratagem's ``ShardingOptions(shard_size=2)`` against ``fully_shard`` over torchtitan's
+("dp_replicate", "dp_shard") of a 3-D mesh).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -61,13 +65,19 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=4, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--shard-size", type=int, default=None,
+                        help="HSDP x TP: shard over groups of this many data copies, replicate across them "
+                        "(run on 8 processes: 4 data x 2 model, --shard-size 2)")  # fmt: skip
     args = parser.parse_args()
 
-    mesh = sg.DeviceMesh((2, 2), ("data", "model"))
+    world = int(os.environ.get("WORLD_SIZE", "4"))
+    copies = world // 2
+    mesh = sg.DeviceMesh((copies, 2), ("data", "model"))
     layout = sg.LayoutMap(mesh)
     layout[r"\.(q|k|v|w1)\.weight$"] = ("model", None)
     layout[r"\.(o|w2)\.weight$"] = (None, "model")
-    strategy = sg.ModelParallelStrategy(mesh, layout, devices="cpu", sharding=sg.ShardingOptions())
+    sharding = sg.ShardingOptions(shard_size=args.shard_size)
+    strategy = sg.ModelParallelStrategy(mesh, layout, devices="cpu", sharding=sharding)
     torch.set_num_threads(1)
     rank = dist.get_rank()
     dp = rank // 2  # the mesh is row-major: ranks 0, 1 are data copy 0 split over "model"
@@ -104,22 +114,28 @@ def main() -> None:
         parallelize_module,
     )
 
-    tmesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if args.shard_size is None or args.shard_size == copies:
+        tmesh = init_device_mesh("cpu", (copies, 2), mesh_dim_names=("dp", "tp"))
+        dp_mesh = tmesh["dp"]
+    else:  # HSDP x TP: torchtitan's dp_replicate x dp_shard x tp
+        shape = (copies // args.shard_size, args.shard_size, 2)
+        tmesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dp_mesh = tmesh["dp_replicate", "dp_shard"]
     torch.manual_seed(0)
     hand_model = make_model(args.width, args.blocks)
     plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
             "w1": ColwiseParallel(), "w2": RowwiseParallel()}  # fmt: skip
     for block in hand_model:
         parallelize_module(block, tmesh["tp"], plan)
-        fully_shard(block, mesh=tmesh["dp"])
-    fully_shard(hand_model, mesh=tmesh["dp"])
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(hand_model, mesh=dp_mesh)
     for m in hand_model.modules():
         if hasattr(m, "set_force_sum_reduction_for_comms"):
             m.set_force_sum_reduction_for_comms(True)
             m.set_gradient_divide_factor(1.0)  # summed over "dp", the loss scaled by the global batch
     hand_opt = torch.optim.Adam(hand_model.parameters(), lr=1e-4)
-    half = n // 2
-    x_hand, y_hand = xs[dp * half : (dp + 1) * half], ys[dp * half : (dp + 1) * half]
+    part = n // copies
+    x_hand, y_hand = xs[dp * part : (dp + 1) * part], ys[dp * part : (dp + 1) * part]
 
     def hand() -> None:
         hand_opt.zero_grad()
@@ -146,7 +162,9 @@ def main() -> None:
     if rank == 0:
         print(
             f"transformer {params / 1e6:.2f} M parameters ({args.blocks} blocks, width {args.width}, seq "
-            f"{args.seq}), 2 data x 2 model, global batch {n}, Adam, gloo, 1 thread per process, "
+            f"{args.seq}), {copies} data x 2 model"
+            + (f" (HSDP: shard_size {args.shard_size})" if args.shard_size else "")
+            + f", global batch {n}, Adam, gloo, 1 thread per process, "
             f"{args.rounds} rounds x {args.steps} steps"
         )
         for name, v in runs.items():
