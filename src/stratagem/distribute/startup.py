@@ -8,9 +8,9 @@ import torch
 
 from stratagem.cluster import ClusterSpec, ensure_replicas
 from stratagem.comm import Communicator
+from stratagem.comm.mesh import JobMesh
 from stratagem.core.mesh import DATA, DeviceMesh
 from stratagem.distribute.devices import plan_devices
-from stratagem.distribute.engines.torch_mesh import JobMesh
 from stratagem.distribute.join import join
 
 

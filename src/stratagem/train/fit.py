@@ -25,10 +25,7 @@ given, and the dict with ``return_dict=True``.
 from __future__ import annotations
 
 import copy
-import itertools
-import math
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Union, overload
 
 import numpy as np
@@ -38,16 +35,22 @@ from torch import nn
 from stratagem.core.batches import concat
 from stratagem.distribute import context, current, ownership
 from stratagem.distribute.mixed_precision import Policy
-from stratagem.distribute.strategy import Execution, Strategy
+from stratagem.distribute.strategy import Strategy
 from stratagem.train import loss_names
-from stratagem.train.callback import Callback, CallbackList, FitState, Logs
+from stratagem.train.callback import Callback, Logs
 from stratagem.train.history import History
-from stratagem.train.inputs import GlobalBatches, check_finite, check_iterable, distributed
+from stratagem.train.inputs import check_finite, check_iterable
+from stratagem.train.loop import (  # noqa: F401  (the cadence's names, read here as before they moved)
+    AUTO_MAX_STEPS_PER_EXECUTION,
+    AUTO_SYNC_SHARE,
+    _batches,
+    _Cadence,
+    _run_test,
+)
 from stratagem.train.losses import LossFn, check_loss_fn
-from stratagem.train.metrics import FitMetric, Mean, Metric, compile_metrics, sync_metrics
-from stratagem.train.progress import Progress, resolve_mode
-from stratagem.train.resume import FitProgress
-from stratagem.train.steps import DataParallelSteps, TrainOptions
+from stratagem.train.metrics import FitMetric, Mean, Metric, compile_metrics
+from stratagem.train.runners import FitRun, runner_for
+from stratagem.train.steps import TrainOptions
 
 if TYPE_CHECKING:
     from stratagem.pipeline.pipe import Pipe
@@ -67,146 +70,6 @@ def _strategy(
     objects = {"the model": model, "the optimizer": optimizer}
     chosen = ownership.resolve(objects, given, open_scope, what)
     return chosen if chosen is not None else current.get_strategy()
-
-
-def _make_steps(
-    strategy: Strategy,
-    model: Model,
-    optimizer: torch.optim.Optimizer | None,
-    loss_fn: LossFn | None,
-    policy: Policy | None = None,
-    options: TrainOptions | None = None,
-) -> Any:
-    from stratagem.train.pipeline_steps import PipelineSteps
-
-    policy = policy or Policy.of(None)
-    options = options or TrainOptions()
-    if strategy.extended.execution is Execution.PIPELINE:
-        if policy.name != "32":
-            raise ValueError(f"precision={policy.name!r} is not supported under PipelineStrategy yet; use precision='32'")
-        if options.accumulate != 1 or options.class_weight is not None or options.jit_compile:
-            raise ValueError(
-                "gradient_accumulation_steps, class_weight and jit_compile are not supported under "
-                "PipelineStrategy yet (its micro-batches already accumulate: raise num_microbatches "
-                "and the batch size instead); leave them unset"
-            )
-        from stratagem.pipeline.pipe import Pipe
-
-        if loss_fn is None and optimizer is not None and not isinstance(model, Pipe):
-            raise ValueError(
-                "loss_fn=None (the model's own loss) is not supported under PipelineStrategy: the "
-                "last stage computes the loss from the model's output; pass a loss_fn"
-            )
-        return PipelineSteps(strategy, model, optimizer, loss_fn, options)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    return DataParallelSteps(strategy, model, optimizer, loss_fn, policy, options)
-
-
-#: ``steps_per_execution="auto"``: the most steps between two reads of the logs, and the share of
-#: the step time that an execution's fixed cost (``strategy.run``, the metric updates, the sync
-#: and read-back of the logs) may add.
-AUTO_MAX_STEPS_PER_EXECUTION = 128
-AUTO_SYNC_SHARE = 0.01
-
-
-_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
-
-
-def _acts_per_batch(cb: Callback) -> bool:
-    if isinstance(cb, Progress):
-        return False  # the progress bar is fine with a log per execution
-    kind = type(cb)  # a hook set on the instance (LambdaCallback) counts too
-    return any(getattr(kind, hook) is not getattr(Callback, hook) or hook in getattr(cb, "__dict__", {}) for hook in _BATCH_HOOKS)
-
-
-def _may_stop_per_batch(cb: Callback) -> bool:
-    """Whether ``cb``'s batch hooks may set ``stop_training`` (fit then agrees after each batch)."""
-    return _acts_per_batch(cb) and bool(getattr(cb, "may_stop_per_batch", True))
-
-
-def _stop_asked(state: FitState) -> bool:
-    """Whether this replica's callbacks asked to stop: ``state.stop_training`` or Keras's
-    ``self.model.stop_training``."""
-    return bool(state.stop_training) or bool(getattr(state.model, "stop_training", False))
-
-
-def _set_model_flag(model: Any, value: bool) -> None:
-    """Keras's ``model.stop_training`` (False when fit starts, True once it stopped early)."""
-    try:
-        model.stop_training = value
-    except (AttributeError, TypeError):  # an object that takes no attributes: state.stop_training only
-        pass
-
-
-class _Cadence:
-    """How many steps each execution runs. A number is used as given; ``"auto"`` is 1 while a
-    callback acts per batch, else measured: the first two executions run one step each, timing
-    the step (inside ``strategy.run``) and the execution's fixed cost around it; at the second
-    sync every replica proposes the smallest count that keeps the fixed cost under
-    ``AUTO_SYNC_SHARE`` of the steps' time (at most ``AUTO_MAX_STEPS_PER_EXECUTION``), and all
-    use the mean of the proposals (summed in the sync they already do, so they agree). So a
-    step of a few milliseconds or more keeps a log per step, as in Keras."""
-
-    def __init__(self, value: int | str, callbacks: Sequence[Callback]) -> None:
-        if value == "auto":
-            self.size = 1
-            self.measuring = not any(_acts_per_batch(cb) for cb in callbacks)
-        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"steps_per_execution must be a positive number of steps or 'auto', got {value!r}")
-        else:
-            self.size, self.measuring = value, False
-        self.step_times: list[float] = []  # seconds per step
-        self.fixed_times: list[float] = []  # seconds of an execution outside its steps
-
-    def timed(self, steps: int, seconds: float, in_steps: float | None, sync: float) -> None:
-        """One execution of ``steps`` steps took ``seconds`` to train (``in_steps`` of them in the
-        steps themselves, when known) and ``sync`` to sync."""
-        inner = seconds if in_steps is None else min(in_steps, seconds)
-        self.step_times.append(inner / steps)
-        self.fixed_times.append(seconds - inner + sync)
-
-    def proposal(self, seconds: float, in_steps: float | None, steps: int) -> list[float]:
-        """What this replica adds to the sync of an execution that trained ``steps`` steps in
-        ``seconds`` (``in_steps`` in the steps): nothing, or its proposed count."""
-        if not self.measuring or not self.fixed_times:
-            return []
-        inner = seconds if in_steps is None else min(in_steps, seconds)
-        step = min(*self.step_times, inner / steps)
-        fixed = min(self.fixed_times)
-        want = math.ceil(fixed / max(AUTO_SYNC_SHARE * step, 1e-9))
-        return [float(min(max(want, 1), AUTO_MAX_STEPS_PER_EXECUTION))]
-
-    def agreed(self, total: list[float], replicas: int) -> None:
-        if total:
-            self.size = max(1, min(AUTO_MAX_STEPS_PER_EXECUTION, math.ceil(total[0] / replicas - 1e-9)))
-            self.measuring = False
-
-
-def _end_execution(
-    strategy: Strategy, tracked: Sequence[Metric], state: FitState, cblist: CallbackList, extra: list[float]
-) -> list[float]:
-    """The end of an execution: one collective for every total, then the batch-end logs."""
-    summed = sync_metrics(strategy, tracked, extra)
-    state.samples = int(tracked[0].global_totals()[1])
-    cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
-    return summed
-
-
-def _batches(strategy: Strategy, data: Iterable[Any], steps: int | None) -> Iterable[Any]:
-    batches = distributed(strategy, data)
-    return batches if steps is None else itertools.islice(batches, steps)
-
-
-def _logs(metrics: Sequence[Metric], prefix: str = "") -> Logs:
-    logs: Logs = {}
-    for m in metrics:
-        value = m.result()
-        if isinstance(value, Mapping):  # a metric whose result is a dict logs each entry (Keras)
-            logs.update({prefix + str(k): float(v) for k, v in value.items()})
-        else:
-            logs[prefix + m.name] = float(value)
-    return dict(sorted(logs.items()))  # Keras 3's logs come in sorted order (its history, its bar)
 
 
 def _tracked_metrics(model: Any, loss_fn: Any, metrics: Any, weighted_metrics: Any) -> list[Metric]:
@@ -246,37 +109,6 @@ def _check_scheduler(scheduler: Any, interval: str, strategy: Strategy, optimize
             "lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler over the optimizer fit steps; "
             f"got {type(scheduler).__name__}" + (" over another optimizer" if hasattr(scheduler, "step") else "")
         )
-
-
-def _reset(metrics: Sequence[Metric]) -> None:
-    for m in metrics:
-        m.reset_state()
-
-
-def _run_test(
-    strategy: Strategy,
-    runner: Any,
-    data: Iterable[Any],
-    tracked: Sequence[Metric],
-    cblist: CallbackList | None,
-    steps: int | None = None,
-) -> Logs:
-    _reset(tracked)
-    if cblist is not None:
-        cblist.call("on_test_begin", None)
-    logs: Logs = {}
-    for i, batch in enumerate(_batches(strategy, data, steps)):
-        if cblist is not None:
-            cblist.call("on_test_batch_begin", i, None)
-        runner.test(batch, tracked[0], tracked[1:])
-        if cblist is not None:
-            sync_metrics(strategy, tracked)
-            cblist.call("on_test_batch_end", i, _logs(tracked))
-    sync_metrics(strategy, tracked)
-    logs = _logs(tracked)
-    if cblist is not None:
-        cblist.call("on_test_end", logs)
-    return logs
 
 
 def fit(
@@ -361,47 +193,22 @@ def fit(
                            dict(class_weight) if class_weight is not None else None,
                            jit_compile=jit_compile is True)
     _check_fit(strategy, optimizer, loss_fn, epochs, initial_epoch, lr_scheduler, lr_scheduler_interval)
+    runner = runner_for(strategy)  # how this strategy runs steps: its limits, its steps, its loop
     train_metrics = _tracked_metrics(model, loss_fn, metrics, weighted_metrics)
-    if weighted_metrics and strategy.extended.execution is Execution.PIPELINE:
-        raise ValueError(
-            "weighted_metrics is not supported under PipelineStrategy yet (its steps pass no sample weights "
-            "to metrics); give the metrics in metrics= (unweighted, as Keras's)"
-        )
+    runner.check_metrics(weighted_metrics)
+    validation = validation_data is not None
     tracked = [Mean("loss"), *train_metrics]
-    val_tracked = [Mean("loss"), *(copy.deepcopy(m) for m in train_metrics)] if validation_data is not None else []
-    if validation_data is not None:
+    val_tracked = [Mean("loss"), *(copy.deepcopy(m) for m in train_metrics)] if validation else []
+    if validation:
         check_iterable(validation_data, "validation_data")
         check_finite(validation_data, validation_steps, "validation_data", "validation_steps")
-    params = {"epochs": epochs, "verbose": verbose, "do_validation": validation_data is not None,
-              "metrics": _log_names(tracked, validation_data is not None), "num_replicas": strategy.num_replicas_in_sync}
-    if strategy.extended.execution is Execution.COORDINATED:  # ParameterServerStrategy: steps scheduled onto workers
-        from stratagem.train import coordinated_fit
-
-        coordinated_fit.unsupported({
-            "precision": policy.name != "32", "gradient_accumulation_steps": gradient_accumulation_steps != 1,
-            "clipnorm": clipnorm, "clipvalue": clipvalue, "global_clipnorm": global_clipnorm,
-            "class_weight": class_weight, "lr_scheduler": lr_scheduler,
-        })  # fmt: skip
-
-        def validate() -> Logs:
-            runner = _make_steps(strategy, model, None, loss_fn)
-            return _run_test(strategy, runner, validation_data, val_tracked, None, validation_steps)  # type: ignore[arg-type]
-
-        assert isinstance(model, nn.Module)  # a Pipe exists only under PipelineStrategy
-        return coordinated_fit.fit_coordinated(
-            strategy, model, optimizer, loss_fn, data, epochs=epochs, steps_per_epoch=steps_per_epoch,
-            tracked=tracked, callbacks=callbacks, verbose=verbose, initial_epoch=initial_epoch,
-            validate=validate if validation_data is not None else None, params=params,
-        )  # fmt: skip
-    steps = _make_steps(strategy, model, optimizer, loss_fn, policy, options)
-    if lr_scheduler is not None and lr_scheduler_interval == "step":
-        steps.after_update = lr_scheduler.step
-    batches = GlobalBatches(strategy, data, steps_per_epoch)
-    loop = _Loop(strategy, steps, optimizer, batches, tracked, val_tracked, {**params, "steps": batches.steps()},
-                 callbacks, verbose, steps_per_execution, options.accumulate)
-    loop.validation = (validation_data, validation_steps) if validation_data is not None else None
-    loop.epoch_scheduler = lr_scheduler if lr_scheduler_interval == "epoch" else None
-    return loop.run(initial_epoch, epochs)
+    params = {"epochs": epochs, "verbose": verbose, "do_validation": validation,
+              "metrics": _log_names(tracked, validation), "num_replicas": strategy.num_replicas_in_sync}
+    return runner.fit(FitRun(
+        model, optimizer, loss_fn, data, policy, options, epochs, initial_epoch, steps_per_epoch,
+        validation_data, validation_steps, tracked, val_tracked, params, callbacks, verbose,
+        steps_per_execution, lr_scheduler, lr_scheduler_interval,
+    ))  # fmt: skip
 
 
 def _check_fit(
@@ -421,141 +228,6 @@ def _check_fit(
 def _log_names(tracked: Sequence[Metric], validation: bool) -> list[str]:
     names = [m.name for m in tracked]
     return names + ([f"val_{n}" for n in names] if validation else [])
-
-
-class _Loop:
-    """fit's epochs when the replicas step together (every strategy but ParameterServerStrategy):
-    executions of up to ``steps_per_execution`` steps, each ended by one sync of the logs, then
-    validation, the callbacks and the stop agreed by every replica."""
-
-    def __init__(
-        self,
-        strategy: Strategy,
-        steps: Any,
-        optimizer: torch.optim.Optimizer,
-        batches: GlobalBatches,
-        tracked: list[Metric],
-        val_tracked: list[Metric],
-        params: dict[str, Any],
-        callbacks: Sequence[Callback],
-        verbose: int | str,
-        steps_per_execution: int | str,
-        accumulate: int,
-    ) -> None:
-        self.strategy, self.steps, self.batches = strategy, steps, batches
-        self.tracked, self.val_tracked = tracked, val_tracked
-        self.accumulate = accumulate
-        self.validation: tuple[Iterable[Any], int | None] | None = None
-        self.epoch_scheduler: Any = None
-        self.history = History(params)
-        self.state = state = FitState(steps.module, optimizer, strategy, self.history, params, is_chief=steps.is_chief)
-        cbs = list(callbacks)
-        mode = resolve_mode(verbose)
-        if mode is not None and not any(isinstance(cb, Progress) for cb in cbs):
-            cbs.insert(0, Progress(mode))
-        self.cblist = CallbackList(cbs, state)
-        self.cadence = _Cadence(steps_per_execution, cbs)
-        self.per_batch_stop = any(_may_stop_per_batch(cb) for cb in cbs)
-        state.capture = self.capture
-        state.restore = self.restore
-
-    def capture(self, progress: FitProgress, *, epoch_end: bool) -> None:
-        state = self.state
-        progress.capture(
-            epoch=state.epoch + 1 if epoch_end else state.epoch,
-            step=0 if epoch_end else state.step,
-            iterations=state.iterations,
-            data=self.batches.state_dict(),
-            metrics=self.tracked,
-            history=self.history.state_dict(),
-            loss_scale=self.steps.loss_scale_state(),
-        )
-
-    def restore(self, progress: FitProgress) -> None:
-        saved, state = progress.state, self.state
-        self.batches.load_state_dict(saved["data"])
-        self.history.load_state_dict(saved["history"])
-        if saved["step"] > 0:
-            progress.restore_metrics(self.tracked)
-        state.initial_epoch, state.initial_step = int(saved["epoch"]), int(saved["step"])
-        state.iterations = int(saved["iterations"])
-        pieces = getattr(self.steps, "pieces", None)
-        if pieces is not None:  # the deterministic mode's dropout: by update, as the run that went on
-            pieces.updates = state.iterations
-        if saved.get("loss_scale") is not None:
-            self.steps.load_loss_scale_state(saved["loss_scale"])
-
-    def run(self, initial_epoch: int, epochs: int) -> History:
-        state, cblist = self.state, self.cblist
-        logs: Logs = {}
-        _set_model_flag(state.model, False)  # as Keras: model.stop_training is reset by each fit
-        with context.strategy_scope(self.strategy):
-            cblist.call("on_train_begin", None)
-            if state.initial_epoch == 0 and state.initial_step == 0:
-                state.initial_epoch = initial_epoch  # a backup restored by on_train_begin wins
-            for epoch in range(state.initial_epoch, epochs):
-                logs = self._epoch(epoch)
-                if self.steps.agree(_stop_asked(state)):
-                    state.stop_training = True
-                    _set_model_flag(state.model, True)
-                    break
-            cblist.call("on_train_end", dict(logs))
-        return self.history
-
-    def _epoch(self, epoch: int) -> Logs:
-        state, steps, tracked = self.state, self.steps, self.tracked
-        state.epoch = epoch
-        if epoch == state.initial_epoch and state.initial_step > 0:
-            state.step = state.initial_step  # resumed mid-epoch: data, metrics already restored
-        else:
-            state.step = 0
-            _reset(tracked)
-            self.batches.begin_epoch()
-        sync_metrics(self.strategy, tracked)
-        state.samples = int(tracked[0].global_totals()[1])
-        steps.set_training(True)
-        self.cblist.call("on_epoch_begin", epoch, None)
-        self._train(self.batches.epoch())
-        logs = _logs(tracked)
-        if self.validation is not None:
-            steps.set_training(False)
-            val = _run_test(self.strategy, steps, self.validation[0], self.val_tracked, self.cblist, self.validation[1])
-            logs.update({f"val_{k}": v for k, v in val.items()})
-            steps.set_training(True)
-        self.history.record(epoch, logs)
-        self.cblist.call("on_epoch_end", epoch, logs)  # callbacks may add logs (learning_rate)
-        self.history.update_last(logs)
-        if self.epoch_scheduler is not None:
-            self.epoch_scheduler.step()
-        return logs
-
-    def _train(self, epoch_batches: Iterator[Any]) -> None:
-        """The epoch's executions: up to ``cadence.size`` steps in one ``strategy.run``, then one sync."""
-        state, cadence, tracked = self.state, self.cadence, self.tracked
-        while True:
-            group = list(itertools.islice(epoch_batches, cadence.size * self.accumulate))
-            if not group:
-                return
-            self.cblist.call("on_train_batch_begin", state.step, None)
-            t0 = time.perf_counter()
-            in_steps = self.steps.train(group, tracked[0], tracked[1:])
-            t1 = time.perf_counter()
-            state.step += len(group)
-            state.iterations += len(group)
-            # the sync also carries whether a callback asked to stop before this execution's
-            # end (on_epoch_begin, on_train_batch_begin): every replica stops after this batch,
-            # as Keras does, at no extra collective
-            proposal = cadence.proposal(t1 - t0, in_steps, len(group))
-            summed = _end_execution(self.strategy, tracked, state, self.cblist, [float(_stop_asked(state)), *proposal])
-            if cadence.measuring:
-                cadence.timed(len(group), t1 - t0, in_steps, time.perf_counter() - t1)
-                cadence.agreed(summed[1:], self.strategy.num_replicas_in_sync)
-            # asked in on_train_batch_end (Keras checks after each batch): agreed now, so every
-            # replica stops after this batch (one small collective, only with such callbacks)
-            if summed[0] > 0 or (self.per_batch_stop and self.steps.agree(_stop_asked(state))):
-                state.stop_training = True
-                _set_model_flag(state.model, True)
-                return
 
 
 #: Keras's default ``batch_size`` for array inputs.
@@ -700,19 +372,16 @@ def evaluate_logs(
     check_iterable(data, "data")
     check_finite(data, steps, "data", "steps")
     tracked = [Mean("loss"), *_tracked_metrics(model, resolved, metrics, weighted_metrics)]
-    if weighted_metrics and strategy.extended.execution is Execution.PIPELINE:
-        raise ValueError(
-            "weighted_metrics is not supported under PipelineStrategy yet (its steps pass no sample weights "
-            "to metrics); give the metrics in metrics= (unweighted, as Keras's)"
-        )
-    runner = _make_steps(strategy, model, None, resolved)
-    was_training = runner.module.training
-    runner.set_training(False)
+    runner = runner_for(strategy)
+    runner.check_metrics(weighted_metrics)
+    test_steps = runner.steps(model, None, resolved)
+    was_training = test_steps.module.training
+    test_steps.set_training(False)
     try:
         with context.strategy_scope(strategy):
-            logs = _run_test(strategy, runner, data, tracked, None, steps)
+            logs = _run_test(strategy, test_steps, data, tracked, None, steps)
     finally:
-        runner.set_training(was_training)
+        test_steps.set_training(was_training)
     return logs, _in_keras_order(logs, tracked)
 
 
@@ -738,14 +407,14 @@ def predict(
     data = _array_batches(data, batch_size, "predict", with_y=False)
     check_iterable(data, "data")
     check_finite(data, steps, "data", "steps")
-    runner = _make_steps(strategy, model, None, None)
-    was_training = runner.module.training
-    runner.set_training(False)
+    predict_steps = runner_for(strategy).steps(model, None, None)
+    was_training = predict_steps.module.training
+    predict_steps.set_training(False)
     parts: list[Any] = []
     try:
         with context.strategy_scope(strategy):
             for batch in _batches(strategy, data, steps):
-                parts.append(runner.predict(batch))
+                parts.append(predict_steps.predict(batch))
     finally:
-        runner.set_training(was_training)
+        predict_steps.set_training(was_training)
     return concat(parts)

@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from stratagem.comm import Communicator
+from stratagem.comm.mesh import JobMesh
 from stratagem.core.mesh import DATA, PIPELINE
 from stratagem.distribute import context, ownership
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.fsdp import ShardingOptions, apply_fsdp
 from stratagem.distribute.engines.layout import LayoutMap
 from stratagem.distribute.engines.over_replicas import OverReplicas
-from stratagem.distribute.engines.torch_mesh import JobMesh
 from stratagem.distribute.strategy import Execution, ReplicaContext, StateLayout
 from stratagem.pipeline.config import PipelineConfig
 from stratagem.pipeline.errors import PipelineConfigError

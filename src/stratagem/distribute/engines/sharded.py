@@ -24,6 +24,7 @@ from torch import nn
 
 from stratagem.comm import Communicator
 from stratagem.comm.failure import collectives_explained
+from stratagem.comm.mesh import JobMesh
 from stratagem.core.mesh import DATA_REPLICATE, DATA_SHARD, DeviceMesh
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
@@ -31,7 +32,6 @@ from stratagem.distribute.engines.fsdp import ShardedRoots, ShardingOptions, app
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
 from stratagem.distribute.engines.shard_plan import UnitPlan
-from stratagem.distribute.engines.torch_mesh import JobMesh
 from stratagem.distribute.strategy import StateLayout, Strategy
 
 

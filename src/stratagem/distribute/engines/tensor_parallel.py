@@ -22,6 +22,7 @@ from torch import nn
 
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.failure import collectives_explained
+from stratagem.comm.mesh import JobMesh
 from stratagem.core.mesh import DATA_REPLICATE, DATA_SHARD
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
@@ -34,7 +35,6 @@ from stratagem.distribute.engines.layout import (
 )
 from stratagem.distribute.engines.meta_init import allocated_keeping_buffers
 from stratagem.distribute.engines.over_replicas import OverReplicas
-from stratagem.distribute.engines.torch_mesh import JobMesh
 from stratagem.distribute.strategy import StateLayout, Strategy
 
 _RULES: list[bool] = []

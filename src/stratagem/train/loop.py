@@ -1,0 +1,294 @@
+"""fit's synchronous epochs (every strategy whose replicas step together): executions of up to
+``steps_per_execution`` steps, each ended by one sync of the logs, then validation, the callbacks
+and the stop agreed by every replica; and the test pass that validation and ``evaluate`` run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from stratagem.distribute import context
+from stratagem.distribute.strategy import Strategy
+from stratagem.train.callback import Callback, CallbackList, FitState, Logs
+from stratagem.train.history import History
+from stratagem.train.inputs import GlobalBatches, distributed
+from stratagem.train.metrics import Metric, sync_metrics
+from stratagem.train.progress import Progress, resolve_mode
+from stratagem.train.resume import FitProgress
+
+#: ``steps_per_execution="auto"``: the most steps between two reads of the logs, and the share of
+#: the step time that an execution's fixed cost (``strategy.run``, the metric updates, the sync
+#: and read-back of the logs) may add.
+AUTO_MAX_STEPS_PER_EXECUTION = 128
+AUTO_SYNC_SHARE = 0.01
+
+
+_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+
+
+def _acts_per_batch(cb: Callback) -> bool:
+    if isinstance(cb, Progress):
+        return False  # the progress bar is fine with a log per execution
+    kind = type(cb)  # a hook set on the instance (LambdaCallback) counts too
+    return any(getattr(kind, hook) is not getattr(Callback, hook) or hook in getattr(cb, "__dict__", {}) for hook in _BATCH_HOOKS)
+
+
+def _may_stop_per_batch(cb: Callback) -> bool:
+    """Whether ``cb``'s batch hooks may set ``stop_training`` (fit then agrees after each batch)."""
+    return _acts_per_batch(cb) and bool(getattr(cb, "may_stop_per_batch", True))
+
+
+def _stop_asked(state: FitState) -> bool:
+    """Whether this replica's callbacks asked to stop: ``state.stop_training`` or Keras's
+    ``self.model.stop_training``."""
+    return bool(state.stop_training) or bool(getattr(state.model, "stop_training", False))
+
+
+def _set_model_flag(model: Any, value: bool) -> None:
+    """Keras's ``model.stop_training`` (False when fit starts, True once it stopped early)."""
+    try:
+        model.stop_training = value
+    except (AttributeError, TypeError):  # an object that takes no attributes: state.stop_training only
+        pass
+
+
+class _Cadence:
+    """How many steps each execution runs. A number is used as given; ``"auto"`` is 1 while a
+    callback acts per batch, else measured: the first two executions run one step each, timing
+    the step (inside ``strategy.run``) and the execution's fixed cost around it; at the second
+    sync every replica proposes the smallest count that keeps the fixed cost under
+    ``AUTO_SYNC_SHARE`` of the steps' time (at most ``AUTO_MAX_STEPS_PER_EXECUTION``), and all
+    use the mean of the proposals (summed in the sync they already do, so they agree). So a
+    step of a few milliseconds or more keeps a log per step, as in Keras."""
+
+    def __init__(self, value: int | str, callbacks: Sequence[Callback]) -> None:
+        if value == "auto":
+            self.size = 1
+            self.measuring = not any(_acts_per_batch(cb) for cb in callbacks)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"steps_per_execution must be a positive number of steps or 'auto', got {value!r}")
+        else:
+            self.size, self.measuring = value, False
+        self.step_times: list[float] = []  # seconds per step
+        self.fixed_times: list[float] = []  # seconds of an execution outside its steps
+
+    def timed(self, steps: int, seconds: float, in_steps: float | None, sync: float) -> None:
+        """One execution of ``steps`` steps took ``seconds`` to train (``in_steps`` of them in the
+        steps themselves, when known) and ``sync`` to sync."""
+        inner = seconds if in_steps is None else min(in_steps, seconds)
+        self.step_times.append(inner / steps)
+        self.fixed_times.append(seconds - inner + sync)
+
+    def proposal(self, seconds: float, in_steps: float | None, steps: int) -> list[float]:
+        """What this replica adds to the sync of an execution that trained ``steps`` steps in
+        ``seconds`` (``in_steps`` in the steps): nothing, or its proposed count."""
+        if not self.measuring or not self.fixed_times:
+            return []
+        inner = seconds if in_steps is None else min(in_steps, seconds)
+        step = min(*self.step_times, inner / steps)
+        fixed = min(self.fixed_times)
+        want = math.ceil(fixed / max(AUTO_SYNC_SHARE * step, 1e-9))
+        return [float(min(max(want, 1), AUTO_MAX_STEPS_PER_EXECUTION))]
+
+    def agreed(self, total: list[float], replicas: int) -> None:
+        if total:
+            self.size = max(1, min(AUTO_MAX_STEPS_PER_EXECUTION, math.ceil(total[0] / replicas - 1e-9)))
+            self.measuring = False
+
+
+def _end_execution(
+    strategy: Strategy, tracked: Sequence[Metric], state: FitState, cblist: CallbackList, extra: list[float]
+) -> list[float]:
+    """The end of an execution: one collective for every total, then the batch-end logs."""
+    summed = sync_metrics(strategy, tracked, extra)
+    state.samples = int(tracked[0].global_totals()[1])
+    cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
+    return summed
+
+
+def _batches(strategy: Strategy, data: Iterable[Any], steps: int | None) -> Iterable[Any]:
+    batches = distributed(strategy, data)
+    return batches if steps is None else itertools.islice(batches, steps)
+
+
+def _logs(metrics: Sequence[Metric], prefix: str = "") -> Logs:
+    logs: Logs = {}
+    for m in metrics:
+        value = m.result()
+        if isinstance(value, Mapping):  # a metric whose result is a dict logs each entry (Keras)
+            logs.update({prefix + str(k): float(v) for k, v in value.items()})
+        else:
+            logs[prefix + m.name] = float(value)
+    return dict(sorted(logs.items()))  # Keras 3's logs come in sorted order (its history, its bar)
+
+
+def _reset(metrics: Sequence[Metric]) -> None:
+    for m in metrics:
+        m.reset_state()
+
+
+def _run_test(
+    strategy: Strategy,
+    runner: Any,
+    data: Iterable[Any],
+    tracked: Sequence[Metric],
+    cblist: CallbackList | None,
+    steps: int | None = None,
+) -> Logs:
+    _reset(tracked)
+    if cblist is not None:
+        cblist.call("on_test_begin", None)
+    logs: Logs = {}
+    for i, batch in enumerate(_batches(strategy, data, steps)):
+        if cblist is not None:
+            cblist.call("on_test_batch_begin", i, None)
+        runner.test(batch, tracked[0], tracked[1:])
+        if cblist is not None:
+            sync_metrics(strategy, tracked)
+            cblist.call("on_test_batch_end", i, _logs(tracked))
+    sync_metrics(strategy, tracked)
+    logs = _logs(tracked)
+    if cblist is not None:
+        cblist.call("on_test_end", logs)
+    return logs
+
+
+class _Loop:
+    """fit's epochs when the replicas step together (every strategy but ParameterServerStrategy):
+    executions of up to ``steps_per_execution`` steps, each ended by one sync of the logs, then
+    validation, the callbacks and the stop agreed by every replica."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        steps: Any,
+        optimizer: torch.optim.Optimizer,
+        batches: GlobalBatches,
+        tracked: list[Metric],
+        val_tracked: list[Metric],
+        params: dict[str, Any],
+        callbacks: Sequence[Callback],
+        verbose: int | str,
+        steps_per_execution: int | str,
+        accumulate: int,
+    ) -> None:
+        self.strategy, self.steps, self.batches = strategy, steps, batches
+        self.tracked, self.val_tracked = tracked, val_tracked
+        self.accumulate = accumulate
+        self.validation: tuple[Iterable[Any], int | None] | None = None
+        self.epoch_scheduler: Any = None
+        self.history = History(params)
+        self.state = state = FitState(steps.module, optimizer, strategy, self.history, params, is_chief=steps.is_chief)
+        cbs = list(callbacks)
+        mode = resolve_mode(verbose)
+        if mode is not None and not any(isinstance(cb, Progress) for cb in cbs):
+            cbs.insert(0, Progress(mode))
+        self.cblist = CallbackList(cbs, state)
+        self.cadence = _Cadence(steps_per_execution, cbs)
+        self.per_batch_stop = any(_may_stop_per_batch(cb) for cb in cbs)
+        state.capture = self.capture
+        state.restore = self.restore
+
+    def capture(self, progress: FitProgress, *, epoch_end: bool) -> None:
+        state = self.state
+        progress.capture(
+            epoch=state.epoch + 1 if epoch_end else state.epoch,
+            step=0 if epoch_end else state.step,
+            iterations=state.iterations,
+            data=self.batches.state_dict(),
+            metrics=self.tracked,
+            history=self.history.state_dict(),
+            loss_scale=self.steps.loss_scale_state(),
+        )
+
+    def restore(self, progress: FitProgress) -> None:
+        saved, state = progress.state, self.state
+        self.batches.load_state_dict(saved["data"])
+        self.history.load_state_dict(saved["history"])
+        if saved["step"] > 0:
+            progress.restore_metrics(self.tracked)
+        state.initial_epoch, state.initial_step = int(saved["epoch"]), int(saved["step"])
+        state.iterations = int(saved["iterations"])
+        pieces = getattr(self.steps, "pieces", None)
+        if pieces is not None:  # the deterministic mode's dropout: by update, as the run that went on
+            pieces.updates = state.iterations
+        if saved.get("loss_scale") is not None:
+            self.steps.load_loss_scale_state(saved["loss_scale"])
+
+    def run(self, initial_epoch: int, epochs: int) -> History:
+        state, cblist = self.state, self.cblist
+        logs: Logs = {}
+        _set_model_flag(state.model, False)  # as Keras: model.stop_training is reset by each fit
+        with context.strategy_scope(self.strategy):
+            cblist.call("on_train_begin", None)
+            if state.initial_epoch == 0 and state.initial_step == 0:
+                state.initial_epoch = initial_epoch  # a backup restored by on_train_begin wins
+            for epoch in range(state.initial_epoch, epochs):
+                logs = self._epoch(epoch)
+                if self.steps.agree(_stop_asked(state)):
+                    state.stop_training = True
+                    _set_model_flag(state.model, True)
+                    break
+            cblist.call("on_train_end", dict(logs))
+        return self.history
+
+    def _epoch(self, epoch: int) -> Logs:
+        state, steps, tracked = self.state, self.steps, self.tracked
+        state.epoch = epoch
+        if epoch == state.initial_epoch and state.initial_step > 0:
+            state.step = state.initial_step  # resumed mid-epoch: data, metrics already restored
+        else:
+            state.step = 0
+            _reset(tracked)
+            self.batches.begin_epoch()
+        sync_metrics(self.strategy, tracked)
+        state.samples = int(tracked[0].global_totals()[1])
+        steps.set_training(True)
+        self.cblist.call("on_epoch_begin", epoch, None)
+        self._train(self.batches.epoch())
+        logs = _logs(tracked)
+        if self.validation is not None:
+            steps.set_training(False)
+            val = _run_test(self.strategy, steps, self.validation[0], self.val_tracked, self.cblist, self.validation[1])
+            logs.update({f"val_{k}": v for k, v in val.items()})
+            steps.set_training(True)
+        self.history.record(epoch, logs)
+        self.cblist.call("on_epoch_end", epoch, logs)  # callbacks may add logs (learning_rate)
+        self.history.update_last(logs)
+        if self.epoch_scheduler is not None:
+            self.epoch_scheduler.step()
+        return logs
+
+    def _train(self, epoch_batches: Iterator[Any]) -> None:
+        """The epoch's executions: up to ``cadence.size`` steps in one ``strategy.run``, then one sync."""
+        state, cadence, tracked = self.state, self.cadence, self.tracked
+        while True:
+            group = list(itertools.islice(epoch_batches, cadence.size * self.accumulate))
+            if not group:
+                return
+            self.cblist.call("on_train_batch_begin", state.step, None)
+            t0 = time.perf_counter()
+            in_steps = self.steps.train(group, tracked[0], tracked[1:])
+            t1 = time.perf_counter()
+            state.step += len(group)
+            state.iterations += len(group)
+            # the sync also carries whether a callback asked to stop before this execution's
+            # end (on_epoch_begin, on_train_batch_begin): every replica stops after this batch,
+            # as Keras does, at no extra collective
+            proposal = cadence.proposal(t1 - t0, in_steps, len(group))
+            summed = _end_execution(self.strategy, tracked, state, self.cblist, [float(_stop_asked(state)), *proposal])
+            if cadence.measuring:
+                cadence.timed(len(group), t1 - t0, in_steps, time.perf_counter() - t1)
+                cadence.agreed(summed[1:], self.strategy.num_replicas_in_sync)
+            # asked in on_train_batch_end (Keras checks after each batch): agreed now, so every
+            # replica stops after this batch (one small collective, only with such callbacks)
+            if summed[0] > 0 or (self.per_batch_stop and self.steps.agree(_stop_asked(state))):
+                state.stop_training = True
+                _set_model_flag(state.model, True)
+                return
