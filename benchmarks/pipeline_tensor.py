@@ -10,7 +10,11 @@ with torch's ``ColwiseParallel`` / ``RowwiseParallel`` on each block of a stage 
 ``ScheduleGPipe``). The same model, data and split on both; the two alternate in rounds so
 machine noise hits both alike; samples/s is the median over rounds.
 
-Run: ``torchrun --nproc-per-node 4 benchmarks/pipeline_tensor.py [--schedule gpipe] [--width 1024]``
+Run: ``torchrun --nproc-per-node 4 benchmarks/pipeline_tensor.py [--schedule gpipe] [--width 1024]``.
+Pipeline x tensor x data: ``torchrun --nproc-per-node 8 benchmarks/pipeline_tensor.py --data 2``
+(2 copies x 2 stages x 2 tensor-parallel; stratagem's ``data_parallel=2`` against the hand-written
+stage's gradients all-reduced over a ("dp", "pp", "tp") mesh's "dp" group after each step, as a
+user without a data-parallel wrapper for a pipeline stage writes it).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def main() -> None:
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--steps", type=int, default=4, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--data", type=int, default=1, help="data-parallel copies of the pipeline (8 processes for 2)")
     parser.add_argument("--rematerialize", default="auto",
                         help="stratagem's (its default, auto, keeps activations that fit, as torch's stage keeps them)")
     args = parser.parse_args()
@@ -63,15 +68,19 @@ def main() -> None:
     balance = [n_layers // 2, n_layers - n_layers // 2]
     strategy = sg.PipelineStrategy(
         K, args.microbatches, schedule=args.schedule, devices="cpu", layout_map=layout_map,
-        rematerialize=args.rematerialize, balance=balance,
+        rematerialize=args.rematerialize, balance=balance, data_parallel=args.data,
     )  # fmt: skip
     torch.set_num_threads(1)
     rank = dist.get_rank()
     stage = (rank // T) % K
+    copy = rank // (K * T)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.global_batch, 64, generator=g)
-    y = torch.randint(0, 10, (args.global_batch,), generator=g)
+    xs = torch.randn(args.global_batch, 64, generator=g)
+    ys = torch.randint(0, 10, (args.global_batch,), generator=g)
     loss_fn = nn.CrossEntropyLoss()
+    x, y = next(iter(strategy.experimental_distribute_dataset([(xs, ys)])))  # this copy's share
+    part_n = args.global_batch // args.data
+    x_hand, y_hand = xs[copy * part_n : (copy + 1) * part_n], ys[copy * part_n : (copy + 1) * part_n]
 
     # --- stratagem
     torch.manual_seed(0)
@@ -93,7 +102,7 @@ def main() -> None:
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (K, T), mesh_dim_names=("pp", "tp"))
+    mesh = init_device_mesh("cpu", (args.data, K, T), mesh_dim_names=("dp", "pp", "tp"))
     torch.manual_seed(0)
     layers = list(make_model(args.width, args.blocks))
     start = sum(balance[:stage])
@@ -109,12 +118,19 @@ def main() -> None:
 
     sched = (Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe)(hand_stage, args.microbatches, loss_fn=scaled_loss)
     hand_opt = torch.optim.Adam(part.parameters(), lr=1e-3)
+    dp_group = mesh["dp"].get_group() if args.data > 1 else None
 
     def hand() -> None:
         if stage == 0:
-            sched.step(x)
+            sched.step(x_hand)
         else:
-            sched.step(target=y, losses=[])
+            sched.step(target=y_hand, losses=[])
+        if dp_group is not None:  # the copies' gradients summed (each copy's loss is scaled by the global batch)
+            from torch.distributed.tensor import DTensor
+
+            for p in part.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=dp_group)
         hand_opt.step()
         hand_opt.zero_grad()
 
@@ -138,7 +154,7 @@ def main() -> None:
     if rank == 0:
         print(
             f"model {params / 1e6:.2f} M parameters ({args.blocks} MLP blocks, width {args.width}), "
-            f"{K} stages x {T} tensor-parallel, {args.schedule}, M={args.microbatches}, "
+            f"{args.data} copies x {K} stages x {T} tensor-parallel, {args.schedule}, M={args.microbatches}, "
             f"rematerialize={args.rematerialize!r}, global batch {args.global_batch}, Adam, gloo, "
             f"1 thread per process, {args.rounds} rounds x {args.steps} steps"
         )
