@@ -191,13 +191,76 @@ def test_pipeline_x_sharded_fit_matches_one_device():
     [
         (dict(data_parallel=1, sharding=sg.ShardingOptions()), "data_parallel=1 leaves one copy"),
         (dict(data_parallel=2, schedule="zero_bubble", sharding=sg.ShardingOptions()), "zero_bubble"),
-        (dict(data_parallel=2, sharding=sg.ShardingOptions(shard_size=1)), "shard_size=1"),
+        (dict(data_parallel=2, sharding=sg.ShardingOptions(shard_size=3)), r"shard_size=3\) .* must divide"),
+        (dict(data_parallel=2, sharding=sg.ShardingOptions(gradient_op="mean")), "leave gradient_op='sum'"),
         (dict(data_parallel=2, sharding=True), "must be a stratagem.ShardingOptions"),
     ],
 )
 def test_pipeline_sharding_arguments_it_cannot_take_are_clear_errors(kw, match):
     with pytest.raises(PipelineConfigError, match=match):
         PipelineStrategy(2, 2, devices="cpu", **kw)
+
+
+def hsdp_worker(directory: str) -> dict[str, Any]:
+    """HSDP inside each stage: 2 stages x 4 copies, each stage sharded within pairs of copies and
+    replicated across the pairs (``shard_size=2``); the custom loop against one device, and a
+    checkpoint the test restores into one plain process."""
+    from torch.distributed.tensor import DTensor
+
+    s = PipelineStrategy(2, 2, schedule="1f1b", data_parallel=4, devices="cpu",
+                         sharding=sg.ShardingOptions(shard_size=2))  # fmt: skip
+    loss_fn = nn.CrossEntropyLoss()
+    with s.scope():
+        torch.manual_seed(0)
+        model = build()
+        pipe = s.pipeline(model, loss_fn, verbose=False)
+        opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    torch.manual_seed(0)
+    ref = build()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    data = batches([16, 16, 16], seed=4)
+    for x, y in s.experimental_distribute_dataset(data):
+        s.run(pipe.train_step, args=(x, y))
+        opt.step()
+        opt.zero_grad()
+    for gx, gy in data:
+        loss_fn(ref(gx), gy).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    errors: list[str] = []
+    _compare(pipe, ref, "HSDP in a stage", errors, grads=False)
+    placements = sorted({str(p.placements) for p in pipe.parameters() if isinstance(p, DTensor)})
+    manager = sg.CheckpointManager(sg.Checkpoint(model=model, optimizer=opt), directory, strategy=s)
+    path = manager.save(3)
+    return {"errors": errors, "placements": placements, "replicas": s.num_replicas_in_sync, "ckpt": path}
+
+
+@pytest.mark.slow  # 8 processes: the slow tier (CI runs it)
+@pytest.mark.timeout(300)
+def test_hsdp_inside_each_stage_matches_one_device_and_restores_in_one_process(tmp_path):
+    outs = [r.value for r in run_workers(hsdp_worker, 8, args=(str(tmp_path),), timeout=280)]
+    for out in outs:
+        assert out["errors"] == [], out["errors"]
+        assert out["replicas"] == 4
+        assert out["placements"] == ["(Replicate(), Shard(dim=0))"], out["placements"]
+    torch.manual_seed(9)
+    model = build()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sg.CheckpointManager(sg.Checkpoint(model=model, optimizer=opt), str(tmp_path)).restore(outs[0]["ckpt"])
+    torch.manual_seed(0)
+    ref = build()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    data = batches([16, 16, 16, 16], seed=4)
+    for gx, gy in data[:3]:
+        nn.CrossEntropyLoss()(ref(gx), gy).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for m, o in ((model, opt), (ref, ref_opt)):  # one more step each: the optimizer state came back too
+        nn.CrossEntropyLoss()(m(data[3][0]), data[3][1]).backward()
+        o.step()
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.allclose(p, refs[name], rtol=RTOL, atol=ATOL), name
 
 
 def checkpoint_worker(directory: str) -> dict[str, Any]:

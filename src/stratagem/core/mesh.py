@@ -96,6 +96,27 @@ class DeviceMesh:
             found.setdefault(key, []).append(r)
         return list(found.values())
 
+    def with_hsdp(self, axis: str, shard_size: int | None) -> DeviceMesh:
+        """This mesh with ``axis`` cut into ``data_replicate`` x ``data_shard`` (HSDP: groups of
+        ``shard_size`` consecutive positions along ``axis`` each hold one sharded copy, replicated
+        across the groups); the ranks keep their places. Unchanged when ``shard_size`` is None or
+        the whole axis."""
+        n = self.axis_size(axis)
+        if shard_size is None or shard_size == n:
+            return self
+        if shard_size < 1 or n % shard_size:
+            raise MeshError(f"shard_size={shard_size} must divide the {n} processes of axis {axis!r} in {self}")
+        axes: list[tuple[str, int]] = []
+        for name, degree in zip(self.axis_names, self.shape):
+            axes += [(DATA_REPLICATE, n // shard_size), (DATA_SHARD, shard_size)] if name == axis else [(name, degree)]
+        return DeviceMesh.of(*axes)
+
+    def data_axes(self, axis: str) -> tuple[str, ...]:
+        """The axes the batch is split over: ``axis``, or HSDP's two where ``with_hsdp`` cut it."""
+        if axis not in self.axis_names and DATA_SHARD in self.axis_names:
+            return tuple(a for a in (DATA_REPLICATE, DATA_SHARD) if a in self.axis_names)
+        return (axis,) if axis in self.axis_names else ()
+
     def check_world(self, world_size: int, what: str) -> None:
         """A clear error unless the job has exactly the processes the mesh places."""
         if world_size != self.size:

@@ -55,7 +55,8 @@ class PipelineExtended(OverReplicas):
         self.upstream_comm = upstream  # the pipeline's ranks again, for messages to a lower stage
         self._world = world = job.world
         self.pipeline_comm = job.comm(PIPELINE)
-        self.replicas = replicas = job.comm(DATA)
+        self.data_axes = job.layout.data_axes(DATA)  # the copies: "data", or HSDP's two
+        self.replicas = replicas = job.comm(*self.data_axes)
         self._device = device = job.device
         self.stage = config.stage_of(world.rank)
         self.copy = config.copy_of(world.rank)
@@ -267,7 +268,7 @@ class PipelineExtended(OverReplicas):
         summed across the copies (reduce-scattered at each micro-batch's backward and
         accumulated in the shards)."""
         assert self.sharding is not None
-        mesh = self.job.torch[DATA]
+        mesh = self.job.torch[self.data_axes]  # 1-D: FSDP; replicate x shard: HSDP
         for st in stages:
             for layer in st.layers:
                 if any(True for _ in layer.parameters()):

@@ -23,7 +23,6 @@ from torch import nn
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.failure import collectives_explained
 from stratagem.comm.mesh import JobMesh
-from stratagem.core.mesh import DATA_REPLICATE, DATA_SHARD
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.fsdp import ShardedRoots, ShardingOptions, apply_fsdp
@@ -172,11 +171,7 @@ class TensorParallelExtended(OverReplicas):
         self.name = name
         self.sharding = sharding or ShardingOptions()
         # the batch axis on the job's mesh: itself, or (HSDP x TP) cut into replicate x shard
-        self.data_axes: tuple[str, ...] = (
-            () if batch_axis is None
-            else (DATA_REPLICATE, DATA_SHARD) if DATA_SHARD in job.layout.axis_names and batch_axis not in job.layout.axis_names
-            else (batch_axis,)
-        )  # fmt: skip
+        self.data_axes = job.layout.data_axes(batch_axis) if batch_axis is not None else ()
         self.data_comm: Communicator = job.comm(*self.data_axes) if self.data_axes else LocalCommunicator(device)
         self._dp = DataParallelExtended(self.data_comm, device, mirror=False, name=name)
         self.build = ShardedBuild(world, device, name, self._shard, self.owner, init)

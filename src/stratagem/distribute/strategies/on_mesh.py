@@ -102,6 +102,11 @@ def strategy_on_mesh(
             raise TypeError(f"{what}: layout_map must be a stratagem.LayoutMap, got {type(layout_map).__name__}")
         if layout_map.mesh != mesh:
             raise ValueError(f"{what}: the layout map is for mesh {layout_map.mesh}, not {mesh}")
+    if layout_map is not None and model_axis not in mesh.axis_names:
+        raise ValueError(
+            f"{what}: a layout map splits weights along {model_axis!r}, an axis mesh {mesh} lacks; add "
+            f"it to the mesh (or pass model_axis= its name), or leave layout_map=None"
+        )
     if model_axis in mesh.axis_names and layout_map is None:
         raise ValueError(f"{what}: mesh {mesh} has a {model_axis!r} axis; pass the layout_map that splits along it")
     if (PIPELINE in mesh.axis_names) != (pipeline is not None):
@@ -110,11 +115,13 @@ def strategy_on_mesh(
             f"pipeline={pipeline!r})"
         )
     common: dict[str, Any] = {"devices": devices, "timeout": timeout}
+    if hsdp:  # the presets take HSDP as one data axis and shard_size
+        assert sharding is not None
+        sharding = dataclasses.replace(sharding, shard_size=shard_size)
+        mesh, layout_map = _one_data_axis(mesh, layout_map, replicas)
     if pipeline is not None:
         from stratagem.distribute.strategies.pipeline import PipelineStrategy
 
-        if hsdp:
-            raise ValueError(f"{what}: HSDP inside a pipeline stage is not built; shard each stage over 'data'")
         return PipelineStrategy(
             stages, pipeline.num_microbatches, schedule=pipeline.schedule, rematerialize=pipeline.rematerialize,
             balance=pipeline.balance, virtual_stages=pipeline.virtual_stages, data_parallel=replicas,
@@ -124,15 +131,7 @@ def strategy_on_mesh(
         from stratagem.distribute.strategies.tensor_parallel import ModelParallelStrategy
 
         assert layout_map is not None  # checked above
-        if not hsdp:
-            return ModelParallelStrategy(mesh, layout_map, model_axis=model_axis, sharding=sharding, **common)
-        assert sharding is not None
-        flat = DeviceMesh.of((DATA, replicas), (model_axis, tensor))
-        flat_map = LayoutMap(flat)
-        for pattern, layout in layout_map.items():
-            flat_map[pattern] = layout
-        options = dataclasses.replace(sharding, shard_size=shard_size)
-        return ModelParallelStrategy(flat, flat_map, model_axis=model_axis, sharding=options, **common)
+        return ModelParallelStrategy(mesh, layout_map, model_axis=model_axis, sharding=sharding, **common)
     if sharding is None:
         from stratagem.distribute.strategies.mirrored import MirroredStrategy
 
@@ -144,6 +143,20 @@ def strategy_on_mesh(
         mixed_precision=sharding.mixed_precision, offload=sharding.offload,
         gradient_reduction=sharding.gradient_op, shard_size=shard_size, **common,
     )  # fmt: skip
+
+
+def _one_data_axis(mesh: DeviceMesh, layout_map: LayoutMap | None, replicas: int) -> tuple[DeviceMesh, LayoutMap | None]:
+    """``mesh`` with HSDP's two axes joined into one ``data`` axis (the ranks keep their places),
+    and ``layout_map``'s rules over it."""
+    axes: list[tuple[str, int]] = [(DATA, replicas)]
+    axes += [(a, n) for a, n in zip(mesh.axis_names, mesh.shape) if a not in (DATA_REPLICATE, DATA_SHARD)]
+    flat = DeviceMesh.of(*axes)
+    if layout_map is None:
+        return flat, None
+    flat_map = LayoutMap(flat)
+    for pattern, layout in layout_map.items():
+        flat_map[pattern] = layout
+    return flat, flat_map
 
 
 def _outermost_first(axes: Sequence[str]) -> list[str]:

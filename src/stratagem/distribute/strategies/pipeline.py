@@ -91,7 +91,9 @@ class PipelineStrategy(Strategy):
         )  # fmt: skip
         _check_sharding(sharding, config)
         started = start("PipelineStrategy", devices, timeout=timeout, mesh=config.mesh, check_world=config.check_world)
-        env, device, job = started.spec, started.device, started.mesh()
+        # HSDP inside each stage: the copies cut into data_replicate x data_shard (ranks unchanged)
+        layout = config.mesh.with_hsdp(DATA, sharding.shard_size) if sharding is not None else config.mesh
+        env, device, job = started.spec, started.device, started.mesh(layout)
         # the pipeline's ranks again, for the messages that go to a lower stage (see p2p.Channel):
         # torch's mesh has one group per axis, so this second one is made by hand
         upstream = job.world.split(config.pipeline_groups()) if config.num_stages > 1 else None
@@ -194,12 +196,17 @@ def _check_sharding(sharding: object, config: PipelineConfig) -> None:
             "gradients, then weight gradients) runs outside FSDP's backward hooks; use 'gpipe', "
             "'1f1b' or 'interleaved_1f1b'"
         )
-    if sharding.shard_size is not None or sharding.gradient_op != "sum":
+    if sharding.gradient_op != "sum":
         raise PipelineConfigError(
-            "sharding=ShardingOptions(...) under PipelineStrategy takes units, "
-            "reshard_after_forward, mixed_precision and offload; each stage is sharded over all "
-            f"its copies and gradients are summed (got shard_size={sharding.shard_size!r}, "
-            f"gradient_op={sharding.gradient_op!r})"
+            "sharding=ShardingOptions(...) under PipelineStrategy sums gradients across the copies "
+            f"(the loss is scaled by the pipeline); leave gradient_op='sum' (got {sharding.gradient_op!r})"
+        )
+    size = sharding.shard_size
+    if size is not None and (not isinstance(size, int) or size < 1 or config.data_parallel % size):
+        raise PipelineConfigError(
+            f"sharding=ShardingOptions(shard_size={size!r}) shards each stage within groups of "
+            f"shard_size of its {config.data_parallel} copies (HSDP inside a stage): it must divide "
+            "data_parallel; or leave it None to shard over all the copies"
         )
 
 

@@ -59,17 +59,10 @@ class ModelParallelStrategy(Strategy):
 
 def _job_layout(mesh: DeviceMesh, batch_axis: str | None, sharding: ShardingOptions | None) -> DeviceMesh:
     """The job's mesh: the user's, or with ``shard_size`` (HSDP x TP) its batch axis cut into
-    ``data_replicate`` (groups of ``shard_size`` processes holding one sharded copy each) x
-    ``data_shard`` (``shard_size``), as ShardedStrategy(shard_size=...) lays out HSDP."""
-    if sharding is None or sharding.shard_size is None or batch_axis is None:
+    ``data_replicate`` x ``data_shard``, as ShardedStrategy(shard_size=...) lays out HSDP."""
+    if sharding is None or batch_axis is None:
         return mesh
-    n, size = mesh.axis_size(batch_axis), sharding.shard_size
-    if size == n:
-        return mesh
-    axes: list[tuple[str, int]] = []
-    for name, degree in zip(mesh.axis_names, mesh.shape):
-        axes += [(DATA_REPLICATE, n // size), (DATA_SHARD, size)] if name == batch_axis else [(name, degree)]
-    return DeviceMesh.of(*axes)
+    return mesh.with_hsdp(batch_axis, sharding.shard_size)
 
 
 def _check_sharding(sharding: object, mesh: DeviceMesh, batch_axis: str | None) -> None:
