@@ -58,7 +58,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         return step
 
     eager = make_step(models[0], opts[0])
-    compiled = sg.function(make_step(models[1], opts[1]), backend=args.backend)
+    compiled = sg.function(make_step(models[1], opts[1]), jit_compile=True, backend=args.backend)
     g = torch.Generator().manual_seed(strategy.extended.replica_id if hasattr(strategy.extended, "replica_id") else 0)
     batches = [(torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 1, generator=g)) for _ in range(8)]
 

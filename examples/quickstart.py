@@ -11,7 +11,7 @@ with strategy.scope():                                 # what is created here is
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 loss_fn = nn.CrossEntropyLoss(reduction="none")
 
-@sg.function                                           # graph mode (torch.compile); drop it for eager
+@sg.function                              # graph mode: torch.compile once it pays (jit_compile=True: at once)
 def train_step(x, y):
     optimizer.zero_grad()
     loss = sg.compute_average_loss(loss_fn(model(x), y))   # sum / global batch size

@@ -152,7 +152,7 @@ def test_function_compiles_and_matches_eager():
     def forward(x):
         return model(x).square().mean()
 
-    compiled = sg.function(forward, backend="aot_eager")
+    compiled = sg.function(forward, jit_compile=True, backend="aot_eager")
     assert torch.allclose(s.run(forward, args=(x,)), s.run(compiled, args=(x,)), atol=1e-6)
     assert "forward" in repr(compiled)
 

@@ -36,7 +36,7 @@ def mirrored_compiled_vs_eager():
             models.append(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 1)))
             opts.append(torch.optim.Adam(models[-1].parameters(), lr=0.01))
     eager = _step(models[0], opts[0])
-    compiled = sg.function(_step(models[1], opts[1]), backend="aot_eager")
+    compiled = sg.function(_step(models[1], opts[1]), jit_compile=True, backend="aot_eager")
     g = torch.Generator().manual_seed(strategy.extended.replica_id if hasattr(strategy.extended, "replica_id") else 0)
     losses = []
     recompiled_after = []
@@ -88,7 +88,7 @@ def test_a_partial_batch_recompiles_once_and_a_recompilation_is_logged_at_info_w
     def forward(x):
         return (model(x) * k).square().mean()
 
-    f = sg.function(forward, backend="aot_eager")
+    f = sg.function(forward, jit_compile=True, backend="aot_eager")
     with caplog.at_level(logging.INFO, logger="stratagem.function"):
         for n in (8, 8):
             s.run(f, args=(torch.randn(n, 4),))
@@ -116,7 +116,7 @@ def test_recompiling_on_most_calls_is_one_warning_as_tf_function_warns_of_retrac
     def forward(x):
         return (model(x) * box["k"]).sum()
 
-    f = sg.function(forward, backend="aot_eager", dynamic=False)
+    f = sg.function(forward, jit_compile=True, backend="aot_eager", dynamic=False)
     with caplog.at_level(logging.INFO, logger="stratagem.function"):
         for i in range(7):
             box["k"] = float(i)  # a Python value that changes every call: a recompilation each
@@ -204,3 +204,55 @@ def test_keras_compile_jit_compile_true_compiles_fit():
     assert max((a - b).abs().max().item() for a, b in zip(*weights)) < 1e-5
     with pytest.raises(ValueError, match="jit_compile must be True, False or 'auto'"):
         model.compile(optimizer="adam", loss="mse", jit_compile="xla")
+
+
+def test_compile_policy_rents_until_the_rent_paid_equals_the_price_then_keeps_only_a_faster_graph():
+    from stratagem.distribute.function import TIMED_CALLS, CompilePolicy
+
+    p = CompilePolicy(compile_after=1.0)
+    for _ in range(3):
+        p.record_eager(0.25)
+    assert p.state == "eager" and not p.compiles  # 0.75 s: not yet worth a compilation
+    p.record_eager(0.25)
+    assert p.state == "compiled" and p.compiles
+    p.record_compiled(5.0, compiled_now=True)  # the call that compiled: not a step's time
+    for _ in range(TIMED_CALLS - 1):
+        p.record_compiled(0.1, compiled_now=False)
+    assert p.state == "compiled"  # not enough timed calls yet
+    p.record_compiled(0.1, compiled_now=False)
+    assert p.state == "kept" and p.compiles  # twice as fast as eager: kept for good
+
+    slow = CompilePolicy(compile_after=0.0)
+    slow.record_eager(0.25)
+    assert slow.compiles
+    for _ in range(TIMED_CALLS):
+        slow.record_compiled(0.3, compiled_now=False)
+    assert slow.state == "reverted" and not slow.compiles  # slower than eager: eager again
+    slow.record_eager(0.25)
+    assert slow.state == "reverted"  # and it stays so
+
+
+def test_graph_mode_by_default_compiles_only_once_it_pays_and_jit_compile_true_at_once(caplog):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(8, 4)
+
+    def forward(x):
+        return model(x).square().mean()
+
+    want = forward(x)
+    short = sg.function(forward, backend="aot_eager")  # a short program: never pays for a compilation
+    at_once = sg.function(forward, backend="aot_eager", jit_compile=True)
+    soon = sg.function(forward, backend="aot_eager", compile_after=0.0)  # pays from the first call
+    never = sg.function(forward, backend="aot_eager", jit_compile=False)
+    with caplog.at_level(logging.INFO, logger="stratagem.function"):
+        for _ in range(3):
+            for f in (short, at_once, soon, never):
+                torch.testing.assert_close(f(x), want)
+    assert short._compiled is None and never._compiled is None
+    assert at_once._compiled is not None and soon._compiled is not None
+    assert short.policy.eager_seconds > 0 and never.policy.eager_seconds == 0
+    assert any("compiling it from the next call" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with pytest.raises(ValueError, match="jit_compile must be True, False or None, got 'yes'"):
+        sg.function(forward, jit_compile="yes")  # type: ignore[arg-type]

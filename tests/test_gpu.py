@@ -71,7 +71,7 @@ def test_function_on_cuda_matches_eager():
         model = nn.Linear(8, 3)
     x = torch.randn(4, 8)
     eager = s.run(lambda v: model(v), args=(x,))
-    compiled = s.run(sg.function(lambda v: model(v)), args=(x,))
+    compiled = s.run(sg.function(lambda v: model(v), jit_compile=True), args=(x,))
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 

@@ -136,7 +136,7 @@ def compiled_worker() -> str:
     eager = assert_matches_single_device(strategy, make_model, make_sgd, per_example, batches)
     compiled = assert_matches_single_device(
         strategy, make_model, make_sgd, per_example, batches,
-        wrap_step=lambda f: sg.function(f, backend="aot_eager"), atol=1e-5,
+        wrap_step=lambda f: sg.function(f, jit_compile=True, backend="aot_eager"), atol=1e-5,
     )
     for (name, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)

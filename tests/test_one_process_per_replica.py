@@ -11,6 +11,7 @@ scope are mirrored like any other.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -240,9 +241,9 @@ def lazy_worker(compiled: bool) -> dict:
         # torch.compile materializes lazy modules while tracing and restores the RNG around
         # each traced frame, so a compiled step initializes differently from an eager one (on
         # one device too): compare with the compiled step on one device
-        model, _ = train_under(strategy, make_lazy_model, make_sgd, per_example, batches, wrap_step=sg.function)
+        model, _ = train_under(strategy, make_lazy_model, make_sgd, per_example, batches, wrap_step=functools.partial(sg.function, jit_compile=True))
         assert_replicas_identical(strategy, model)
-        one, _ = train_under(sg.OneDeviceStrategy("cpu"), make_lazy_model, make_sgd, per_example, batches, wrap_step=sg.function)
+        one, _ = train_under(sg.OneDeviceStrategy("cpu"), make_lazy_model, make_sgd, per_example, batches, wrap_step=functools.partial(sg.function, jit_compile=True))
         for (name, got), want in zip(model.state_dict().items(), one.state_dict().values()):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
 

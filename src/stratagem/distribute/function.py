@@ -5,6 +5,9 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import os
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +16,48 @@ log = logging.getLogger("stratagem.function")
 #: tf.function's rule for its retracing warning: 5 of the last 10 calls traced again
 FREQUENT_RECOMPILES = 5
 RECOMPILE_HISTORY = 10
+
+#: ``jit_compile=None``: seconds a function runs eagerly before it is compiled (the price of a
+#: compilation on a CPU, about: rent until the rent paid equals the price, then buy), and the
+#: calls timed on each side before the compiled function must prove itself faster
+COMPILE_AFTER_S = float(os.environ.get("STRATAGEM_COMPILE_AFTER", "20"))
+TIMED_CALLS = 5
+
+
+class CompilePolicy:
+    """When a ``jit_compile=None`` function compiles (pure: it is told how long calls took).
+
+    Eager until the eager calls have taken ``compile_after`` seconds in all (a function that
+    never runs that long, such as a short program's, never pays for a compilation); then
+    compiled; and back to eager for good if the median of ``TIMED_CALLS`` compiled calls (after
+    the first, which compiles) is not faster than the median of the last eager ones. So a run
+    loses at most about ``compile_after`` seconds against compiling at once, and graph mode is
+    never slower than eager for long."""
+
+    def __init__(self, compile_after: float) -> None:
+        self.compile_after = compile_after
+        self.eager_seconds = 0.0
+        self.eager_times: collections.deque[float] = collections.deque(maxlen=TIMED_CALLS)
+        self.compiled_times: list[float] = []
+        self.state = "eager"  # -> "compiled" -> "kept" or "reverted"
+
+    def record_eager(self, seconds: float) -> None:
+        self.eager_seconds += seconds
+        self.eager_times.append(seconds)
+        if self.state == "eager" and self.eager_seconds >= self.compile_after:
+            self.state = "compiled"
+
+    def record_compiled(self, seconds: float, compiled_now: bool) -> None:
+        if self.state != "compiled" or compiled_now:  # a call that compiled is not a step's time
+            return
+        self.compiled_times.append(seconds)
+        if len(self.compiled_times) >= TIMED_CALLS:
+            faster = statistics.median(self.compiled_times) < statistics.median(self.eager_times)
+            self.state = "kept" if faster else "reverted"
+
+    @property
+    def compiles(self) -> bool:
+        return self.state in ("compiled", "kept")
 
 #: dynamo's loggers that note, once per process, that it drops the profiler labels
 #: (``record_function``) torch's optimizers put around ``step`` and ``zero_grad``
@@ -68,8 +113,11 @@ def recompilation_reasons(before: dict[Any, int]) -> list[str]:
 
 
 class Function:
-    """A step function compiled on first call with ``torch.compile``; called like the original.
+    """A step function in graph mode: compiled with ``torch.compile``, called like the original.
 
+    ``jit_compile=True`` compiles at the first call; ``None`` (the default) when compiling pays
+    (``CompilePolicy``: eager until the function has run ``compile_after`` seconds, then
+    compiled, and eager again if compiled calls are not faster); ``False`` never compiles.
     Compiled once per input signature; a partial last batch recompiles once, into a graph whose
     batch dimension is dynamic (dynamo's automatic dynamic shapes), which later epochs reuse; no
     input is marked dynamic up front (marking it changes how torch.compile initializes lazy
@@ -79,16 +127,50 @@ class Function:
     last 10 calls is a WARNING once, with the latest cause (tf.function's retracing warning).
     """
 
-    def __init__(self, fn: Callable[..., Any], **compile_kwargs: Any) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], *, jit_compile: bool | None = True, compile_after: float | None = None,
+        **compile_kwargs: Any,
+    ) -> None:  # fmt: skip
         self.python_function = fn
         self.compile_kwargs = compile_kwargs
+        self.jit_compile = jit_compile
+        self.policy = CompilePolicy(COMPILE_AFTER_S if compile_after is None else compile_after)
         self._compiled: Callable[..., Any] | None = None
         self.recompilations = 0
         self._recent: collections.deque[bool] = collections.deque(maxlen=RECOMPILE_HISTORY)
         self._warned = False
         functools.update_wrapper(self, fn)
 
+    @property
+    def compiling(self) -> bool:
+        """Whether the next call runs compiled."""
+        return self.jit_compile is True or (self.jit_compile is None and self.policy.compiles)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.compiling:
+            import torch
+
+            if self.jit_compile is False or torch.compiler.is_compiling():
+                return self.python_function(*args, **kwargs)  # inside a compiled caller: traced with it
+            start = time.perf_counter()
+            out = self.python_function(*args, **kwargs)
+            self.policy.record_eager(time.perf_counter() - start)
+            if self.policy.compiles:
+                log.info("%r has run %.1f s eagerly: compiling it from the next call", self, self.policy.eager_seconds)
+            return out
+        start = time.perf_counter()
+        first = self._compiled is None
+        out, recompiled = self._call_compiled(*args, **kwargs)
+        if self.jit_compile is None:
+            self.policy.record_compiled(time.perf_counter() - start, first or recompiled)
+            if self.policy.state == "reverted":
+                log.info(
+                    "%r runs eagerly again: compiled calls took %.2f ms (median), eager ones %.2f ms",
+                    self, 1e3 * statistics.median(self.policy.compiled_times), 1e3 * statistics.median(self.policy.eager_times),
+                )  # fmt: skip
+        return out
+
+    def _call_compiled(self, *args: Any, **kwargs: Any) -> tuple[Any, bool]:
         if self._compiled is None:
             import torch
 
@@ -117,7 +199,7 @@ class Function:
                 "changes (pass it as a tensor argument), or a new stratagem.function made in a loop",
                 sum(self._recent), len(self._recent), self, lines[-1] if lines else "?",
             )  # fmt: skip
-        return out
+        return out, bool(lines)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
@@ -131,24 +213,34 @@ class Function:
 def function(
     fn: Callable[..., Any] | None = None,
     *,
+    jit_compile: bool | None = None,
     backend: str = "inductor",
     mode: str | None = None,
     fullgraph: bool = False,
     dynamic: bool | None = None,
+    compile_after: float | None = None,
 ) -> Any:
-    """Compile ``fn`` (a step: forward, loss, backward, update) with ``torch.compile``.
+    """Graph mode for ``fn`` (a step: forward, loss, backward, update), over ``torch.compile``.
 
-    Use as ``@stratagem.function`` or ``stratagem.function(step, backend="aot_eager")``; pass the
+    Use as ``@stratagem.function`` or ``stratagem.function(step, jit_compile=True)``; pass the
     result to ``strategy.run`` as you would the eager function: results are the same.
-    Collectives inside the step (``all_reduce``, ``compute_average_loss``) and the gradient
-    reducer's hooks run eagerly between compiled regions, so the step compiles once per input
-    signature; a recompilation is logged with its cause (logger ``stratagem.function``).
+    ``jit_compile`` as tf.function takes it: ``True`` compiles at the first call (torch.compile's
+    way; XLA's under tf); ``None`` (default) compiles once compiling pays: the function runs
+    eagerly until it has run ``compile_after`` seconds (default 20, or ``STRATAGEM_COMPILE_AFTER``),
+    then compiled, and eagerly again if its compiled calls are not faster than its eager ones
+    (both logged at INFO), so graph mode is never slower than eager for long and a short program
+    never pays for a compilation; ``False`` runs eagerly. Collectives inside the step
+    (``all_reduce``, ``compute_average_loss``) and the gradient reducer's hooks run eagerly
+    between compiled regions, so the step compiles once per input signature; a recompilation is
+    logged with its cause (logger ``stratagem.function``).
     """
+    if jit_compile not in (True, False, None):
+        raise ValueError(f"jit_compile must be True, False or None, got {jit_compile!r}")
     kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
     if mode is not None:
         kwargs["mode"] = mode
 
     def wrap(f: Callable[..., Any]) -> Function:
-        return Function(f, **kwargs)
+        return Function(f, jit_compile=jit_compile, compile_after=compile_after, **kwargs)
 
     return wrap(fn) if fn is not None else wrap

@@ -185,7 +185,7 @@ class DataParallelSteps:
         if self.options.jit_compile:
             from stratagem.distribute.function import function
 
-            self._forward = function(self._forward_and_loss)
+            self._forward = function(self._forward_and_loss, jit_compile=True)
 
     def _forward_and_loss(self, x: Any, y: Any, fused: bool) -> tuple[Any, torch.Tensor]:
         """The model's predictions on ``x`` and its loss: the mean over the batch (``fused``: the
