@@ -252,7 +252,7 @@ def test_graph_mode_by_default_compiles_only_once_it_pays_and_jit_compile_true_a
     assert short._compiled is None and never._compiled is None
     assert at_once._compiled is not None and soon._compiled is not None
     assert short.policy.eager_seconds > 0 and never.policy.eager_seconds == 0
-    assert any("compiling it from the next call" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    assert any("eagerly: compiling it" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     with pytest.raises(ValueError, match="jit_compile must be True, False or None, got 'yes'"):
         sg.function(forward, jit_compile="yes")  # type: ignore[arg-type]

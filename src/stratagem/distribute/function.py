@@ -139,6 +139,7 @@ class Function:
         self.recompilations = 0
         self._recent: collections.deque[bool] = collections.deque(maxlen=RECOMPILE_HISTORY)
         self._warned = False
+        self._last: tuple[str, bool, float] | None = None  # the last call: eager or compiled, whether it compiled, its start
         functools.update_wrapper(self, fn)
 
     @property
@@ -147,28 +148,43 @@ class Function:
         return self.jit_compile is True or (self.jit_compile is None and self.policy.compiles)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.compiling:
-            import torch
+        import torch
 
-            if self.jit_compile is False or torch.compiler.is_compiling():
-                return self.python_function(*args, **kwargs)  # inside a compiled caller: traced with it
-            start = time.perf_counter()
-            out = self.python_function(*args, **kwargs)
-            self.policy.record_eager(time.perf_counter() - start)
-            if self.policy.compiles:
-                log.info("%r has run %.1f s eagerly: compiling it from the next call", self, self.policy.eager_seconds)
-            return out
-        start = time.perf_counter()
+        if self.jit_compile is True:
+            return self._call_compiled(*args, **kwargs)[0]
+        if self.jit_compile is False or torch.compiler.is_compiling():
+            return self.python_function(*args, **kwargs)  # inside a compiled caller: traced with it
+        self._time_last_call()
+        if not self.policy.compiles:
+            self._last = ("eager", False, time.perf_counter())
+            return self.python_function(*args, **kwargs)
         first = self._compiled is None
+        if first:
+            log.info("%r has run %.1f s eagerly: compiling it", self, self.policy.eager_seconds)
+        start = time.perf_counter()
         out, recompiled = self._call_compiled(*args, **kwargs)
-        if self.jit_compile is None:
-            self.policy.record_compiled(time.perf_counter() - start, first or recompiled)
-            if self.policy.state == "reverted":
-                log.info(
-                    "%r runs eagerly again: compiled calls took %.2f ms (median), eager ones %.2f ms",
-                    self, 1e3 * statistics.median(self.policy.compiled_times), 1e3 * statistics.median(self.policy.eager_times),
-                )  # fmt: skip
+        self._last = ("compiled", first or recompiled, start)
         return out
+
+    def _time_last_call(self) -> None:
+        """Tell the policy how long the last call took: from its start to this call's (the
+        step's wall time with whatever the loop does between steps, alike on both sides; on a
+        GPU the loop's own syncs bring the queued work into it, where timing the call alone
+        would see only its launches)."""
+        if self._last is None:
+            return
+        kind, compiled_now, start = self._last
+        took = time.perf_counter() - start
+        if kind == "eager":
+            self.policy.record_eager(took)
+            return
+        self.policy.record_compiled(took, compiled_now)
+        if self.policy.state == "reverted":
+            self._last = None
+            log.info(
+                "%r runs eagerly again: compiled calls took %.2f ms (median), eager ones %.2f ms",
+                self, 1e3 * statistics.median(self.policy.compiled_times), 1e3 * statistics.median(self.policy.eager_times),
+            )  # fmt: skip
 
     def _call_compiled(self, *args: Any, **kwargs: Any) -> tuple[Any, bool]:
         if self._compiled is None:
