@@ -82,7 +82,10 @@ def test_launch_timeout_kills_the_replicas_and_the_replicas_die_with_their_calle
         """
     )
     (tmp_path / "orphans").mkdir()
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # the killed caller cannot remove its launch folder (the payload): keep it in this test's own
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 20
     while len(os.listdir(tmp_path / "orphans")) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -96,6 +99,7 @@ def test_launch_timeout_kills_the_replicas_and_the_replicas_die_with_their_calle
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids + first):
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids + first)
+    assert [n.name.startswith("stratagem-launch-") for n in (tmp_path / "tmp").iterdir()] == [True]
 
 
 def _alive(pid: int) -> bool:
