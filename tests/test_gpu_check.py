@@ -44,7 +44,7 @@ def test_no_cuda_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
 
 def test_dry_run_lists_every_step_and_writes_the_summary(tmp_path: Path) -> None:
     out = tmp_path / "check.md"
-    r = _run("--dry-run", "--out", str(out))
+    r = _run("--dry-run", "--out", str(out), TMPDIR=str(tmp_path))  # its logs' folder stays: here, not in /tmp
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stderr == ""
     table = out.read_text()
@@ -56,6 +56,7 @@ def test_dry_run_lists_every_step_and_writes_the_summary(tmp_path: Path) -> None
     # the steps are listed in the issue's order
     positions = [r.stdout.index(f"== {name}:") for name in STEP_NAMES]
     assert positions == sorted(positions)
+    assert [p.name.startswith("gpu_check.") for p in tmp_path.iterdir() if p.is_dir()] == [True]
 
 
 def test_unknown_argument_is_a_clear_error() -> None:
