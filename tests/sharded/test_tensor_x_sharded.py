@@ -61,12 +61,16 @@ def test_fit_checkpoint_resume_is_exact_and_one_process_restores(tmp_path: Path)
         assert out["update_reduce_scatters"] > 0
         assert out["accum_reduce_scatters"] == 2 * out["update_reduce_scatters"], out
     # the checkpoint of the 2 x 2 mesh loads into a plain transformer here and trains on at parity
+    _restore_in_one_process_and_train_on(outs[0]["ckpt"], w.seq_batches(STEPS))
+
+
+def _restore_in_one_process_and_train_on(ckpt: str, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``ckpt`` (saved half way through ``batches``) restored into a plain transformer with its
+    optimizer, trained on the second half here: one device's parameters after all of them."""
     torch.manual_seed(5)
     model = w.make_transformer()
     opt = w.make_adam(model.parameters())
-    ckpt = outs[0]["ckpt"]
     stratagem.CheckpointManager(stratagem.Checkpoint(model=model, optimizer=opt), Path(ckpt).parent).restore(ckpt)
-    batches = w.seq_batches(STEPS)
     for x, y in batches[STEPS // 2 :]:
         opt.zero_grad()
         w.seq_mse(model(x), y).mean().backward()
@@ -116,15 +120,4 @@ def test_hsdp_x_tensor_on_8_processes_equals_one_device_and_restores_in_one_proc
         assert not _bad(out["diff"]), f"HSDP x TP differs from one device: {_bad(out['diff'])}"
         assert not _bad(out["fit_diff"]), f"fit under HSDP x TP differs from one device: {_bad(out['fit_diff'])}"
     assert len({tuple(o["losses"]) for o in outs}) == 1
-    batches = w.seq_batches(STEPS, size=8)
-    torch.manual_seed(5)
-    model = w.make_transformer()
-    opt = w.make_adam(model.parameters())
-    ckpt = outs[0]["ckpt"]
-    stratagem.CheckpointManager(stratagem.Checkpoint(model=model, optimizer=opt), Path(ckpt).parent).restore(ckpt)
-    for x, y in batches[STEPS // 2 :]:
-        opt.zero_grad()
-        w.seq_mse(model(x), y).mean().backward()
-        opt.step()
-    want = train_reference(w.make_transformer, w.make_adam, w.seq_mse, batches, seed=0)
-    assert not _bad(w.max_diff(model.state_dict(), want))
+    _restore_in_one_process_and_train_on(outs[0]["ckpt"], w.seq_batches(STEPS, size=8))

@@ -4,6 +4,7 @@ a strategy uses, taken from torch's mesh's groups."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -46,18 +47,14 @@ class JobMesh:
         if unknown:
             raise ValueError(f"the mesh {self.layout} has no axis {', '.join(map(repr, unknown))}")
         if key not in self._comms:
-            size = 1
-            for a in key:
-                size *= self.layout.axis_size(a)
+            size = math.prod(self.layout.axis_size(a) for a in key)
             if size == 1:
                 self._comms[key] = LocalCommunicator(self.device)
             elif size == self.world.world_size:
                 self._comms[key] = self.world
             else:
-                sub = self.torch[key] if len(key) > 1 else self.torch[key[0]]
-                if len(key) > 1:
-                    sub = sub._flatten()
-                group = sub.get_group()
+                sub = self.torch[key]
+                group = (sub._flatten() if len(key) > 1 else sub).get_group()
                 self._comms[key] = ProcessGroupCommunicator(
                     group, self.device, ranks=dist.get_process_group_ranks(group), probe=getattr(self.world, "probe", None)
                 )

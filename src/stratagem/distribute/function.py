@@ -142,11 +142,6 @@ class Function:
         self._last: tuple[str, bool, float] | None = None  # the last call: eager or compiled, whether it compiled, its start
         functools.update_wrapper(self, fn)
 
-    @property
-    def compiling(self) -> bool:
-        """Whether the next call runs compiled."""
-        return self.jit_compile is True or (self.jit_compile is None and self.policy.compiles)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch
 

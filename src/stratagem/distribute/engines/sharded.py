@@ -25,7 +25,7 @@ from torch import nn
 from stratagem.comm import Communicator
 from stratagem.comm.failure import collectives_explained
 from stratagem.comm.mesh import JobMesh
-from stratagem.core.mesh import DATA_REPLICATE, DATA_SHARD, DeviceMesh
+from stratagem.core.mesh import DATA_SHARD, DeviceMesh
 from stratagem.distribute.engines.build import ShardedBuild, retarget_optimizer
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.engines.fsdp import ShardedRoots, ShardingOptions, apply_fsdp
@@ -44,9 +44,7 @@ def sharded_layout(n: int, shard_size: int | None) -> DeviceMesh:
             f"shard_size={shard_size} must divide the {n} processes (groups of "
             f"shard_size processes each hold one sharded copy)"
         )
-    if shard_size is None or shard_size == n:
-        return DeviceMesh.of((DATA_SHARD, n))
-    return DeviceMesh.of((DATA_REPLICATE, n // shard_size), (DATA_SHARD, shard_size))
+    return DeviceMesh.of((DATA_SHARD, n)).with_hsdp(DATA_SHARD, shard_size)
 
 
 class ShardedExtended(OverReplicas):

@@ -94,7 +94,6 @@ def strategy_on_mesh(
             f"ShardingOptions(shard_size={sharding.shard_size})"
         )
     stages = mesh.axis_size(PIPELINE)
-    tensor = mesh.axis_size(model_axis)
     replicas = mesh.axis_size(DATA) * mesh.axis_size(DATA_REPLICATE) * mesh.axis_size(DATA_SHARD)
     shard_size = mesh.axis_size(DATA_SHARD) if hsdp else None
     if layout_map is not None:
@@ -125,7 +124,7 @@ def strategy_on_mesh(
         return PipelineStrategy(
             stages, pipeline.num_microbatches, schedule=pipeline.schedule, rematerialize=pipeline.rematerialize,
             balance=pipeline.balance, virtual_stages=pipeline.virtual_stages, data_parallel=replicas,
-            sharding=sharding, layout_map=layout_map if tensor > 1 else None, model_axis=model_axis, **common,
+            sharding=sharding, layout_map=layout_map, model_axis=model_axis, **common,
         )  # fmt: skip
     if model_axis in mesh.axis_names:
         from stratagem.distribute.strategies.tensor_parallel import ModelParallelStrategy
