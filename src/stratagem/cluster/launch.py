@@ -69,11 +69,28 @@ class ReplicaProcesses:
         procs: list[subprocess.Popen[bytes]],
         grace: float,
         on_failure: Callable[[int, int], None] | None = None,
+        *,
+        tolerate: bool = False,
+        restarts: int = 0,
+        restart: Callable[[int], subprocess.Popen[bytes]] | None = None,
     ) -> None:
         self.procs = procs
         self.grace = grace
         self.on_failure = on_failure
+        #: the job goes on without a failed child (``FailureOptions(on_failure="continue")``):
+        #: its failure is remembered (to name it), not ended by stopping everyone
+        self.tolerate = tolerate
         self.failed: tuple[int, int] | None = None  # (rank, exit code)
+        #: the children that failed while the job went on (``tolerate``)
+        self.lost: dict[int, int] = {}
+        #: how many more times a lost child is started again (``tolerate``), and how
+        self.restarts = restarts
+        self._restart = restart
+        #: the children started again (ranks)
+        self.replacements: set[int] = set()
+        #: how long a child started again may take to end once rank 0 has ended: it ends with the
+        #: others when it was let in; one still coming back when the training ended is stopped
+        self.replacement_wait = 5.0
         #: how long to wait for the children after rank 0 crashed (they may be reporting)
         self.crash_wait = 2.0
         #: how long to wait for them after rank 0 was interrupted (Ctrl-C) before stopping them:
@@ -103,6 +120,16 @@ class ReplicaProcesses:
         while not self._stop.wait(0.2):
             for rank, p in enumerate(self.procs, start=1):
                 code = p.poll()
+                if code not in (None, 0) and self.tolerate:
+                    if self.restarts > 0 and self._restart is not None:
+                        self.restarts -= 1  # started again: it comes back into the running job
+                        self.failed = (rank, code)
+                        self.procs[rank - 1] = self._restart(rank)
+                        self.replacements.add(rank)
+                    elif rank not in self.lost:
+                        self.lost[rank] = code
+                        self.failed = (rank, code)  # named by launcher_probe; the job goes on
+                    continue
                 if code not in (None, 0) and self.failed is None:
                     self.failed = (rank, code)
                     if self.on_failure is not None:
@@ -118,7 +145,7 @@ class ReplicaProcesses:
                     mark_reported()
                     self.kill()
                     os._exit(1)
-            if all(p.poll() is not None for p in self.procs) and self.failed is None:
+            if all(p.poll() is not None for p in self.procs) and (self.failed is None or self.tolerate):
                 return
 
     def kill(self) -> None:
@@ -137,19 +164,38 @@ class ReplicaProcesses:
 
         If rank 0 ends normally but a child failed, the command still exits non-zero.
         """
-        self._stop.set()
+        if not self.tolerate:
+            self._stop.set()
         if self._interrupted:
             wait = self.interrupt_wait
         elif self._crashed:
             wait = self.crash_wait
         deadline = time.monotonic() + wait
-        for p in self.procs:
+        late: list[int] = []
+        for rank, p in enumerate(list(self.procs), start=1):
             try:
-                p.wait(max(0.0, deadline - time.monotonic()))
+                if rank in self.replacements and not self._crashed:
+                    p.wait(min(self.replacement_wait, max(0.0, deadline - time.monotonic())))
+                else:
+                    p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                break
+                if rank not in self.replacements:
+                    break
+                late.append(rank)
+                p.kill()  # came back too late: the training it would join has ended
+                p.wait()
+        for rank in late:
+            sys.stderr.write(f"stratagem: replica {rank} was started again too late to rejoin "
+                             "(the training had ended); it was stopped\n")  # fmt: skip
+            self.lost[rank] = 0
+        # a child started again by the watcher thread dies with that thread (PR_SET_PDEATHSIG
+        # follows the thread that forked): it is stopped only once the children have ended
+        self._stop.set()
         self.kill()
-        failed = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.returncode]
+        failed = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.returncode and r not in self.lost]
+        if self.tolerate:
+            # the job went on without the replicas lost meanwhile: rank 0's own end is the job's
+            self.failed = failed[0] if failed else None
         if failed and not self._crashed and self.failed is None:
             self.failed = failed[0]
         if self.failed is not None and not self._crashed:
@@ -171,13 +217,18 @@ def ensure_replicas(
     *,
     grace: float = 60.0,
     environ: dict[str, str] | None = None,
+    tolerate: bool = False,
+    restarts: int = 0,
 ) -> ClusterSpec:
     """This process's place in a job of ``num_replicas`` processes, starting the others if needed.
 
     Joins the job a launcher (torchrun, ``stratagem run``) set up; otherwise re-runs this script
     ``num_replicas - 1`` times with the launch variables set and becomes rank 0. A second
     strategy of the same size in this process is in the job already started (as the replicas
-    the script started are, by their launch variables).
+    the script started are, by their launch variables). ``tolerate``: a replica that fails is
+    not a reason to stop the others (the job goes on without it: ``on_failure="continue"``),
+    and one is started again up to ``restarts`` times in all (``STRATAGEM_REPLACEMENT=1``: it
+    comes back into the running job).
     """
     global _children, _started
     env = ClusterSpec.from_environ(environ)
@@ -202,13 +253,15 @@ def ensure_replicas(
     cmd = relaunch_command()
     port = find_free_port()
     base = dict(os.environ)
-    procs: list[subprocess.Popen[bytes]] = []
-    for rank in range(1, num_replicas):
-        child = ClusterSpec.local(rank, num_replicas, port)
-        procs.append(
-            subprocess.Popen(cmd, env={**base, **child.to_environ()}, preexec_fn=_die_with_parent)
-        )
-    _children = ReplicaProcesses(procs, grace)
+    def spawn(rank: int, again: bool = False) -> subprocess.Popen[bytes]:
+        env = {**base, **ClusterSpec.local(rank, num_replicas, port).to_environ()}
+        if again:
+            env["STRATAGEM_REPLACEMENT"] = "1"
+        return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+
+    procs = [spawn(rank) for rank in range(1, num_replicas)]
+    _children = ReplicaProcesses(procs, grace, tolerate=tolerate, restarts=restarts,
+                                 restart=lambda rank: spawn(rank, again=True))  # fmt: skip
     _started = ClusterSpec.local(0, num_replicas, port)
     return _started
 

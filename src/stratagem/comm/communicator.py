@@ -308,6 +308,28 @@ class ProcessGroupCommunicator(Communicator):
         self.probe = probe
         _live_groups.add(self)
 
+    @classmethod
+    def pending(cls, device: torch.device, *, probe: FailureProbe | None = None) -> ProcessGroupCommunicator:
+        """A communicator with no group yet: a process coming back into a running job, alone until
+        it is let in (``rejoin``); as one process meanwhile, so nothing waits for the others."""
+        self = cls.__new__(cls)
+        self.group = None
+        self.device = torch.device(device)
+        self.rank, self.world_size, self.global_ranks = 0, 1, [0]
+        self.probe = probe
+        _live_groups.add(self)
+        return self
+
+    def rejoin(self, group: Any) -> None:
+        """Talk over ``group`` from now on (the job's new process group after a lost replica:
+        every holder of this communicator follows; ranks are the new group's)."""
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.global_ranks = list(range(self.world_size))
+        # every member checks each call site again (a member new to the job has checked none)
+        self.__dict__.pop("_checked_sites", None)
+
     @contextlib.contextmanager
     def _guard(self, op: str) -> Iterator[None]:
         try:

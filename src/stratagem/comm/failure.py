@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -90,12 +90,25 @@ class FailureOptions:
     heartbeat_seconds``: a collective with a silent peer can never finish, so there is no grace.
     A local process that died, or a rank that raised, within about ``heartbeat_seconds +
     grace_seconds`` (the grace lets a rank computing between collectives raise the error itself).
+
+    ``on_failure``: ``"raise"`` (the default) ends every process with that clear error;
+    ``"continue"`` (MirroredStrategy, MultiWorkerMirroredStrategy, under ``fit``) keeps the job
+    running when a replica's process dies or raises: the survivors agree on who is left, form a
+    new process group over themselves and go on with the same global batch
+    (``distribute/failover.py``). The replica hosting the job's store (rank 0, or the chief)
+    cannot be lost, and a peer that falls silent (a host cut off) still ends the job.
+    ``max_restarts`` (with ``"continue"``): a replica that MirroredStrategy started itself and that
+    is lost is started again, up to this many times in all; the new process is let in between two
+    training steps and takes the training state from a live peer (a cluster manager that starts a
+    lost TF_CONFIG worker again gets the same).
     """
 
     heartbeat_seconds: float = 1.0
     dead_after_seconds: float = 6.0
     grace_seconds: float = 5.0
     enabled: bool = True
+    on_failure: str = "raise"
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.heartbeat_seconds <= 0 or self.dead_after_seconds <= self.heartbeat_seconds:
@@ -105,6 +118,18 @@ class FailureOptions:
             )
         if self.grace_seconds < 0:
             raise ValueError(f"FailureOptions: grace_seconds must be >= 0, got {self.grace_seconds}")
+        if self.on_failure not in ("raise", "continue"):
+            raise ValueError(f"FailureOptions: on_failure must be 'raise' or 'continue', got {self.on_failure!r}")
+        if self.max_restarts < 0 or (self.max_restarts and self.on_failure != "continue"):
+            raise ValueError(
+                f"FailureOptions: max_restarts={self.max_restarts} needs on_failure='continue' and a "
+                "count >= 0 (a job that raises on a failure restarts with `stratagem run --max-restarts`)"
+            )
+
+    @property
+    def continues(self) -> bool:
+        """Whether the job goes on without a lost replica (``on_failure="continue"``)."""
+        return self.on_failure == "continue"
 
 
 @dataclass(frozen=True)
@@ -216,6 +241,12 @@ class FailureMonitor:
         self._prev_hook = sys.excepthook
         #: the longest one store call of the watcher can block (then it raises)
         self._store_timeout = max(5.0, 2 * self.options.heartbeat_seconds)
+        #: ranks that are no longer in the job (lost, and the survivors went on without them:
+        #: ``on_failure="continue"``); their failure is not looked for again
+        self.left: set[int] = set()
+        #: failure records up to this index are about members that left (read no more: a rank
+        #: that left may come back, and its old record must not count against it)
+        self._records_from = 0
 
     # --- store helpers ------------------------------------------------------------------------
     def _key(self, *parts: object) -> str:
@@ -310,7 +341,7 @@ class FailureMonitor:
         if found is not None:
             return found.rank, found.why
         for p, (host, pid, _) in sorted(self._peers.items()):
-            if p != self.rank and p not in self._finished and host == self._host and not pid_alive(pid):
+            if p != self.rank and p not in self._finished and p not in self.left and host == self._host and not pid_alive(pid):
                 return p, f"its process (pid {pid}) ended while the job ran (killed, crashed or raised)"
         return None
 
@@ -335,7 +366,7 @@ class FailureMonitor:
                     self._scan_ends()
                     pending = [
                         p for p in range(self.world_size)
-                        if p != self.rank and not satisfied(p) and self._alive(p)
+                        if p != self.rank and p not in self.left and not satisfied(p) and self._alive(p)
                     ]
             except Exception:  # noqa: BLE001
                 return
@@ -440,6 +471,8 @@ class FailureMonitor:
         stand)."""
         if self.failure is None or self._closing or self._reported:
             return None
+        if self._continues_after(self.failure):
+            return None  # the main thread's collective fails, and the survivors go on without it
         now = time.monotonic()
         probing = self._probe_since
         if probing is not None and now - probing < self._probe_bound():
@@ -453,6 +486,66 @@ class FailureMonitor:
             # the process is stopped
             grace = min(grace, RESET_WAIT_S)
         return grace - (now - self._failure_at)
+
+    def _continues_after(self, failure: Failure) -> bool:
+        """Whether the job goes on without the failed rank (``on_failure="continue"``): a process
+        that died or raised, not the store's host, not a silent peer (whose collectives never
+        fail by themselves)."""
+        return (
+            self.options.continues
+            and not failure.silent
+            and failure.rank is not None
+            and failure.rank != self.store_host_rank
+            and failure.rank != self.rank
+        )
+
+    def can_go_on_without(self, p: int | None) -> bool:
+        """Whether the job can go on without rank ``p`` (known, not this process, not the store's
+        host, the store still answering): ``on_failure="continue"``."""
+        if p is None or p == self.rank or p == self.store_host_rank or self._store_errors >= 2:
+            return False
+        return not self._store_host_gone()
+
+    def gone(self, p: int) -> bool:
+        """Whether rank ``p`` is out of the job: left already, its process gone on this host, a
+        record of its failure, or no heartbeat for ``dead_after_seconds`` (main thread; store calls)."""
+        if p in self.left:
+            return True
+        with self._lock:
+            peer = self._peer(p)
+            if peer is not None and peer[0] == self._host and not pid_alive(peer[1]):
+                return True
+            if p in self._failed_ranks():
+                return True
+            return not self._alive(p)
+
+    def _failed_ranks(self) -> set[int]:
+        """Every rank a failure record names (its own, or another rank's verdict on it)."""
+        out = set()
+        for i in range(self._records_from + 1, self._add(self._key("nfail"), 0) + 1):
+            key = self._key("fail", i)
+            if self._has(key):
+                out.add(int(json.loads(self._store.get(key))["rank"]))
+        return out
+
+    def continue_without(self, ranks: Iterable[int]) -> None:
+        """The survivors went on without ``ranks``: stop watching them, forget the failure (and
+        the records so far: they are about ranks that left)."""
+        with self._lock:
+            self.left.update(ranks)
+            self.failure = None
+            self._reported = False
+            with contextlib.suppress(Exception):
+                self._records_from = self._add(self._key("nfail"), 0)
+
+    def admit(self, ranks: Iterable[int]) -> None:
+        """``ranks`` came back (new processes in their places): watch them again, from scratch."""
+        with self._lock:
+            for p in ranks:
+                self.left.discard(p)
+                self._peers.pop(p, None)
+                self._beats.pop(p, None)
+                self._finished.discard(p)
 
     def _probe_bound(self) -> float:
         """How long explaining a failed collective may take before it counts as stuck."""
@@ -576,12 +669,12 @@ class FailureMonitor:
 
     def _recorded_failure(self) -> Failure | None:
         count = self._add(self._key("nfail"), 0)
-        for i in range(1, count + 1):
+        for i in range(self._records_from + 1, count + 1):
             key = self._key("fail", i)
             if not self._has(key):
                 continue
             rec = json.loads(self._store.get(key))
-            if rec["rank"] == self.rank:
+            if rec["rank"] == self.rank or rec["rank"] in self.left:
                 continue
             if "why" in rec:  # another rank's verdict on a peer that fell silent, died or stopped
                 return Failure(int(rec["rank"]), f"{rec['why']} (seen by worker {rec['by']})", silent=bool(rec["silent"]))
@@ -604,7 +697,7 @@ class FailureMonitor:
         if found is None:
             self._scan_ends()
             for p in range(self.world_size):
-                if p == self.rank or p in self._finished:
+                if p == self.rank or p in self._finished or p in self.left:
                     continue
                 peer = self._peer(p)
                 if peer is not None and peer[0] == self._host and not pid_alive(peer[1]):

@@ -10,9 +10,11 @@ failed collectives by rank (``comm.failure.job_probe``).
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -69,6 +71,12 @@ def join(
     interfaces.pin(_own_host(spec), spec.master_addr, spec.master_port, rank=spec.rank,
                    variables=(interfaces.GLOO, interfaces.NCCL) if device.type == "cuda" else (interfaces.GLOO,))
     options = failure or FailureOptions()
+    if options.continues and spec.agent_store:
+        raise ValueError(
+            "FailureOptions(on_failure='continue') needs the job's store on a replica (MirroredStrategy "
+            "starting its replicas itself, or TF_CONFIG's chief): under torchrun or `stratagem run` the "
+            "launcher's agent stops every worker when one fails, so nobody would be left to go on"
+        )
     monitor = FailureMonitor(
         spec.rank, spec.world_size, spec.master_addr, spec.master_port,
         store_host_rank=None if spec.agent_store else 0,
@@ -77,6 +85,8 @@ def join(
         shutdown_wait=timeout,
         close_connections=_close_groups,
     )  # fmt: skip
+    if options.continues and spec.rank != 0 and _running_without_me(spec, timeout):
+        return _come_back(spec, device, backend, timeout, monitor, options)
     comm, store = init_process_group(
         spec.rank,
         spec.world_size,
@@ -91,6 +101,8 @@ def join(
     )
     _joined["comm"] = comm
     _joined["store"] = store
+    _joined["backend"], _joined["timeout"], _joined["rank"] = backend, timeout, spec.rank
+    _joined["world"] = spec.world_size
     if options.enabled:
         _joined["monitor"] = monitor.start()
         kids = children()
@@ -101,6 +113,56 @@ def join(
     # registered after the monitor's own exit hook, so it runs first (atexit is LIFO)
     atexit.register(_leave)
     return comm
+
+
+def _running_without_me(spec: ClusterSpec, timeout: float) -> bool:
+    """Whether the job is running on without this rank (it was lost and this process is the
+    one started in its place: ``on_failure="continue"``). A process the launcher started as a
+    replacement (``STRATAGEM_REPLACEMENT``) waits until the survivors have agreed it was lost."""
+    from stratagem.comm.communicator import connect_store
+    from stratagem.comm.membership import current
+
+    store = connect_store(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+                          timeout=timeout, rank=spec.rank)  # fmt: skip
+    replacement = os.environ.get("STRATAGEM_REPLACEMENT") == "1"
+    deadline = time.monotonic() + (timeout if replacement else 0.0)
+    while True:
+        now = current(store)
+        if now is not None and spec.rank not in now[1]:
+            _joined["store"] = store
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _come_back(
+    spec: ClusterSpec, device: torch.device, backend: str, timeout: float, monitor: FailureMonitor,
+    options: FailureOptions,
+) -> Communicator:  # fmt: skip
+    """Join a running job in the place of lost rank ``spec.rank``: no process group yet (a
+    communicator of one, ``ProcessGroupCommunicator.pending``); fit asks to be let in and takes the
+    training state from a live peer (``train/failover.py``)."""
+    comm = ProcessGroupCommunicator.pending(device, probe=job_probe(monitor if options.enabled else None))
+    _joined["comm"] = comm
+    _joined["backend"], _joined["timeout"], _joined["rank"] = backend, timeout, spec.rank
+    _joined["world"] = spec.world_size
+    _joined["coming_back"] = True
+    if options.enabled:
+        _joined["monitor"] = monitor.start()
+    atexit.register(_leave)
+    return comm
+
+
+def coming_back() -> bool:
+    """Whether this process came back into a running job and is not let in yet."""
+    return bool(_joined.get("coming_back"))
+
+
+def let_in(members: tuple[int, ...], generation: int) -> Communicator:
+    """This process was let in as round ``generation`` decided: the job's process group with it."""
+    _joined.pop("coming_back", None)
+    return regroup(members, generation)
 
 
 def _own_host(spec: ClusterSpec) -> str | None:
@@ -116,6 +178,52 @@ def joined_store() -> Any:
 def failure_monitor() -> FailureMonitor | None:
     """The FailureMonitor of this process (None before ``join`` or when disabled)."""
     return _joined.get("monitor")
+
+
+def launch_rank() -> int | None:
+    """This process's rank as the job started (it keeps it after a regroup; None before join)."""
+    return _joined.get("rank")
+
+
+def launch_world() -> int | None:
+    """The number of processes the job started with (None before ``join``)."""
+    return _joined.get("world")
+
+
+def job_timeout() -> float:
+    """The job's collective timeout in seconds (120 before ``join``)."""
+    return float(_joined.get("timeout", 120.0))
+
+
+def leave_group() -> None:
+    """Destroy this process's process group now (its connections close, so a survivor still
+    blocked in a collective with it fails at once): the first step after a lost replica."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a group with a failed peer: best effort
+            pass
+    release_groups()
+
+
+def regroup(members: tuple[int, ...], generation: int) -> Communicator:
+    """Form the job's process group again over ``members`` (ranks as the job started, sorted;
+    this process among them) with torch's own ``init_process_group`` under a fresh prefix of the
+    job's store, and re-point the job's communicator to it (its holders follow). Returns it."""
+    comm = _joined.get("comm")
+    store = _joined.get("store")
+    me = _joined.get("rank")
+    if not isinstance(comm, ProcessGroupCommunicator) or store is None or me is None:
+        raise RuntimeError("regroup needs a job formed by stratagem's join (a process group stratagem made)")
+    leave_group()
+    timeout = float(_joined["timeout"])
+    prefixed = dist.PrefixStore(f"stratagem/regroup/{generation}/", store)
+    dist.init_process_group(
+        _joined["backend"], store=prefixed, rank=members.index(me), world_size=len(members),
+        timeout=datetime.timedelta(seconds=timeout),
+    )  # fmt: skip
+    comm.rejoin(dist.group.WORLD)
+    return comm
 
 
 def _leave() -> None:

@@ -8,6 +8,7 @@ import torch
 
 from stratagem.cluster import ClusterSpec, ensure_replicas
 from stratagem.comm import Communicator
+from stratagem.comm.failure import FailureOptions
 from stratagem.comm.mesh import JobMesh
 from stratagem.core.mesh import DATA, DeviceMesh
 from stratagem.distribute.devices import plan_devices
@@ -50,6 +51,7 @@ def start(
     replicas: int | None = None,
     mesh: DeviceMesh | None = None,
     check_world: Callable[[int], None] | None = None,
+    failure: FailureOptions | None = None,
 ) -> Started:
     """Join the job a launcher made (torchrun, ``stratagem run``), or start it: re-run this
     script as the other processes (``cluster.launch.ensure_replicas``). Its size is ``mesh``'s
@@ -57,7 +59,10 @@ def start(
     launched job of another size is an error naming both), else ``replicas`` (None: one process
     per device ``devices`` names, or the launcher's count). ``devices`` as MirroredStrategy takes
     them (see ``distribute/devices.py``); a list names this machine's devices. ``check_world``
-    says, in the strategy's own words, that a launched job has the wrong size for ``mesh``."""
+    says, in the strategy's own words, that a launched job has the wrong size for ``mesh``.
+    ``failure``: how failures are found and what they do (``FailureOptions``)."""
+    tolerate = failure is not None and failure.continues
+    restarts = failure.max_restarts if failure is not None else 0
     launched = ClusterSpec.from_environ()
     cuda = torch.cuda.device_count()
     if mesh is not None and launched is not None:
@@ -67,10 +72,10 @@ def start(
             mesh.check_world(launched.world_size, what)
     if mesh is None and launched is None:
         plan = plan_devices(devices, replicas, cuda, what=what)
-        spec = ensure_replicas(len(plan))
+        spec = ensure_replicas(len(plan), tolerate=tolerate, restarts=restarts)
     else:
-        spec = ensure_replicas(mesh.size if mesh is not None else replicas)
+        spec = ensure_replicas(mesh.size if mesh is not None else replicas, tolerate=tolerate, restarts=restarts)
         local = None if isinstance(devices, (list, tuple)) else spec.local_world_size
         plan = plan_devices(devices, local, cuda, what=what)
     device = torch.device(plan[spec.local_rank % len(plan)])
-    return Started(spec, device, tuple(plan), join(spec, device, timeout=timeout), mesh)
+    return Started(spec, device, tuple(plan), join(spec, device, timeout=timeout, failure=failure), mesh)

@@ -20,6 +20,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+
+from stratagem.core import tree
+from stratagem.core.batches import place, to_tensors
 from stratagem.data import INFINITE_CARDINALITY, Dataset, shards_by_files
 from stratagem.distribute.strategy import Strategy
 
@@ -68,21 +72,72 @@ def check_finite(data: Any, steps: int | None, what: str, steps_name: str) -> No
         )
 
 
-class GlobalBatches:
-    """Epochs of this replica's batches from ``data`` (via ``strategy``) with a saveable position."""
+class WholeBatches:
+    """Every replica reads the whole global batches of ``data`` (placed on ``device``): under
+    ``on_failure="continue"`` the survivors of a lost replica must be able to compute its share of
+    the same batch. The first batch is compared across replicas (an unseeded shuffle would give
+    each replica other batches: a clear error, not a silently different model)."""
 
-    def __init__(self, strategy: Strategy, data: Any, steps_per_epoch: int | None) -> None:
+    resumable = False
+
+    def __init__(self, data: Any, strategy: Strategy) -> None:
+        if is_distributed(data):
+            raise TypeError(
+                "FailureOptions(on_failure='continue') reads the global batches itself, so that the "
+                "survivors of a lost replica can share its part of them: pass fit the dataset, not "
+                "strategy.experimental_distribute_dataset(...) / distribute_datasets_from_function(...)"
+            )
+        self.data = data
+        self.strategy = strategy
+        self._checked = False
+
+    def iterator(self, epoch: int | None = None, seed: int | None = None) -> Iterator[Any]:
+        if epoch is not None and isinstance(self.data, Dataset):
+            source: Iterator[Any] = self.data.iterator(epoch=epoch, seed=seed)
+        else:
+            source = iter(self.data)
+        device = self.strategy.extended.device
+        for batch in source:
+            batch = place(to_tensors(batch), device)
+            if not self._checked:
+                self._checked = True
+                _check_same_batch(self.strategy.extended.world, batch)
+            yield batch
+
+
+def _check_same_batch(comm: Any, batch: Any) -> None:
+    """A clear error unless every replica read the same first global batch."""
+    comm.check_same("fit's first global batch", batch)
+    if comm.world_size == 1:
+        return
+    leaves, _ = tree.flatten(batch)
+    prints = torch.tensor([float(t.double().sum()) if t.numel() else 0.0 for t in leaves], dtype=torch.float64)
+    if not all(torch.equal(p.cpu(), prints) for p in comm.all_gather_tensor(prints.to(comm.device))):
+        raise RuntimeError(
+            "the dataset gave different first global batches on different replicas; with "
+            "FailureOptions(on_failure='continue') every replica reads the same global batches: seed "
+            "any shuffling (e.g. DataLoader(..., generator=torch.Generator().manual_seed(0)))"
+        )
+
+
+class GlobalBatches:
+    """Epochs of this replica's batches from ``data`` (via ``strategy``) with a saveable position.
+    ``whole``: every replica gets the whole global batches (``WholeBatches``)."""
+
+    def __init__(self, strategy: Strategy, data: Any, steps_per_epoch: int | None, *, whole: bool = False) -> None:
         check_iterable(data, "data")
         if steps_per_epoch is not None and steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be a positive number of steps or None, got {steps_per_epoch}")
         check_finite(data, steps_per_epoch, "data", "steps_per_epoch")
         self.data = data
-        self.dist = distributed(strategy, data)
+        self.dist = WholeBatches(data, strategy) if whole else distributed(strategy, data)
         self.steps_per_epoch = steps_per_epoch
         self.resumable = bool(self.dist.resumable)
         # whether a job with another number of replicas can take over this position by replaying
         # the pass (global batches, the same whatever their split; not a pipeline per replica)
-        self.replayable = not is_distributed(data) and not (isinstance(data, Dataset) and shards_by_files(data))
+        self.replayable = whole or (
+            not is_distributed(data) and not (isinstance(data, Dataset) and shards_by_files(data))
+        )
         self._it: Iterator[Any] | None = None
         self._pass = -1
         self._consumed = 0  # batches taken from the current pass
@@ -146,7 +201,7 @@ class GlobalBatches:
             self._it = None
             return
         if self.resumable and "iterator" in state:
-            self._it = self.dist.iterator_from_state(state["iterator"])
+            self._it = self.dist.iterator_from_state(state["iterator"])  # type: ignore[union-attr]
             return
         self._it = self.dist.iterator(epoch=self._pass, seed=state.get("seed"))
         for _ in range(self._consumed):

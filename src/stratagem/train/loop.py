@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from stratagem.comm.errors import CollectiveError
 from stratagem.distribute import context
 from stratagem.distribute.strategy import Strategy
 from stratagem.train.callback import Callback, CallbackList, FitState, Logs
+from stratagem.train.failover import FitFailover
 from stratagem.train.history import History
 from stratagem.train.inputs import GlobalBatches, distributed
 from stratagem.train.metrics import Metric, sync_metrics
@@ -194,6 +196,17 @@ class _Loop:
         self.per_batch_stop = any(_may_stop_per_batch(cb) for cb in cbs)
         state.capture = self.capture
         state.restore = self.restore
+        #: FailureOptions(on_failure="continue"): what to do after a lost replica (train/failover.py)
+        self.failover: FitFailover | None = None
+        self._entered = False  # this process came into a running job at this fit's start
+
+    def continue_on_failure(self, failover: FitFailover) -> None:
+        """Go on without a replica lost during training steps: each committed update recorded."""
+        self.failover = failover
+        state, batches, tracked = self.state, self.batches, self.tracked
+        self.steps.on_commit = lambda: failover.record(
+            state.epoch, batches.state_dict(), state.step + 1, state.iterations + 1, tracked
+        )
 
     def capture(self, progress: FitProgress, *, epoch_end: bool) -> None:
         state = self.state
@@ -222,6 +235,15 @@ class _Loop:
             self.steps.load_loss_scale_state(saved["loss_scale"])
 
     def run(self, initial_epoch: int, epochs: int) -> History:
+        if self.failover is None:
+            return self._run(initial_epoch, epochs)
+        self.failover.open()
+        try:
+            return self._run(initial_epoch, epochs)
+        finally:
+            self.failover.close()
+
+    def _run(self, initial_epoch: int, epochs: int) -> History:
         state, cblist = self.state, self.cblist
         logs: Logs = {}
         _set_model_flag(state.model, False)  # as Keras: model.stop_training is reset by each fit
@@ -229,6 +251,9 @@ class _Loop:
             cblist.call("on_train_begin", None)
             if state.initial_epoch == 0 and state.initial_step == 0:
                 state.initial_epoch = initial_epoch  # a backup restored by on_train_begin wins
+            if self.failover is not None and self.failover.joining:
+                self.failover.enter(self)  # a new process in a running job: where the others are
+                self._entered = True
             for epoch in range(state.initial_epoch, epochs):
                 logs = self._epoch(epoch)
                 if self.steps.agree(_stop_asked(state)):
@@ -237,6 +262,22 @@ class _Loop:
                     break
             cblist.call("on_train_end", dict(logs))
         return self.history
+
+    def _recover(self, error: CollectiveError, group: list[Any]) -> list[Any] | None:
+        """After a lost replica: the survivors at the last committed update; returns the batches
+        to train again (the interrupted update's, drawn already) or None (the data was moved)."""
+        assert self.failover is not None
+        committed = self.failover.recover(error, self.tracked)
+        state, batches = self.state, self.batches
+        state.step, state.iterations = committed.step, committed.iterations
+        here = batches.state_dict()
+        if here["pass"] == committed.data["pass"]:
+            if here["consumed"] - len(group) == committed.data["consumed"]:
+                return group  # the interrupted update: trained again on the same global batches
+            if here["consumed"] == committed.data["consumed"]:
+                return None  # committed already (the failure came after it)
+        batches.load_state_dict(committed.data)  # replay the pass up to the committed position
+        return None
 
     def _epoch(self, epoch: int) -> Logs:
         state, steps, tracked = self.state, self.steps, self.tracked
@@ -247,7 +288,14 @@ class _Loop:
             state.step = 0
             _reset(tracked)
             self.batches.begin_epoch()
-        sync_metrics(self.strategy, tracked)
+        if self._entered:  # the totals came with the state from a live peer
+            self._entered = False
+        elif self.failover is None or state.step > 0:
+            sync_metrics(self.strategy, tracked)
+        else:  # a fresh epoch's totals are zero everywhere (no collective outside the steps)
+            for m in tracked:
+                m.set_global_totals(m.local_totals())
+            self.failover.record(epoch, self.batches.state_dict(), 0, state.iterations, tracked)
         state.samples = int(tracked[0].global_totals()[1])
         steps.set_training(True)
         self.cblist.call("on_epoch_begin", epoch, None)
@@ -268,21 +316,36 @@ class _Loop:
     def _train(self, epoch_batches: Iterator[Any]) -> None:
         """The epoch's executions: up to ``cadence.size`` steps in one ``strategy.run``, then one sync."""
         state, cadence, tracked = self.state, self.cadence, self.tracked
+        retry: list[Any] | None = None
         while True:
-            group = list(itertools.islice(epoch_batches, cadence.size * self.accumulate))
+            group = retry if retry is not None else list(itertools.islice(epoch_batches, cadence.size * self.accumulate))
+            retry = None
             if not group:
                 return
             self.cblist.call("on_train_batch_begin", state.step, None)
             t0 = time.perf_counter()
-            in_steps = self.steps.train(group, tracked[0], tracked[1:])
-            t1 = time.perf_counter()
-            state.step += len(group)
-            state.iterations += len(group)
-            # the sync also carries whether a callback asked to stop before this execution's
-            # end (on_epoch_begin, on_train_batch_begin): every replica stops after this batch,
-            # as Keras does, at no extra collective
-            proposal = cadence.proposal(t1 - t0, in_steps, len(group))
-            summed = _end_execution(self.strategy, tracked, state, self.cblist, [float(_stop_asked(state)), *proposal])
+            try:
+                in_steps = self.steps.train(group, tracked[0], tracked[1:])
+                t1 = time.perf_counter()
+                state.step += len(group)
+                state.iterations += len(group)
+                # the sync also carries whether a callback asked to stop before this execution's
+                # end (on_epoch_begin, on_train_batch_begin): every replica stops after this batch,
+                # as Keras does, at no extra collective
+                proposal = cadence.proposal(t1 - t0, in_steps, len(group))
+                extra = [float(_stop_asked(state))]
+                if self.failover is not None:  # a lost replica asked to come back (the leader saw it)
+                    extra.append(float(self.failover.joins_waiting()))
+                summed = _end_execution(self.strategy, tracked, state, self.cblist, [*extra, *proposal])
+                if self.failover is not None:
+                    if summed[1] > 0:  # let it in now, between two steps
+                        self.failover.let_in(self)
+                    summed = [summed[0], *summed[2:]]
+            except CollectiveError as e:
+                if self.failover is None:
+                    raise
+                retry = self._recover(e, group)
+                continue
             if cadence.measuring:
                 cadence.timed(len(group), t1 - t0, in_steps, time.perf_counter() - t1)
                 cadence.agreed(summed[1:], self.strategy.num_replicas_in_sync)

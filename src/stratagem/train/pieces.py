@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.core.batches import batch_size_of, slice_batch
+from stratagem.core.batches import batch_size_of, slice_batch, split_sizes
 from stratagem.core.canonical import Block, block_sums, blocks, combine
 from stratagem.distribute import current
 from stratagem.distribute.determinism import OpDeterminism
@@ -40,7 +40,9 @@ def _seed(base: int, update: int, piece: int) -> int:
 class PieceRunner:
     """One optimizer update's gradients, computed in pieces and summed by the fixed tree."""
 
-    def __init__(self, strategy: Strategy, model: Any, params: Sequence[torch.Tensor], mode: OpDeterminism) -> None:
+    def __init__(
+        self, strategy: Strategy, model: Any, params: Sequence[torch.Tensor], mode: OpDeterminism | None
+    ) -> None:
         ext = strategy.extended
         if ext.execution is not Execution.REPLICAS or ext.state_layout is not StateLayout.MIRRORED:
             raise ValueError(
@@ -55,7 +57,10 @@ class PieceRunner:
             if isinstance(m, nn.modules.batchnorm._BatchNorm)
         ]  # fmt: skip
         self.params = list(params)
-        self.piece = mode.piece_size
+        #: rows per piece; None (``on_failure="continue"`` without the deterministic mode): one
+        #: piece per replica, its share of the global batch, random numbers as drawn
+        self.piece = mode.piece_size if mode is not None else None
+        #: optimizer updates whose gradient every replica has (the exchange and ``commit`` done)
         self.updates = 0
         self._base: int | None = None
 
@@ -85,6 +90,7 @@ class PieceRunner:
         replicas, rank = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
         rows = batch_size_of(x if y is None else y, "a batch")
         p = self.piece
+        assert p is not None, "step() is the deterministic mode's; step_global() takes one piece per replica"
         if total is None or total != rows * replicas or rows % p:
             raise ValueError(
                 f"enable_op_determinism(piece_size={p}): every global batch must be a multiple of "
@@ -104,13 +110,57 @@ class PieceRunner:
             pieces[first + k] = self._take()
         known = block_sums(pieces, first, first + local, n)
         if replicas > 1:
-            known = self._exchange(known, local, replicas)
+            known = self._exchange(known, [(r * local, (r + 1) * local) for r in range(replicas)])
+        self._finish(known, n, None)
+
+    def step_global(self, x: Any, y: Any, sw: Any, micro_step: MicroStep, commit: Callable[[], None]) -> None:
+        """As ``step``, from the whole global batch (every replica has it: ``on_failure="continue"``):
+        this replica computes its range of the pieces under the current membership, however many
+        replicas there are now, so a lost replica's share is the survivors'. ``commit`` runs once
+        the gradient is whole on every replica, before the update counts as done."""
+        self._check_model()
+        ctx = current.get_replica_context()
+        assert ctx is not None
+        replicas, rank = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
+        rows = batch_size_of(x if y is None else y, "a batch")
+        p = self.piece
+        if p is None:  # one piece per replica: its share, as experimental_distribute_dataset splits
+            sizes = split_sizes(rows, replicas)
+            bounds = [sum(sizes[:k]) for k in range(replicas + 1)]
+        else:
+            if rows % p:
+                raise ValueError(
+                    f"enable_op_determinism(piece_size={p}): every global batch must be a multiple of "
+                    f"{p} examples; got a global batch of {rows}. Drop the remainder (batch(..., "
+                    "drop_remainder=True)) or choose a piece size that divides the batch"
+                )
+            bounds = list(range(0, rows + 1, p))
+        n = len(bounds) - 1
+        ranges = [(r * n // replicas, (r + 1) * n // replicas) for r in range(replicas)]
+        first, last = ranges[rank]
+        base = self._agreed_base() if p is not None else 0
+        pieces: dict[int, Grads] = {}
+        for k in range(first, last):
+            part = [None if v is None else slice_batch(v, bounds[k], bounds[k + 1]) for v in (x, y, sw)]
+            rng = _generator_at(_seed(base, self.updates, k), self.strategy.extended.device) if p is not None else contextlib.nullcontext()
+            with self.strategy.no_sync(), rng:
+                micro_step(part[0], part[1], part[2], rows)
+            pieces[k] = self._take()
+        known = block_sums(pieces, first, last, n)
+        if replicas > 1:
+            known = self._exchange(known, ranges)
+        self._finish(known, n, commit)
+
+    def _finish(self, known: dict[Block, Grads], n: int, commit: Callable[[], None] | None) -> None:
+        """The tree's root into each parameter's ``.grad``; ``commit``; the update counted."""
         root = combine(known, n)
         for param, g in zip(self.params, root):
             param.grad = g.to(param.device)
+        if commit is not None:
+            commit()
         self.updates += 1
 
-    def _exchange(self, mine: dict[Block, Grads], local: int, replicas: int) -> dict[Block, Grads]:
+    def _exchange(self, mine: dict[Block, Grads], ranges: Sequence[tuple[int, int]]) -> dict[Block, Grads]:
         """Every replica's block sums. Each replica knows which blocks every other holds (the
         ranges are fixed), so the blocks travel as one tensor per replica (padded to the most
         blocks any replica has) in one all-gather; parameters of mixed dtypes go as objects."""
@@ -120,10 +170,15 @@ class PieceRunner:
             for theirs in world.all_gather_object({b: Grads(t.cpu() for t in g) for b, g in mine.items()}):
                 known.update({b: Grads(t.to(q.device) for t, q in zip(g, self.params)) for b, g in theirs.items()})
             return known
-        every = [blocks(r * local, (r + 1) * local) for r in range(replicas)]
+        every = [blocks(lo, hi) for lo, hi in ranges]
         rows = max(len(b) for b in every)
         flat = [torch.cat([t.reshape(-1) for t in mine[b]]) for b in sorted(mine)]
-        packed = torch.stack(flat + [torch.zeros_like(flat[0])] * (rows - len(flat)))
+        if not flat:  # this replica holds no piece (fewer pieces than replicas)
+            flat = [torch.zeros(sum(q.numel() for q in self.params), dtype=self.params[0].dtype, device=self.params[0].device)]
+            rows = max(rows, 1)
+            packed = torch.stack(flat * rows)
+        else:
+            packed = torch.stack(flat + [torch.zeros_like(flat[0])] * (rows - len(flat)))
         sizes = [q.numel() for q in self.params]
         known = {}
         for theirs, held in zip(world.all_gather_tensor(packed), every):

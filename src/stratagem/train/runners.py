@@ -24,6 +24,7 @@ from torch import nn
 from stratagem.distribute.mixed_precision import Policy
 from stratagem.distribute.strategy import Execution, Strategy
 from stratagem.train.callback import Callback, Logs
+from stratagem.train.failover import FitFailover
 from stratagem.train.history import History
 from stratagem.train.inputs import GlobalBatches
 from stratagem.train.loop import _Loop, _run_test
@@ -93,10 +94,13 @@ class StepsRunner:
         steps = self.steps(run.model, run.optimizer, run.loss_fn, run.policy, run.options)
         if run.lr_scheduler is not None and run.lr_scheduler_interval == "step":
             steps.after_update = run.lr_scheduler.step
-        batches = GlobalBatches(strategy, run.data, run.steps_per_epoch)
+        continuing = bool(getattr(steps, "continuing", False))  # on_failure="continue"
+        batches = GlobalBatches(strategy, run.data, run.steps_per_epoch, whole=continuing)
         loop = _Loop(strategy, steps, run.optimizer, batches, run.tracked, run.val_tracked,
                      {**run.params, "steps": batches.steps()}, run.callbacks, run.verbose,
-                     run.steps_per_execution, run.options.accumulate)  # fmt: skip
+                     1 if continuing else run.steps_per_execution, run.options.accumulate)  # fmt: skip
+        if continuing:  # one update per execution: each committed alone
+            loop.continue_on_failure(FitFailover(strategy, steps, run.optimizer, run.lr_scheduler))
         loop.validation = (run.validation_data, run.validation_steps) if run.validation_data is not None else None
         loop.epoch_scheduler = run.lr_scheduler if run.lr_scheduler_interval == "epoch" else None
         return loop.run(run.initial_epoch, run.epochs)

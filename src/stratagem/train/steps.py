@@ -180,6 +180,21 @@ class DataParallelSteps:
                 )
             params = [q for g in optimizer.param_groups for q in g["params"]]
             self.pieces = PieceRunner(strategy, model, params, mode)
+        failure = getattr(strategy.extended, "failure", None)
+        #: FailureOptions(on_failure="continue"): every replica reads the whole global batch and
+        #: computes its range of the pieces, so the survivors of a lost replica take its share
+        self.continuing = bool(failure is not None and failure.continues and optimizer is not None)
+        #: called once an update is committed (its gradient whole everywhere, metrics summed)
+        self.on_commit: Callable[[], None] | None = None
+        if self.continuing and self.pieces is None:
+            assert optimizer is not None
+            if self.options.accumulate != 1:
+                raise ValueError(
+                    "gradient_accumulation_steps is not supported with FailureOptions(on_failure="
+                    "'continue') yet; leave it at 1, or make the global batch larger"
+                )
+            params = [q for g in optimizer.param_groups for q in g["params"]]
+            self.pieces = PieceRunner(strategy, model, params, None)
         #: the forward pass and loss, compiled once for fit's whole run when jit_compile
         self._forward: Callable[[Any, Any, bool], tuple[Any, torch.Tensor]] = self._forward_and_loss
         if self.options.jit_compile:
@@ -268,7 +283,32 @@ class DataParallelSteps:
         in_steps = [0.0]
         pieces = self.pieces
 
+        continuing = self.continuing
+
+        def commit() -> None:
+            """The update's gradient is whole everywhere: its metric totals summed, then it counts."""
+            record.apply()
+            tracked = [loss_metric, *metrics]
+            flat = torch.cat([m.local_totals() for m in tracked])
+            strategy.extended.world.all_reduce_(flat, "sum")
+            offset = 0
+            for m in tracked:
+                m.set_global_totals(flat[offset : offset + m.num_totals])
+                offset += m.num_totals
+            if self.on_commit is not None:
+                self.on_commit()
+
         def execution(items: list[tuple[Any, Any, Any]]) -> None:
+            if continuing:  # whole global batches: this replica's range of pieces, then the sum
+                assert pieces is not None
+                t0 = time.perf_counter()
+                for x, y, sw in items:
+                    optimizer.zero_grad(set_to_none=True)
+                    pieces.step_global(x, y, sw, micro_step, commit)
+                    apply_gradients()
+                in_steps[0] = time.perf_counter() - t0
+                record.apply()
+                return
             k = options.accumulate
             # the examples of every update over all replicas (None: each step counts its own,
             # as compute_average_loss does)

@@ -17,6 +17,7 @@ from torch import nn
 
 from stratagem import data
 from stratagem.comm import Communicator
+from stratagem.comm.failure import FailureOptions
 from stratagem.core import tree
 from stratagem.core.batches import place, to_tensors
 from stratagem.core.eager import eager_only
@@ -84,8 +85,11 @@ class DataParallelExtended(StrategyExtended):
         bucket_bytes: int | None = None,
         name: str = "strategy",
         local_replicas: Sequence[int] | None = None,
+        failure: FailureOptions | None = None,
     ) -> None:
         self.comm = comm
+        #: how failures are found and what follows them (``on_failure="continue"``: fit goes on)
+        self.failure = failure
         self._device = device
         self.name = name
         # the replicas (ranks of ``comm``) whose parts tf's one process would hold: this
@@ -133,6 +137,12 @@ class DataParallelExtended(StrategyExtended):
 
     def barrier(self) -> None:
         self.comm.barrier()
+
+    def rejoined(self) -> None:
+        """This process was let into a running job (``on_failure="continue"``): the mirrored
+        state's per-step lists made as the others have them (values come from a live peer)."""
+        if self.registry is not None:
+            self.registry.rejoined()
 
     def merge_values(self, value: Any) -> list[Any]:
         return self.comm.all_gather_object(tree.map_structure(_to_cpu, value))

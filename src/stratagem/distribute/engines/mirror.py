@@ -301,6 +301,13 @@ class MirrorRegistry:
         if new or gone_params or retrain:
             self._rebuild_reducer([(t, n) for i, (t, n) in enumerate(params) if i not in gone_params and t is not None])
 
+    def rejoined(self) -> None:
+        """This process was let into a running job (``on_failure="continue"``), where it had been
+        alone: the buffers broadcast before each step are the list the others keep (its ``sync``
+        saw one process). Its values come from a live peer."""
+        alive = [t for r, _ in self._buffers if (t := r()) is not None and t.device.type != "meta"]
+        self._step_buffers = [_BufferSlot(weakref.ref(t), t.shape, t.dtype, t.device) for t in alive]
+
     def _trainable_changed(self) -> bool:
         """Whether a parameter's ``requires_grad`` changed since the reducer was built. Every
         replica runs the same program, so all see the change at the same ``run`` (a parameter

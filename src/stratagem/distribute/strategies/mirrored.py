@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import final
 
+from stratagem.comm.failure import FailureOptions
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.startup import start
@@ -28,6 +29,8 @@ class MirroredStrategy(Strategy):
     ``gradient_reduction=ReduceOp.SUM`` (tf.distribute's contract: scale the loss with
     ``compute_average_loss``); ``ReduceOp.MEAN`` opts in to DDP's averaging of gradients, for
     losses that are per-replica means. ``timeout`` bounds every collective (seconds).
+    ``failure``: how a failed replica is found and what follows (``FailureOptions``; with
+    ``on_failure="continue"``, ``fit`` goes on without a lost replica: docs/FAILOVER.md).
     """
 
     def __init__(
@@ -38,8 +41,9 @@ class MirroredStrategy(Strategy):
         gradient_reduction: ReduceOp | str = ReduceOp.SUM,
         timeout: float = 120.0,
         bucket_cap_mb: float = 25.0,
+        failure: FailureOptions | None = None,
     ) -> None:
-        started = start("MirroredStrategy", devices, timeout=timeout, replicas=num_replicas)
+        started = start("MirroredStrategy", devices, timeout=timeout, replicas=num_replicas, failure=failure)
         spec, device, comm = started.spec, started.device, started.comm
         self.cluster_spec = spec
         self.device = device
@@ -52,6 +56,7 @@ class MirroredStrategy(Strategy):
                 gradient_op=op,
                 bucket_bytes=int(bucket_cap_mb * 1024 * 1024),
                 name="MirroredStrategy",
+                failure=failure,
                 # tf's MirroredStrategy is one process holding every replica of the machine:
                 # experimental_local_results gives all of their parts
                 local_replicas=range(first := spec.rank - spec.local_rank, first + spec.local_world_size),

@@ -9,9 +9,11 @@ the workers (auto-shard), rebatching each global batch to per-replica batches.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import final
 
 from stratagem.cluster.resolvers import ClusterResolver, detect
+from stratagem.comm.failure import FailureOptions
 from stratagem.distribute.bootstrap import (
     CommunicationOptions,
     check_agreement,
@@ -49,10 +51,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         *,
         gradient_reduction: ReduceOp | str = ReduceOp.SUM,
         devices: str | None = None,
+        failure: FailureOptions | None = None,
     ) -> None:
         resolver = cluster_resolver if cluster_resolver is not None else detect()
         spec = resolver.cluster_spec()
         options = communication_options or CommunicationOptions()
+        if failure is not None:  # the same as CommunicationOptions(failure=...)
+            options = dataclasses.replace(options, failure=failure)
         device = default_device(spec, devices)
         comm = connect_to_cluster(resolver, options, device=device)
         op = ReduceOp.of(gradient_reduction)
@@ -71,5 +76,6 @@ class MultiWorkerMirroredStrategy(Strategy):
                 gradient_op=op.value,
                 bucket_bytes=int(options.bucket_cap_mb * 1024 * 1024),
                 name="MultiWorkerMirroredStrategy",
+                failure=options.failure,
             )
         )

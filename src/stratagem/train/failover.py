@@ -1,0 +1,170 @@
+"""fit's side of ``FailureOptions(on_failure="continue")``: a lost replica costs one update's retry.
+
+Every replica reads the whole global batches (``inputs.GlobalBatches(whole=True)``) and computes
+its range of the batch's pieces under the current membership (``pieces.step_global``), so the
+survivors can take over a lost replica's share of the same global batch. An update is committed
+once its gradient is whole on every replica and the metric totals are summed (``commit``), before
+the optimizer steps: what is committed is recorded (the position in the data, the counters, the
+metric totals). After a failed collective, ``distribute.failover.Survivors`` forms the job again
+over the survivors; here their states are made equal: survivors that committed the same number
+of updates have the same state (the common case: nothing moves), and otherwise the one that got
+furthest (they are at most one update apart: an update needs every replica) sends its model,
+optimizer, scheduler and record to the others. Then the metrics restart from the committed totals
+(held by the new rank 0) and the interrupted update is trained again on the same global batch.
+With ``enable_op_determinism`` the pieces and their sum do not depend on who computes them, so
+the weights are bit for bit those of the run in which nothing failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from stratagem.comm.errors import CollectiveError
+from stratagem.distribute.failover import Survivors
+from stratagem.distribute.strategy import Strategy
+from stratagem.train.metrics import Metric
+
+
+@dataclasses.dataclass
+class Committed:
+    """Where the last committed update left fit: the data position, the counters, the totals."""
+
+    epoch: int = 0
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    step: int = 0
+    iterations: int = 0
+    updates: int = 0
+    totals: list[list[float]] = dataclasses.field(default_factory=list)
+
+
+class FitFailover:
+    """What fit does after a lost replica (see the module's docstring)."""
+
+    def __init__(self, strategy: Strategy, steps: Any, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        ext = strategy.extended
+        self.strategy, self.steps, self.optimizer, self.scheduler = strategy, steps, optimizer, scheduler
+        self.survivors = Survivors(ext.world.world_size, ext.failure)  # type: ignore[attr-defined]
+        self.committed = Committed()
+
+    @property
+    def failures(self) -> int:
+        return len(self.survivors.rounds)
+
+    def record(self, epoch: int, data: dict[str, Any], step: int, iterations: int, tracked: Sequence[Metric]) -> None:
+        """An update committed (or an epoch begun, with its zero totals): remember where fit is."""
+        self.committed = Committed(
+            epoch, dict(data), step, iterations, int(self.steps.pieces.updates),
+            [m.global_totals().tolist() for m in tracked],
+        )  # fmt: skip
+
+    def recover(self, error: CollectiveError, tracked: Sequence[Metric]) -> Committed:
+        """After ``error``: the job formed again over the survivors, every survivor at the same
+        committed state; returns it (the caller puts its data and counters there)."""
+        mine = self.committed
+        membership = self.survivors.go_on(error, {"updates": mine.updates})
+        updates = {m: int(r["updates"]) for m, r in membership.reports.items()}
+        best = max(updates.values())
+        if any(u != best for u in updates.values()):
+            source = min(m for m, u in updates.items() if u == best)
+            self._take_state_from(membership.rank_of(source))
+        comm = self.strategy.extended.world
+        for m, totals in zip(tracked, self.committed.totals):
+            # the committed totals, held once (by the new rank 0): later sums add to them
+            t = torch.tensor(totals, dtype=torch.float64)
+            m.load_totals(t if comm.rank == 0 else torch.zeros_like(t))
+            m.set_global_totals(t)
+        return self.committed
+
+    # --- a replica that comes back ---------------------------------------------------------------
+    def open(self) -> None:
+        self.survivors.open()
+
+    def close(self) -> None:
+        self.survivors.close()
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process is new in a running job (it takes fit's state from a live peer)."""
+        return self.survivors.coming_back
+
+    def joins_waiting(self) -> bool:
+        """Whether a lost replica asked to come back (the leader's look; summed in the step's sync)."""
+        return self.survivors.joins_waiting()
+
+    def let_in(self, loop: Any) -> None:
+        """The members, at a step boundary: the replicas that asked are let in and get the
+        training state from rank 0 (whose state every member has)."""
+        self.survivors.let_in()
+        self._send_or_take(loop, take=False)
+
+    def enter(self, loop: Any) -> None:
+        """A new process in a running job: ask to be let in, then take the training state and
+        the position (epoch, step, data, history) from rank 0; fit goes on from there."""
+        self.survivors.come_back()
+        self.strategy.extended.rejoined()  # type: ignore[attr-defined]
+        self._send_or_take(loop, take=True)
+
+    def _send_or_take(self, loop: Any, *, take: bool) -> None:
+        """Rank 0's model, optimizer, scheduler, fit position and record, sent to every member;
+        those that ``take`` it (the new ones) put it in place; the others have the same already."""
+        from stratagem.train.resume import FitProgress
+
+        comm = self.strategy.extended.world
+        pieces = self.steps.pieces
+        bundle = None
+        if comm.rank == 0:
+            progress = FitProgress()
+            loop.capture(progress, epoch_end=False)
+            bundle = {
+                "model": {k: v.detach().cpu() for k, v in self.steps.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "committed": dataclasses.asdict(self.committed),
+                "progress": progress.state,
+                "pieces": (pieces.updates, pieces._base),
+            }
+        bundle = comm.broadcast_object(bundle, 0)
+        if not take:
+            return
+        with torch.no_grad():
+            self.steps.model.load_state_dict(bundle["model"])
+        self.optimizer.load_state_dict(bundle["optimizer"])
+        if self.scheduler is not None and bundle["scheduler"] is not None:
+            self.scheduler.load_state_dict(bundle["scheduler"])
+        self.committed = Committed(**bundle["committed"])
+        progress = FitProgress()
+        progress.state = bundle["progress"]
+        loop.batches.dist._checked = True  # the others compared their first batches long ago
+        loop.restore(progress)
+        pieces.updates, pieces._base = bundle["pieces"]
+        for m, totals in zip(loop.tracked, self.committed.totals):
+            t = torch.tensor(totals, dtype=torch.float64)
+            m.load_totals(torch.zeros_like(t))  # rank 0 holds the epoch's totals
+            m.set_global_totals(t)
+
+    def _take_state_from(self, src: int) -> None:
+        """The model, optimizer, scheduler and record of replica ``src`` (new rank), on every one."""
+        comm = self.strategy.extended.world
+        model = self.steps.model
+        bundle = None
+        if comm.rank == src:
+            bundle = {
+                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "committed": dataclasses.asdict(self.committed),
+            }
+        bundle = comm.broadcast_object(bundle, src)
+        if comm.rank != src:
+            with torch.no_grad():
+                model.load_state_dict(bundle["model"])
+            self.optimizer.load_state_dict(bundle["optimizer"])
+            if self.scheduler is not None and bundle["scheduler"] is not None:
+                self.scheduler.load_state_dict(bundle["scheduler"])
+            self.committed = Committed(**bundle["committed"])
+            self.steps.pieces.updates = self.committed.updates
+

@@ -1,0 +1,63 @@
+"""Workers for test_failover.py: fit under FailureOptions(on_failure="continue") while a replica dies."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import stratagem as sg
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(144, 12, generator=g), torch.randint(0, 5, (144,), generator=g)
+    return [(x[i : i + 24], y[i : i + 24]) for i in range(0, 144, 24)]  # 6 global batches of 24
+
+
+def _die_at(model: nn.Module, call: int, how: str) -> None:
+    """This replica dies at its ``call``-th forward pass (a piece of a step, mid-step)."""
+    seen = [0]
+
+    def hook(*_: Any) -> None:
+        seen[0] += 1
+        if seen[0] == call:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"replica {os.environ.get('RANK')} fails on purpose at forward {call}")
+
+    model.register_forward_pre_hook(hook)
+
+
+def fit_through_failure(replicas: int, victims: dict[int, int], how: str = "kill",
+                        deterministic: bool = True, epochs: int = 2, restarts: int = 0,
+                        pause: float = 0.0) -> dict[str, Any]:  # fmt: skip
+    """fit (AdamW, clipping, dropout) on ``replicas``; each replica of ``victims`` dies at the
+    forward pass its value counts (a piece of some step: mid-step). Returns the parameters'
+    SHA-256, the epochs' losses and how many replicas were left."""
+    options = sg.FailureOptions(on_failure="continue", max_restarts=restarts)
+    strategy = (
+        sg.MirroredStrategy(devices="cpu", num_replicas=replicas, timeout=60, failure=options) if replicas > 1 else None
+    )
+    if deterministic:
+        sg.experimental.enable_op_determinism(piece_size=4)
+    torch.manual_seed(0)
+    with strategy.scope() if strategy is not None else torch.no_grad():
+        model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Dropout(0.25), nn.Linear(32, 32), nn.Tanh(),
+                              nn.Linear(32, 5))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank in victims:
+        _die_at(model, victims[rank], how)
+    if pause:  # slower steps: a replica started again has time to come back mid-training
+        model.register_forward_pre_hook(lambda *_: time.sleep(pause))
+    history = sg.fit(model, opt, nn.CrossEntropyLoss(), _data(), epochs=epochs, global_clipnorm=0.5,
+                     strategy=strategy, verbose=0)  # fmt: skip
+    digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters()))
+    left = strategy.num_replicas_in_sync if strategy is not None else 1
+    return {"hash": digest.hexdigest(), "loss": [float(v) for v in history.history["loss"]], "replicas": left}

@@ -1,0 +1,127 @@
+"""FailureOptions(on_failure="continue"): fit goes on without a lost replica, with no restart and no
+checkpoint, and in the deterministic mode ends bit for bit where the run without a failure ends
+(issue 34, item 2; docs/FAILOVER.md)."""
+
+from __future__ import annotations
+
+import pytest
+from failover_workers import fit_through_failure
+
+from stratagem.testing import run_workers
+
+LOST = r"stratagem: replicas? [\d, ]+ lost \("
+WHY = "the survivors say once which replica was lost and that training goes on"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, nothing failing: the hash and losses every survivor must end with."""
+    return run_workers(fit_through_failure, 1, args=(1, {}), timeout=120)[0].value
+
+
+def _survivors(replicas, victims, how="kill", deterministic=True):
+    results = run_workers(fit_through_failure, replicas, args=(replicas, victims, how, deterministic), timeout=150,
+                          check=False)  # fmt: skip
+    lost = [r for r in results if r.rank in victims]
+    kept = [r for r in results if r.rank not in victims]
+    for r in lost:
+        assert r.returncode == (-9 if how == "kill" else 1), r.stderr[-2000:]
+    for r in kept:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return kept
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("replicas", "victims", "how"),
+    [
+        (3, {2: 5}, "kill"),  # SIGKILL in its 5th piece: update 3 of epoch 1, mid-step
+        (3, {1: 1}, "kill"),  # in the very first piece of the run
+        (3, {1: 7}, "raise"),  # its program raises (its traceback is its own)
+        (3, {2: 5, 1: 20}, "kill"),  # one after the other: 3 -> 2 -> 1 replicas
+        (3, {1: 9, 2: 9}, "kill"),  # two at once
+        (2, {1: 14}, "kill"),  # down to the last replica, in epoch 2
+    ],
+    ids=["kill-mid-step", "kill-first-piece", "raise", "two-in-turn", "two-at-once", "last-one-left"],
+)
+def test_a_lost_replica_leaves_the_run_that_never_failed(reference, replicas, victims, how):
+    """The survivors end with the parameters' SHA-256 and the epochs' losses of one process that
+    never failed (the deterministic mode: AdamW, clipping, dropout), with one fewer replica per loss."""
+    kept = _survivors(replicas, victims, how)
+    for r in kept:
+        assert r.value["hash"] == reference["hash"]
+        assert r.value["loss"] == reference["loss"]
+        assert r.value["replicas"] == replicas - len(victims)
+    chief = next(r for r in kept if r.rank == 0)
+    assert len([line for line in chief.stderr.splitlines() if "training goes on with" in line]) == (
+        2 if victims == {2: 5, 1: 20} else 1
+    )
+
+
+@pytest.mark.timeout(200)
+def test_without_the_deterministic_mode_the_job_goes_on_with_the_same_global_batch(reference):
+    """The default mode goes on too: the survivors agree with each other and train on the same
+    global batches (the loss of one process to float tolerance, not to the bit)."""
+    kept = _survivors(3, {2: 5}, deterministic=False)
+    assert kept[0].value["hash"] == kept[1].value["hash"]
+    assert kept[0].value["loss"] == pytest.approx(reference["loss"], rel=0.05)
+
+
+@pytest.mark.timeout(200)
+def test_losing_the_store_host_is_todays_clear_error():
+    """Replica 0 hosts the job's store: without it nobody can agree on anything, so the others end
+    with the WorkerFailedError naming it, as without on_failure="continue" (no C++ stack)."""
+    results = run_workers(fit_through_failure, 3, args=(3, {0: 4}), timeout=150, check=False)
+    for r in results[1:]:
+        assert r.returncode == 1
+        assert "WorkerFailedError: all_gather failed because worker 0 failed" in r.stderr
+        assert "frame #" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def _script(tmp_path, victim, call):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("failover_script.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run([sys.executable, str(script), str(out), str(victim), str(call)], capture_output=True,
+                          text=True, timeout=150, cwd=tmp_path)  # fmt: skip
+    import json
+
+    return done, {f.stem: json.loads(f.read_text()) for f in out.iterdir()}
+
+
+@pytest.mark.timeout(200)
+def test_a_lost_replica_started_again_comes_back_from_a_live_peer(tmp_path):
+    """MirroredStrategy(3) starting its replicas itself, max_restarts=1: replica 2 is killed
+    mid-step, the others go on, rank 0 starts it again and it is let in between two steps with
+    the training state of a live peer (no checkpoint): all three end with the hash and losses of
+    one process that never failed, on 3 replicas, and the command exits 0."""
+    from failover_workers import fit_through_failure
+
+    want = fit_through_failure(1, {}, epochs=6)
+    done, results = _script(tmp_path, victim=2, call=5)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert set(results) == {"rank0", "rank1", "rank2-again"}
+    for r in results.values():
+        assert (r["hash"], r["loss"], r["replicas"]) == (want["hash"], want["loss"], 3)
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("stratagem: replica 2 lost (all_gather failed because worker 2 failed")
+    assert lines[1:] == ["stratagem: replica 2 came back; training goes on with 3 replicas"]
+
+
+@pytest.mark.timeout(200)
+def test_a_replica_started_again_after_training_ended_ends_quietly(tmp_path):
+    """Killed in the last step, started again: the training ends before it can be let in; it ends
+    (by itself, or stopped by rank 0 when it is still starting), one line says so, and the
+    command's exit code is 0."""
+    done, results = _script(tmp_path, victim=1, call=71)  # its last piece of the last step
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert set(results) == {"rank0", "rank2"}
+    assert ("stratagem: replica 1 was started again after the job's training had ended; there is nothing "
+            "left for it to do; it ends" in done.stderr) or (
+            "stratagem: replica 1 was started again too late to rejoin (the training had ended); it was stopped"
+            in done.stderr)  # fmt: skip
+    assert "Traceback" not in done.stderr
