@@ -365,6 +365,13 @@ class ProcessGroupCommunicator(Communicator):
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``src``'s object on every member (one broadcast: the others send nothing)."""
+        box = [obj if self.rank == src else None]
+        with self._guard("broadcast_object"):
+            dist.broadcast_object_list(box, src=self.global_ranks[src], group=self.group)
+        return box[0]
+
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
         with self._guard("gather_object"):
@@ -409,6 +416,9 @@ class ProcessGroupCommunicator(Communicator):
                 )
         assert mine is not None
         return mine
+
+
+eager_only(ProcessGroupCommunicator, ["broadcast_object"])
 
 
 class _GuardedWork:

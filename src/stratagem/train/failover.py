@@ -18,6 +18,7 @@ the weights are bit for bit those of the run in which nothing failed.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,11 @@ from stratagem.comm.errors import CollectiveError
 from stratagem.distribute.failover import Survivors
 from stratagem.distribute.strategy import Strategy
 from stratagem.train.metrics import Metric
+
+#: what failures cost in this process, one record per event, for benchmarks/failover.py:
+#: {"event": "lost", "round_s": agreeing and regrouping, "lost_s": from the interrupted step's
+#: start to the retried step's commit}, {"event": "rejoin", "bytes": sent, "seconds": taken}
+FIGURES: list[dict[str, Any]] = []
 
 
 @dataclasses.dataclass
@@ -49,13 +55,24 @@ class FitFailover:
         self.strategy, self.steps, self.optimizer, self.scheduler = strategy, steps, optimizer, scheduler
         self.survivors = Survivors(ext.world.world_size, ext.failure)  # type: ignore[attr-defined]
         self.committed = Committed()
+        self._lost_since: float | None = None
 
     @property
     def failures(self) -> int:
         return len(self.survivors.rounds)
 
+    def interrupted(self, step_began: float) -> None:
+        """The step that began at ``step_began`` (``time.perf_counter``) failed: the cost of the
+        failure is counted until the next commit."""
+        self._lost_since = step_began
+
     def record(self, epoch: int, data: dict[str, Any], step: int, iterations: int, tracked: Sequence[Metric]) -> None:
         """An update committed (or an epoch begun, with its zero totals): remember where fit is."""
+        since = self._lost_since
+        if since is not None:
+            self._lost_since = None
+            FIGURES.append({"event": "lost", "round_s": self.survivors.rounds[-1],
+                            "lost_s": time.perf_counter() - since})  # fmt: skip
         self.committed = Committed(
             epoch, dict(data), step, iterations, int(self.steps.pieces.updates),
             [m.global_totals().tolist() for m in tracked],
@@ -127,7 +144,13 @@ class FitFailover:
                 "progress": progress.state,
                 "pieces": (pieces.updates, pieces._base),
             }
+        began = time.perf_counter()
         bundle = comm.broadcast_object(bundle, 0)
+        if comm.rank == 0:
+            import pickle
+
+            FIGURES.append({"event": "rejoin", "seconds": time.perf_counter() - began,
+                            "bytes": len(pickle.dumps(bundle, protocol=pickle.HIGHEST_PROTOCOL))})  # fmt: skip
         if not take:
             return
         with torch.no_grad():

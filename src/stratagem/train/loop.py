@@ -207,6 +207,8 @@ class _Loop:
         self.steps.on_commit = lambda: failover.record(
             state.epoch, batches.state_dict(), state.step + 1, state.iterations + 1, tracked
         )
+        # the step's sync rides on the commit: a stop asked before it, a lost replica back
+        self.steps.commit_extra = lambda: [float(_stop_asked(state)), float(failover.joins_waiting())]
 
     def capture(self, progress: FitProgress, *, epoch_end: bool) -> None:
         state = self.state
@@ -333,17 +335,19 @@ class _Loop:
                 # end (on_epoch_begin, on_train_batch_begin): every replica stops after this batch,
                 # as Keras does, at no extra collective
                 proposal = cadence.proposal(t1 - t0, in_steps, len(group))
-                extra = [float(_stop_asked(state))]
-                if self.failover is not None:  # a lost replica asked to come back (the leader saw it)
-                    extra.append(float(self.failover.joins_waiting()))
-                summed = _end_execution(self.strategy, tracked, state, self.cblist, [*extra, *proposal])
-                if self.failover is not None:
-                    if summed[1] > 0:  # let it in now, between two steps
+                if self.failover is None:
+                    summed = _end_execution(self.strategy, tracked, state, self.cblist, [float(_stop_asked(state)), *proposal])
+                else:  # the step's commit summed the metrics, the stop and whether a replica came back
+                    stop, joins = self.steps.committed_extra
+                    state.samples = int(tracked[0].global_totals()[1])
+                    self.cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
+                    if joins > 0:  # let it in now, between two steps
                         self.failover.let_in(self)
-                    summed = [summed[0], *summed[2:]]
+                    summed = [stop]
             except CollectiveError as e:
                 if self.failover is None:
                     raise
+                self.failover.interrupted(t0)
                 retry = self._recover(e, group)
                 continue
             if cadence.measuring:

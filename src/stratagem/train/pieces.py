@@ -146,10 +146,32 @@ class PieceRunner:
             with self.strategy.no_sync(), rng:
                 micro_step(part[0], part[1], part[2], rows)
             pieces[k] = self._take()
+        if p is None and replicas > 1:  # one piece each, no fixed order to keep: one all-reduce
+            grads = pieces[first] if last > first else Grads(torch.zeros_like(q) for q in self.params)
+            self._all_reduce(grads)
+            for param, g in zip(self.params, grads):
+                param.grad = g
+            commit()
+            self.updates += 1
+            return
         known = block_sums(pieces, first, last, n)
         if replicas > 1:
             known = self._exchange(known, ranges)
         self._finish(known, n, commit)
+
+    def _all_reduce(self, grads: Grads) -> None:
+        """Sum ``grads`` over the replicas in place (one flat all-reduce per dtype)."""
+        world = self.strategy.extended.world
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in same])
+            world.all_reduce_(flat, "sum")
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _finish(self, known: dict[Block, Grads], n: int, commit: Callable[[], None] | None) -> None:
         """The tree's root into each parameter's ``.grad``; ``commit``; the update counted."""

@@ -186,6 +186,10 @@ class DataParallelSteps:
         self.continuing = bool(failure is not None and failure.continues and optimizer is not None)
         #: called once an update is committed (its gradient whole everywhere, metrics summed)
         self.on_commit: Callable[[], None] | None = None
+        #: numbers summed with the commit's metric totals (the loop's step sync: stop, rejoin),
+        #: and their sums
+        self.commit_extra: Callable[[], list[float]] | None = None
+        self.committed_extra: list[float] = []
         if self.continuing and self.pieces is None:
             assert optimizer is not None
             if self.options.accumulate != 1:
@@ -286,15 +290,18 @@ class DataParallelSteps:
         continuing = self.continuing
 
         def commit() -> None:
-            """The update's gradient is whole everywhere: its metric totals summed, then it counts."""
+            """The update's gradient is whole everywhere: its metric totals summed (with what the
+            loop adds to the step's sync: ``commit_extra``), then it counts."""
             record.apply()
             tracked = [loss_metric, *metrics]
-            flat = torch.cat([m.local_totals() for m in tracked])
+            extra = self.commit_extra() if self.commit_extra is not None else []
+            flat = torch.cat([*(m.local_totals() for m in tracked), torch.tensor(extra, dtype=torch.float64)])
             strategy.extended.world.all_reduce_(flat, "sum")
             offset = 0
             for m in tracked:
                 m.set_global_totals(flat[offset : offset + m.num_totals])
                 offset += m.num_totals
+            self.committed_extra = flat[offset:].tolist()
             if self.on_commit is not None:
                 self.on_commit()
 
