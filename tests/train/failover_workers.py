@@ -36,14 +36,17 @@ def _die_at(model: nn.Module, call: int, how: str) -> None:
 
 def fit_through_failure(replicas: int, victims: dict[int, int], how: str = "kill",
                         deterministic: bool = True, epochs: int = 2, restarts: int = 0,
-                        pause: float = 0.0) -> dict[str, Any]:  # fmt: skip
+                        pause: float = 0.0, kind: str = "mirrored") -> dict[str, Any]:  # fmt: skip
     """fit (AdamW, clipping, dropout) on ``replicas``; each replica of ``victims`` dies at the
     forward pass its value counts (a piece of some step: mid-step). Returns the parameters'
     SHA-256, the epochs' losses and how many replicas were left."""
     options = sg.FailureOptions(on_failure="continue", max_restarts=restarts)
-    strategy = (
-        sg.MirroredStrategy(devices="cpu", num_replicas=replicas, timeout=60, failure=options) if replicas > 1 else None
-    )
+    if replicas == 1:
+        strategy = None
+    elif kind == "multiworker":  # the launcher's variables (run_workers: the store on rank 0, as TF_CONFIG's chief)
+        strategy = sg.MultiWorkerMirroredStrategy(failure=options)
+    else:
+        strategy = sg.MirroredStrategy(devices="cpu", num_replicas=replicas, timeout=60, failure=options)
     if deterministic:
         sg.experimental.enable_op_determinism(piece_size=4)
     torch.manual_seed(0)

@@ -59,6 +59,18 @@ def test_a_lost_replica_leaves_the_run_that_never_failed(reference, replicas, vi
 
 
 @pytest.mark.timeout(200)
+def test_multiworker_mirrored_goes_on_too(reference):
+    """MultiWorkerMirroredStrategy(failure=FailureOptions(on_failure="continue")): a worker killed
+    mid-step; the others end bit for bit where one process that never failed ends."""
+    results = run_workers(fit_through_failure, 3, args=(3, {1: 5}, "kill", True, 2, 0, 0.0, "multiworker"),
+                          timeout=150, check=False)  # fmt: skip
+    assert results[1].returncode == -9
+    for r in (results[0], results[2]):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (r.value["hash"], r.value["loss"], r.value["replicas"]) == (reference["hash"], reference["loss"], 2)
+
+
+@pytest.mark.timeout(200)
 def test_without_the_deterministic_mode_the_job_goes_on_with_the_same_global_batch(reference):
     """The default mode goes on too: the survivors agree with each other and train on the same
     global batches (the loss of one process to float tolerance, not to the bit)."""
