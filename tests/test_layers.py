@@ -30,7 +30,8 @@ ROOMS = {
     "strategies": 2,  # the final strategy classes
     "top": 3,  # current (the default strategy), loss, the package itself
 }
-API = {"strategy", "context", "reduce_op", "ownership", "function", "mixed_precision", "input_options", "partitioners"}
+API = {"strategy", "context", "reduce_op", "ownership", "function", "mixed_precision", "input_options", "partitioners",
+       "determinism"}
 SETUP = {"join", "bootstrap", "devices", "startup"}
 
 

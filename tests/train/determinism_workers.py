@@ -111,3 +111,48 @@ def resumed_hash(replicas: int, backup_dir: str, kill_at: int | None) -> dict[st
            strategy=strategy, verbose=0)  # fmt: skip
     digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters()))
     return {"hash": digest.hexdigest(), "restored_from": backup.restored_from}
+
+
+def custom_loop_hash(kind: str, replicas: int) -> dict[str, Any]:
+    """TensorFlow's custom training loop with tf.distribute, as its tutorial writes it (a step that
+    computes per-example losses, compute_average_loss with the global batch size, then the update
+    inside strategy.run; strategy.reduce of the returned losses), with torch's AdamW, global
+    clipping and dropout, in the deterministic mode: the parameters' SHA-256 and the epochs' losses."""
+    import torch.nn.functional as F  # noqa: N812
+
+    if kind == "one":
+        strategy: Any = sg.MirroredStrategy(devices="cpu", num_replicas=1)
+    elif kind == "mirrored":
+        strategy = sg.MirroredStrategy(devices="cpu", num_replicas=replicas, timeout=60)
+    else:
+        strategy = sg.MultiWorkerMirroredStrategy()
+    sg.experimental.enable_op_determinism(piece_size=4)
+    global_batch = 24
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Dropout(0.25), nn.Linear(32, 32), nn.Tanh(),
+                              nn.Linear(32, 5))  # fmt: skip
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    dist_dataset = strategy.experimental_distribute_dataset(_data())
+
+    def train_step(inputs: Any) -> torch.Tensor:
+        x, y = inputs
+        optimizer.zero_grad()
+        per_example_loss = F.cross_entropy(model(x), y, reduction="none")
+        loss = sg.compute_average_loss(per_example_loss, global_batch_size=global_batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        return loss
+
+    losses = []
+    for _ in range(2):
+        total, batches = 0.0, 0
+        for x in dist_dataset:
+            per_replica_losses = strategy.run(train_step, args=(x,))
+            total += float(strategy.reduce("sum", per_replica_losses, axis=None))
+            batches += 1
+        losses.append(total / batches)
+    sg.experimental.disable_op_determinism()
+    digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters()))
+    return {"hash": digest.hexdigest(), "loss": losses}

@@ -82,12 +82,14 @@ def test_without_the_deterministic_mode_the_job_goes_on_with_the_same_global_bat
 @pytest.mark.timeout(200)
 def test_losing_the_store_host_is_todays_clear_error():
     """Replica 0 hosts the job's store: without it nobody can agree on anything, so the others end
-    with the WorkerFailedError naming it, as without on_failure="continue" (no C++ stack)."""
+    with the WorkerFailedError naming it, as without on_failure="continue" (no traceback; on a
+    loaded machine a heartbeat's store call in flight when the store went may add torch's C++
+    warning, as it may without on_failure="continue")."""
     results = run_workers(fit_through_failure, 3, args=(3, {0: 4}), timeout=150, check=False)
     for r in results[1:]:
         assert r.returncode == 1
         assert "WorkerFailedError: all_gather failed because worker 0 failed" in r.stderr
-        assert "frame #" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and "training goes on" not in r.stderr, r.stderr[-2000:]
 
 
 def _script(tmp_path, victim, call):

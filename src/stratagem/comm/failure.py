@@ -504,7 +504,15 @@ class FailureMonitor:
         host, the store still answering): ``on_failure="continue"``."""
         if p is None or p == self.rank or p == self.store_host_rank or self._store_errors >= 2:
             return False
-        return not self._store_host_gone()
+        if self._store_host_gone():
+            return False
+        # the store's address still takes connections (a plain socket: a call of torch's client
+        # on a store that is gone prints a C++ warning with a stack before it raises)
+        try:
+            with socket.create_connection((self.master_addr, self.master_port), timeout=1.0):
+                return True
+        except OSError:
+            return False
 
     def gone(self, p: int) -> bool:
         """Whether rank ``p`` is out of the job: left already, its process gone on this host, a

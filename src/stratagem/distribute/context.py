@@ -64,3 +64,23 @@ def cross_replica(strategy: Any) -> Iterator[None]:
     finally:
         _replica.reset(t2)
         _strategy.reset(t1)
+
+
+#: (examples in the global batch, pieces in it) while strategy.run calls a step once per piece
+#: (the deterministic mode): what the step's losses are counted against
+_pieces: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("stratagem_pieces", default=None)
+
+
+@contextlib.contextmanager
+def pieces_of_global_batch(examples: int, pieces: int) -> Iterator[None]:
+    """Inside: the step runs on one of ``pieces`` pieces of a global batch of ``examples``."""
+    token = _pieces.set((examples, pieces))
+    try:
+        yield
+    finally:
+        _pieces.reset(token)
+
+
+def global_batch_pieces() -> tuple[int, int] | None:
+    """(examples in the global batch, its pieces) inside a piece of a step; None elsewhere."""
+    return _pieces.get()

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from stratagem.core.eager import eager_only
-from stratagem.distribute import current
+from stratagem.distribute import context, current
 from stratagem.distribute.strategy import Execution
 
 
@@ -54,6 +54,9 @@ def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor
     strategy = ctx.strategy if ctx is not None else current.get_strategy()
     if strategy.extended.execution is Execution.GLOBAL:  # one program over the global batch: counted once already
         return regularization_loss
+    piecewise = context.global_batch_pieces()
+    if piecewise is not None:  # every piece adds the penalty: counted once over the global batch
+        return regularization_loss / piecewise[1]
     n = ctx.num_replicas_in_sync if ctx is not None else current.get_strategy().num_replicas_in_sync
     return regularization_loss / n
 
@@ -67,6 +70,9 @@ def examples_in_step(local: int) -> int:
 
 def _global_count(local: int) -> int:
     """The number of examples in this step over all replicas (runs eagerly, also when compiled)."""
+    piecewise = context.global_batch_pieces()
+    if piecewise is not None:
+        return piecewise[0]
     ctx = current.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return local

@@ -22,6 +22,7 @@ from stratagem.core import tree
 from stratagem.core.batches import place, to_tensors
 from stratagem.core.eager import eager_only
 from stratagem.distribute import context
+from stratagem.distribute.determinism import op_determinism
 from stratagem.distribute.engines.device_feed import feed, feeds
 from stratagem.distribute.engines.input import (
     DistributedDataset,
@@ -29,6 +30,7 @@ from stratagem.distribute.engines.input import (
     ShardedDataset,
 )
 from stratagem.distribute.engines.mirror import MirrorRegistry
+from stratagem.distribute.engines.piecewise import PiecewiseRun
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.strategy import ReplicaContext, StrategyExtended
 
@@ -90,6 +92,8 @@ class DataParallelExtended(StrategyExtended):
         self.comm = comm
         #: how failures are found and what follows them (``on_failure="continue"``: fit goes on)
         self.failure = failure
+        #: strategy.run in the deterministic mode (made at its first use)
+        self._piecewise: PiecewiseRun | None = None
         self._device = device
         self.name = name
         # the replicas (ranks of ``comm``) whose parts tf's one process would hold: this
@@ -183,7 +187,14 @@ class DataParallelExtended(StrategyExtended):
 
     def call_for_replica(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         args, kwargs, ctx = self._prepare_call(fn, args, kwargs)
+        mode = op_determinism()
         with context.replica_scope(ctx), self._run_checks():
+            if mode is not None and self.registry is not None and (args or kwargs):
+                # the deterministic mode: the step once per piece, the gradients summed by one tree
+                if self._piecewise is None:
+                    self._piecewise = PiecewiseRun(self.comm, self._device, self.registry.trainable)
+                with self.no_sync():
+                    return self._piecewise(mode, args, kwargs, lambda a, k: fn(*a, **k))
             return fn(*args, **kwargs)
 
     def _prepare_call(

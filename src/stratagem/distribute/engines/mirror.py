@@ -301,6 +301,10 @@ class MirrorRegistry:
         if new or gone_params or retrain:
             self._rebuild_reducer([(t, n) for i, (t, n) in enumerate(params) if i not in gone_params and t is not None])
 
+    def trainable(self) -> list[torch.Tensor]:
+        """The mirrored parameters alive that take gradients, in registration order."""
+        return [t for r, _ in self._params if (t := r()) is not None and t.requires_grad and t.device.type != "meta"]
+
     def rejoined(self) -> None:
         """This process was let into a running job (``on_failure="continue"``), where it had been
         alone: the buffers broadcast before each step are the list the others keep (its ``sync``
