@@ -59,8 +59,11 @@ def fit_through_failure(replicas: int, victims: dict[int, int], how: str = "kill
         _die_at(model, victims[rank], how)
     if pause:  # slower steps: a replica started again has time to come back mid-training
         model.register_forward_pre_hook(lambda *_: time.sleep(pause))
-    history = sg.fit(model, opt, nn.CrossEntropyLoss(), _data(), epochs=epochs, global_clipnorm=0.5,
-                     strategy=strategy, verbose=0)  # fmt: skip
+    try:
+        history = sg.fit(model, opt, nn.CrossEntropyLoss(), _data(), epochs=epochs, global_clipnorm=0.5,
+                         strategy=strategy, verbose=0)  # fmt: skip
+    finally:
+        sg.experimental.disable_op_determinism()  # a process-wide switch: never left on
     digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters()))
     left = strategy.num_replicas_in_sync if strategy is not None else 1
     return {"hash": digest.hexdigest(), "loss": [float(v) for v in history.history["loss"]], "replicas": left}

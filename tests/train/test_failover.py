@@ -92,7 +92,7 @@ def test_losing_the_store_host_is_todays_clear_error():
         assert "Traceback" not in r.stderr and "training goes on" not in r.stderr, r.stderr[-2000:]
 
 
-def _script(tmp_path, victim, call):
+def _script(tmp_path, victim, call, again_call=0):
     import subprocess
     import sys
     from pathlib import Path
@@ -100,7 +100,7 @@ def _script(tmp_path, victim, call):
     script = Path(__file__).with_name("failover_script.py")
     out = tmp_path / "out"
     out.mkdir()
-    done = subprocess.run([sys.executable, str(script), str(out), str(victim), str(call)], capture_output=True,
+    done = subprocess.run([sys.executable, str(script), str(out), str(victim), str(call), str(again_call)], capture_output=True,
                           text=True, timeout=150, cwd=tmp_path)  # fmt: skip
     import json
 
@@ -113,9 +113,8 @@ def test_a_lost_replica_started_again_comes_back_from_a_live_peer(tmp_path):
     mid-step, the others go on, rank 0 starts it again and it is let in between two steps with
     the training state of a live peer (no checkpoint): all three end with the hash and losses of
     one process that never failed, on 3 replicas, and the command exits 0."""
-    from failover_workers import fit_through_failure
 
-    want = fit_through_failure(1, {}, epochs=6)
+    [want] = [r.value for r in run_workers(fit_through_failure, 1, args=(1, {}, "kill", True, 6), timeout=120)]
     done, results = _script(tmp_path, victim=2, call=5)
     assert done.returncode == 0, done.stderr[-3000:]
     assert set(results) == {"rank0", "rank1", "rank2-again"}
@@ -139,3 +138,19 @@ def test_a_replica_started_again_after_training_ended_ends_quietly(tmp_path):
             "stratagem: replica 1 was started again too late to rejoin (the training had ended); it was stopped"
             in done.stderr)  # fmt: skip
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.timeout(200)
+def test_a_replica_that_came_back_and_fails_again_is_lost_again(tmp_path):
+    """Killed, started again, let in, killed again after a few pieces (no restart left): the two
+    others go on once more and end with the hash and losses of the run in which nothing failed."""
+
+    [want] = [r.value for r in run_workers(fit_through_failure, 1, args=(1, {}, "kill", True, 6), timeout=120)]
+    done, results = _script(tmp_path, victim=2, call=5, again_call=6)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert set(results) == {"rank0", "rank1"}
+    for r in results.values():
+        assert (r["hash"], r["loss"], r["replicas"]) == (want["hash"], want["loss"], 2)
+    said = [line.split(" (")[0] for line in done.stderr.strip().splitlines()]
+    assert said == ["stratagem: replica 2 lost", "stratagem: replica 2 came back; training goes on with 3 replicas",
+                    "stratagem: replica 2 lost"], done.stderr  # fmt: skip
