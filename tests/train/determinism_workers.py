@@ -50,6 +50,15 @@ def refused(what: str) -> str:
     """The error the deterministic mode gives for ``what`` (one process)."""
     sg.experimental.enable_op_determinism(piece_size=5)
     torch.manual_seed(0)
+    if what == "batchnorm-loop":  # a custom loop's strategy.run
+        strategy = sg.MirroredStrategy(devices="cpu", num_replicas=1)
+        with strategy.scope():
+            net = nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8), nn.Linear(8, 5))
+        try:
+            strategy.run(lambda x: net(x).sum().backward(), args=(torch.randn(10, 12),))
+        except ValueError as e:
+            return str(e)
+        return "no error"
     if what == "batchnorm":
         model: nn.Module = nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8), nn.Linear(8, 5))
         kwargs: dict[str, Any] = {}

@@ -39,6 +39,7 @@ def test_fit_gives_the_same_bits_on_any_number_of_replicas(one_process, kind, re
     ("what", "message"),
     [
         ("batchnorm", "1 is BatchNorm1d in training mode, whose statistics are over a batch, not a piece"),
+        ("batchnorm-loop", "BatchNorm1d is in training mode, whose statistics are over a batch, not a piece"),
         ("accumulation", "gradient_accumulation_steps is not supported with enable_op_determinism yet"),
         ("batch", r"must be a multiple of 5 x 1 replicas = 5 examples, split evenly; got 12 examples"),
     ],

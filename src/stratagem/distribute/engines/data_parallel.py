@@ -192,7 +192,8 @@ class DataParallelExtended(StrategyExtended):
             if mode is not None and self.registry is not None and (args or kwargs):
                 # the deterministic mode: the step once per piece, the gradients summed by one tree
                 if self._piecewise is None:
-                    self._piecewise = PiecewiseRun(self.comm, self._device, self.registry.trainable)
+                    reg = self.registry
+                    self._piecewise = PiecewiseRun(self.comm, self._device, reg.trainable, reg.batch_norms_training)
                 with self.no_sync():
                     return self._piecewise(mode, args, kwargs, lambda a, k: fn(*a, **k))
             return fn(*args, **kwargs)

@@ -126,6 +126,8 @@ class MirrorRegistry:
         self.strategy_name = strategy_name
         self._mirrored = _IdSet()
         self._params: list[tuple[weakref.ref[torch.Tensor], str]] = []
+        #: BatchNorm layers made in the scope (the deterministic mode refuses them in training)
+        self._batch_norms: list[weakref.ref[nn.Module]] = []
         self._buffers: list[tuple[weakref.ref[torch.Tensor], str]] = []
         self._step_buffers: list[_BufferSlot] = []  # the buffers agreed at the last sync
         self._trainable: list[tuple[weakref.ref[torch.Tensor], bool]] = []  # when the reducer was built
@@ -182,6 +184,8 @@ class MirrorRegistry:
         return param if moved is not None else None
 
     def _on_buffer(self, module: nn.Module, name: str, buffer: torch.Tensor | None) -> Any:
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and name == "running_mean":
+            self._batch_norms.append(weakref.ref(module))
         if buffer is None:
             return None
         if isinstance(buffer, nn.parameter.UninitializedBuffer):
@@ -300,6 +304,10 @@ class MirrorRegistry:
             ]
         if new or gone_params or retrain:
             self._rebuild_reducer([(t, n) for i, (t, n) in enumerate(params) if i not in gone_params and t is not None])
+
+    def batch_norms_training(self) -> list[nn.Module]:
+        """The BatchNorm layers made in the scope that are in training mode now."""
+        return [m for r in self._batch_norms if (m := r()) is not None and m.training]
 
     def trainable(self) -> list[torch.Tensor]:
         """The mirrored parameters alive that take gradients, in registration order."""

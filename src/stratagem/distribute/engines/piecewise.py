@@ -51,10 +51,14 @@ def _seed(base: int, run: int, piece: int) -> int:
 class PiecewiseRun:
     """The deterministic mode's ``strategy.run`` for one data-parallel engine."""
 
-    def __init__(self, comm: Any, device: torch.device | None, params: Callable[[], list[torch.Tensor]]) -> None:
+    def __init__(
+        self, comm: Any, device: torch.device | None, params: Callable[[], list[torch.Tensor]],
+        batch_norms: Callable[[], list[torch.nn.Module]],
+    ) -> None:  # fmt: skip
         self.comm = comm
         self.device = device
         self.params = params
+        self.batch_norms = batch_norms
         self.runs = 0
         self._base: int | None = None
 
@@ -68,6 +72,13 @@ class PiecewiseRun:
         leaves = [t for t in tree.flatten((list(args), dict(kwargs)))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
         if not leaves:  # no batch to cut (fit's own execution, an eval without inputs): one call
             return call(args, kwargs)
+        training = self.batch_norms()
+        if training:
+            raise ValueError(
+                f"enable_op_determinism: {type(training[0]).__name__} is in training mode, whose statistics "
+                "are over a batch, not a piece: the bits would depend on the replica count. Use GroupNorm "
+                "or LayerNorm, freeze it (eval()), or disable_op_determinism()"
+            )
         rows = leaves[0].shape[0]
         if any(t.shape[0] != rows for t in leaves):
             raise ValueError(
