@@ -154,3 +154,49 @@ def test_a_replica_that_came_back_and_fails_again_is_lost_again(tmp_path):
     said = [line.split(" (")[0] for line in done.stderr.strip().splitlines()]
     assert said == ["stratagem: replica 2 lost", "stratagem: replica 2 came back; training goes on with 3 replicas",
                     "stratagem: replica 2 lost"], done.stderr  # fmt: skip
+
+
+@pytest.mark.skipif(bool(__import__("stratagem.testing.hosts", fromlist=["x"]).unavailable()), reason="needs root and ip")
+@pytest.mark.timeout(200)
+def test_a_worker_whose_host_is_cut_off_is_gone_on_without(tmp_path):
+    """Three TF_CONFIG workers on hosts of their own; worker 2's link is cut silently mid-training
+    (no reset: its collectives would wait out gloo's timeout). The others find it silent, give up
+    their wait, agree and go on: they end with the hash and losses of one process that never
+    failed. The cut worker ends with the clear error that it lost the job's store."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from stratagem.testing.hosts import Hosts, job_env
+
+    [want] = [r.value for r in run_workers(fit_through_failure, 1, args=(1, {}, "kill", True, 6), timeout=120)]
+    repo = Path(__file__).resolve().parents[2]
+    script = Path(__file__).with_name("failover_cut_script.py")
+    with Hosts(3) as hosts:
+        workers = [f"{h.address}:2222" for h in hosts]
+        procs = []
+        for i, h in enumerate(hosts):
+            tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
+            env = job_env(OMP_NUM_THREADS="1", PYTHONPATH=str(repo / "src"), TF_CONFIG=tf_config)
+            procs.append(h.popen([sys.executable, str(script), str(tmp_path)], env=env, cwd=repo,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        progress = tmp_path / "progress2"
+        deadline = time.monotonic() + 90
+        while not (progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 6):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                for p in procs:
+                    p.kill()
+                raise AssertionError("worker 2 never got to its 6th piece:\n" + "\n=====\n".join(
+                    p.communicate()[0][-3000:] for p in procs))
+            time.sleep(0.05)
+        hosts[2].cut()
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+    report = "\n=====\n".join(o[-3000:] for o in outs)
+    assert [p.returncode for p in procs] == [0, 0, 1], report
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert (got["hash"], got["loss"], got["replicas"]) == (want["hash"], want["loss"], 2), report
+    assert "stratagem: replica 2 lost" in outs[0], report
+    assert "WorkerFailedError" in outs[2], report

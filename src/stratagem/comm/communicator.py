@@ -19,14 +19,14 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stratagem.comm.errors import CollectiveError, ReplicaMismatchError
-from stratagem.comm.failure import FailureProbe, classify_failure, in_collective
+from stratagem.comm.errors import CollectiveError, ReplicaMismatchError, WorkerFailedError
+from stratagem.comm.failure import FailureProbe, classify_failure, giving_up_allowed, in_collective
 from stratagem.core import tree
 from stratagem.core.eager import eager_only
 
@@ -260,6 +260,12 @@ class _Done:
 #: tears down at exit, without looking anywhere else
 _live_groups: weakref.WeakSet[ProcessGroupCommunicator] = weakref.WeakSet()
 
+#: (group, work) of collectives given up on (a peer fell silent): held so that neither is
+#: destroyed while the work waits inside gloo for the lost peer (destroying the group would wait
+#: for it); it ends by itself at the group's timeout
+_abandoned: list[tuple[Any, Any]] = []
+
+
 
 #: every torch DeviceMesh stratagem made (held weakly): they hold their process groups too
 _live_meshes: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -340,9 +346,32 @@ class ProcessGroupCommunicator(Communicator):
                 raise
             raise classify_failure(e, self.probe, op) from e
 
+    #: (on_failure="continue") a lost peer's (rank, why) once one is known, else None: the
+    #: collectives that poll it give up waiting for a peer that fell silent (a host cut off,
+    #: whose connections never reset) instead of waiting out the backend's timeout
+    give_up_when: Callable[[], tuple[int, str] | None] | None = None
+
+    def _wait(self, work: Any, op: str) -> None:
+        """Wait for ``work``; with ``give_up_when``, poll it and leave the work behind (its group
+        kept alive, see ``_abandoned``) once a peer is known lost."""
+        if self.give_up_when is None:
+            work.wait()
+            return
+        with giving_up_allowed():
+            while not work.is_completed():
+                lost = self.give_up_when()
+                if lost is not None:
+                    _abandoned.append((self.group, work))
+                    raise WorkerFailedError(f"{op} failed because worker {lost[0]} failed: {lost[1]}", rank=lost[0])
+                time.sleep(0.0002)
+        work.wait()  # its own error, if it failed
+
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> None:
         with self._guard("all_reduce"):
-            dist.all_reduce(tensor, op=_DIST_OPS[op], group=self.group)
+            if self.give_up_when is None:
+                dist.all_reduce(tensor, op=_DIST_OPS[op], group=self.group)
+            else:
+                self._wait(dist.all_reduce(tensor, op=_DIST_OPS[op], group=self.group, async_op=True), "all_reduce")
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
         with self._guard("all_reduce"):
@@ -352,7 +381,10 @@ class ProcessGroupCommunicator(Communicator):
     def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         with self._guard("all_gather"):
-            dist.all_gather(out, tensor.contiguous(), group=self.group)
+            if self.give_up_when is None:
+                dist.all_gather(out, tensor.contiguous(), group=self.group)
+            else:
+                self._wait(dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True), "all_gather")
         return out
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:

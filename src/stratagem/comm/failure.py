@@ -77,6 +77,26 @@ def in_collective() -> Iterator[None]:
             _in_collectives.pop(key, None)
 
 
+#: how many waits that may give up (``ProcessGroupCommunicator._wait``) are under way
+_giving_up = [0]
+
+
+@contextlib.contextmanager
+def giving_up_allowed() -> Iterator[None]:
+    """Marks a wait that gives up by itself once a peer is known lost."""
+    _giving_up[0] += 1
+    try:
+        yield
+    finally:
+        _giving_up[0] -= 1
+
+
+def waiting_can_give_up() -> bool:
+    """Whether the collective under way gives up by itself on a lost peer (the watchdog then
+    need not stop the process)."""
+    return _giving_up[0] > 0
+
+
 def _waiting_in_collective_since() -> float | None:
     with _in_collectives_lock:
         return min(_in_collectives.values(), default=None)
@@ -471,8 +491,13 @@ class FailureMonitor:
         stand)."""
         if self.failure is None or self._closing or self._reported:
             return None
-        if self._continues_after(self.failure):
-            return None  # the main thread's collective fails, and the survivors go on without it
+        if self._continues_after(self.failure) and (
+            not self.failure.silent or _waiting_in_collective_since() is None or waiting_can_give_up()
+        ):
+            # the main thread's collective fails (a reset; or, for a silent peer, its wait gives up
+            # by itself), and the survivors go on without it. A silent peer while the main thread
+            # waits where it cannot give up: stopped as without "continue"
+            return None
         now = time.monotonic()
         probing = self._probe_since
         if probing is not None and now - probing < self._probe_bound():
@@ -488,16 +513,23 @@ class FailureMonitor:
         return grace - (now - self._failure_at)
 
     def _continues_after(self, failure: Failure) -> bool:
-        """Whether the job goes on without the failed rank (``on_failure="continue"``): a process
-        that died or raised, not the store's host, not a silent peer (whose collectives never
-        fail by themselves)."""
+        """Whether the job goes on without the failed rank (``on_failure="continue"``): any rank
+        but this one and the store's host (a silent one too: the collectives that can give up on it
+        do, ``communicator.ProcessGroupCommunicator._wait``)."""
         return (
             self.options.continues
-            and not failure.silent
             and failure.rank is not None
             and failure.rank != self.store_host_rank
             and failure.rank != self.rank
         )
+
+    def lost_peer(self) -> tuple[int, str] | None:
+        """(rank, why) of a peer known lost that the job goes on without (``on_failure="continue"``;
+        any thread, no store call): a collective waiting for it gives up."""
+        found = self.failure
+        if found is not None and found.rank is not None and self._continues_after(found):
+            return found.rank, found.why
+        return None
 
     def can_go_on_without(self, p: int | None) -> bool:
         """Whether the job can go on without rank ``p`` (known, not this process, not the store's

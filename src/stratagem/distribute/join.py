@@ -101,6 +101,8 @@ def join(
     )
     _joined["comm"] = comm
     _joined["store"] = store
+    if options.continues and options.enabled:  # a wait for a peer known lost gives up
+        comm.give_up_when = monitor.lost_peer
     _joined["backend"], _joined["timeout"], _joined["rank"] = backend, timeout, spec.rank
     _joined["world"] = spec.world_size
     if options.enabled:
@@ -144,6 +146,8 @@ def _come_back(
     communicator of one, ``ProcessGroupCommunicator.pending``); fit asks to be let in and takes the
     training state from a live peer (``train/failover.py``)."""
     comm = ProcessGroupCommunicator.pending(device, probe=job_probe(monitor if options.enabled else None))
+    if options.enabled:
+        comm.give_up_when = monitor.lost_peer
     _joined["comm"] = comm
     _joined["backend"], _joined["timeout"], _joined["rank"] = backend, timeout, spec.rank
     _joined["world"] = spec.world_size
