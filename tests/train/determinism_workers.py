@@ -165,3 +165,51 @@ def custom_loop_hash(kind: str, replicas: int) -> dict[str, Any]:
     sg.experimental.disable_op_determinism()
     digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters()))
     return {"hash": digest.hexdigest(), "loss": losses}
+
+
+def custom_loop_resumed_hash(replicas: int, directory: str, kill_after: int | None) -> dict[str, Any]:
+    """The custom training loop above over 2 epochs of a global-batch list, a checkpoint after every
+    step (model, optimizer, the distributed iterator's position, RNGState), on ``replicas``
+    replicas; every replica SIGKILLs itself after step ``kill_after`` (None: to the end). Started
+    again, it restores the newest checkpoint and goes on."""
+    import os
+    import signal
+
+    import torch.nn.functional as F  # noqa: N812
+
+    strategy: Any = sg.MirroredStrategy(devices="cpu", num_replicas=replicas, timeout=60)
+    sg.experimental.enable_op_determinism(piece_size=4)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Dropout(0.25), nn.Linear(32, 5))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(96, 12, generator=g), torch.randint(0, 5, (96,), generator=g)
+    data = sg.data.Dataset.from_tensor_slices((x, y)).shuffle(96, seed=5).batch(24).repeat(2)  # 8 global batches
+    options = sg.data.Options()  # every replica reads the global batches (tf's OFF): a position for any replica count
+    options.experimental_distribute.auto_shard_policy = sg.data.AutoShardPolicy.OFF
+    data = data.with_options(options)
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+    manager = sg.CheckpointManager(sg.Checkpoint(model=model, optimizer=optimizer, data=iterator, rng=sg.RNGState()),
+                                   directory, max_to_keep=2)  # fmt: skip
+    restored = manager.restore_or_initialize()
+
+    def train_step(inputs: Any) -> torch.Tensor:
+        x, y = inputs
+        optimizer.zero_grad()
+        loss = sg.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"), global_batch_size=24)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        return loss
+
+    step = int(restored.rsplit("-", 1)[-1]) if restored else 0
+    for inputs in iterator:
+        strategy.run(train_step, args=(inputs,))
+        step += 1
+        manager.save(step)
+        if kill_after is not None and step == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+    sg.experimental.disable_op_determinism()
+    digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters()))
+    return {"hash": digest.hexdigest(), "restored": restored, "steps": step}

@@ -54,3 +54,21 @@ def disable_op_determinism() -> None:
 def op_determinism() -> OpDeterminism | None:
     """The deterministic mode's settings, or None when it is off."""
     return _mode
+
+
+#: steps ``strategy.run`` cut into pieces so far in this process (the same on every replica: the
+#: pieces' random numbers follow it). ``sg.RNGState()`` saves and restores it, so a custom loop
+#: resumed from a checkpoint, on any number of replicas, draws what the run that went on drew.
+_piece_runs = [0]
+
+
+def piece_runs() -> int:
+    return _piece_runs[0]
+
+
+def count_piece_run() -> None:
+    _piece_runs[0] += 1
+
+
+def restore_piece_runs(n: int) -> None:
+    _piece_runs[0] = int(n)

@@ -33,6 +33,7 @@ import torch
 
 from stratagem.core import tree
 from stratagem.core.canonical import Block, block_sums, blocks, combine
+from stratagem.distribute import determinism
 from stratagem.distribute.context import pieces_of_global_batch
 from stratagem.distribute.determinism import OpDeterminism
 
@@ -59,7 +60,6 @@ class PiecewiseRun:
         self.device = device
         self.params = params
         self.batch_norms = batch_norms
-        self.runs = 0
         self._base: int | None = None
 
     def _agreed_base(self) -> int:
@@ -121,7 +121,7 @@ class PiecewiseRun:
                     for q, b in zip(params, c.before):
                         q.grad = b  # as before this backward: the step's clipping and optimizer see nothing
                 catcher.at_end = keep
-            with catcher, _generator_at(_seed(base, self.runs, first + k), self.device), pieces_of_global_batch(rows * replicas, n):
+            with catcher, _generator_at(_seed(base, determinism.piece_runs(), first + k), self.device), pieces_of_global_batch(rows * replicas, n):
                 outputs.append(call(piece_args, piece_kwargs))
             fired.append(catcher.fired)
             if any(fired) and not all(fired):
@@ -130,7 +130,7 @@ class PiecewiseRun:
                     "others; strategy.run calls the step once per piece, so each call must run backward "
                     "alike (or none of them)"
                 )
-        self.runs += 1
+        determinism.count_piece_run()
         return _combined(outputs, p)
 
     def _exchange(self, mine: dict[Block, _Grads], local: int, replicas: int) -> dict[Block, _Grads]:

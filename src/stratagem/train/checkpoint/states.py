@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from stratagem.core.warn import warn_user
+from stratagem.distribute import determinism
 from stratagem.train.checkpoint import dtensors, optim_names
 from stratagem.train.checkpoint.codec import encode_value
 from stratagem.train.checkpoint.files import read_part
@@ -26,7 +27,9 @@ from stratagem.train.checkpoint.ties import StageTies
 
 
 class RNGState:
-    """The random state of this process: python ``random``, numpy, torch CPU and CUDA generators."""
+    """The random state of this process: python ``random``, numpy, torch CPU and CUDA generators,
+    and (in the deterministic mode) how many steps ``strategy.run`` cut into pieces, which its
+    pieces' random numbers follow."""
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -36,6 +39,8 @@ class RNGState:
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = list(torch.cuda.get_rng_state_all())
+        if determinism.piece_runs():  # the deterministic mode's custom-loop steps so far
+            state["pieces"] = determinism.piece_runs()
         return state
 
     @staticmethod
@@ -59,6 +64,7 @@ class RNGState:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
+        determinism.restore_piece_runs(int(state.get("pieces", 0)))
 
 
 def _is_shared(obj: Any) -> bool:
