@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import subprocess
 import time
 from typing import Any
 
@@ -27,6 +28,11 @@ def _die_at(model: nn.Module, call: int, how: str) -> None:
     def hook(*_: Any) -> None:
         seen[0] += 1
         if seen[0] == call:
+            if how == "stop":  # stopped (SIGSTOP) 0.2 s from now for 10 s, then continued
+                pid = os.getpid()
+                subprocess.Popen(["sh", "-c", f"sleep 0.2; kill -STOP {pid}; sleep 10; kill -CONT {pid}"],
+                                 start_new_session=True)  # fmt: skip
+                return
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"replica {os.environ.get('RANK')} fails on purpose at forward {call}")

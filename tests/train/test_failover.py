@@ -59,6 +59,20 @@ def test_a_lost_replica_leaves_the_run_that_never_failed(reference, replicas, vi
 
 
 @pytest.mark.timeout(200)
+def test_a_stopped_replica_is_gone_on_without_and_ended(reference):
+    """Replica 2 stopped (SIGSTOP) mid-step: the others find it stopped, go on without it and end
+    with the fault-free hash on 2 replicas; the stopped process (on their host) is ended, as the
+    watchdog ends it without on_failure="continue", and the survivors say so once."""
+    results = run_workers(fit_through_failure, 3, args=(3, {2: 5}, "stop", True, 6, 0, 0.02), timeout=150, check=False)
+    [long_ref] = [r.value for r in run_workers(fit_through_failure, 1, args=(1, {}, "kill", True, 6), timeout=120)]
+    for r in results[:2]:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (r.value["hash"], r.value["loss"], r.value["replicas"]) == (long_ref["hash"], long_ref["loss"], 2)
+    assert results[2].returncode == -9, results[2].stderr[-3000:]
+    assert "is stopped (SIGSTOP): no collective with it can finish; it is ended" in results[0].stderr + results[1].stderr
+
+
+@pytest.mark.timeout(200)
 def test_multiworker_mirrored_goes_on_too(reference):
     """MultiWorkerMirroredStrategy(failure=FailureOptions(on_failure="continue")): a worker killed
     mid-step; the others end bit for bit where one process that never failed ends."""

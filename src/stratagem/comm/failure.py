@@ -571,12 +571,21 @@ class FailureMonitor:
     def continue_without(self, ranks: Iterable[int]) -> None:
         """The survivors went on without ``ranks``: stop watching them, forget the failure (and
         the records so far: they are about ranks that left)."""
+        ranks = set(ranks)
         with self._lock:
             self.left.update(ranks)
             self.failure = None
             self._reported = False
             with contextlib.suppress(Exception):
                 self._records_from = self._add(self._key("nfail"), 0)
+            # a stopped process on this host that was left out is ended (as the watchdog ends it
+            # without "continue"): continued later, it would only find the job gone on without it
+            stopped = self._stopped_peer
+            if stopped is not None and any(self._peers.get(p, ("", -1, ""))[1] == stopped for p in ranks):
+                self._stopped_peer = None
+                if pid_stopped(stopped):
+                    with contextlib.suppress(OSError):
+                        os.kill(stopped, signal.SIGKILL)
 
     def admit(self, ranks: Iterable[int]) -> None:
         """``ranks`` came back (new processes in their places): watch them again, from scratch."""
