@@ -8,8 +8,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +23,8 @@ from stratagem.train.inputs import GlobalBatches, distributed
 from stratagem.train.metrics import Metric, sync_metrics
 from stratagem.train.progress import Progress, resolve_mode
 from stratagem.train.resume import FitProgress
+
+_T = TypeVar("_T")
 
 #: ``steps_per_execution="auto"``: the most steps between two reads of the logs, and the share of
 #: the step time that an execution's fixed cost (``strategy.run``, the metric updates, the sync
@@ -258,12 +260,24 @@ class _Loop:
                 self._entered = True
             for epoch in range(state.initial_epoch, epochs):
                 logs = self._epoch(epoch)
-                if self.steps.agree(_stop_asked(state)):
+                if self._going_on(lambda: self.steps.agree(_stop_asked(state))):
                     state.stop_training = True
                     _set_model_flag(state.model, True)
                     break
             cblist.call("on_train_end", dict(logs))
         return self.history
+
+    def _going_on(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` (a collective part of an epoch's end: validation, the stop vote), done again
+        after a lost replica under ``on_failure="continue"`` (every update of the epoch is
+        committed by then: the survivors line up, and ``fn`` starts over)."""
+        while True:
+            try:
+                return fn()
+            except CollectiveError as e:
+                if self.failover is None:
+                    raise
+                self._recover(e, [])
 
     def _recover(self, error: CollectiveError, group: list[Any]) -> list[Any] | None:
         """After a lost replica: the survivors at the last committed update; returns the batches
@@ -305,7 +319,9 @@ class _Loop:
         logs = _logs(tracked)
         if self.validation is not None:
             steps.set_training(False)
-            val = _run_test(self.strategy, steps, self.validation[0], self.val_tracked, self.cblist, self.validation[1])
+            validation = self.validation
+            val = self._going_on(lambda: _run_test(self.strategy, steps, validation[0], self.val_tracked, self.cblist,
+                                                   validation[1]))  # fmt: skip
             logs.update({f"val_{k}": v for k, v in val.items()})
             steps.set_training(True)
         self.history.record(epoch, logs)
