@@ -20,6 +20,6 @@ if __name__ == "__main__":
     again_call = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # the replica started again dies too
     again = os.environ.get("STRATAGEM_REPLACEMENT") == "1"
     victims = ({victim: again_call} if again_call else {}) if again else {victim: call}
-    result = fit_through_failure(3, victims, epochs=6, restarts=1, pause=0.05)
+    result = fit_through_failure(3, victims, epochs=10, restarts=1, pause=0.05)
     rank = int(os.environ.get("RANK", "0"))
     (out / f"rank{rank}{'-again' if again else ''}.json").write_text(json.dumps(result))

@@ -128,7 +128,7 @@ def test_a_lost_replica_started_again_comes_back_from_a_live_peer(tmp_path):
     the training state of a live peer (no checkpoint): all three end with the hash and losses of
     one process that never failed, on 3 replicas, and the command exits 0."""
 
-    [want] = [r.value for r in run_workers(fit_through_failure, 1, args=(1, {}, "kill", True, 6), timeout=120)]
+    [want] = [r.value for r in run_workers(fit_through_failure, 1, args=(1, {}, "kill", True, 10), timeout=120)]
     done, results = _script(tmp_path, victim=2, call=5)
     assert done.returncode == 0, done.stderr[-3000:]
     assert set(results) == {"rank0", "rank1", "rank2-again"}
@@ -144,7 +144,7 @@ def test_a_replica_started_again_after_training_ended_ends_quietly(tmp_path):
     """Killed in the last step, started again: the training ends before it can be let in; it ends
     (by itself, or stopped by rank 0 when it is still starting), one line says so, and the
     command's exit code is 0."""
-    done, results = _script(tmp_path, victim=1, call=71)  # its last piece of the last step
+    done, results = _script(tmp_path, victim=1, call=119)  # its last piece of the last step
     assert done.returncode == 0, done.stderr[-3000:]
     assert set(results) == {"rank0", "rank2"}
     assert ("stratagem: replica 1 was started again after the job's training had ended; there is nothing "
@@ -159,7 +159,7 @@ def test_a_replica_that_came_back_and_fails_again_is_lost_again(tmp_path):
     """Killed, started again, let in, killed again after a few pieces (no restart left): the two
     others go on once more and end with the hash and losses of the run in which nothing failed."""
 
-    [want] = [r.value for r in run_workers(fit_through_failure, 1, args=(1, {}, "kill", True, 6), timeout=120)]
+    [want] = [r.value for r in run_workers(fit_through_failure, 1, args=(1, {}, "kill", True, 10), timeout=120)]
     done, results = _script(tmp_path, victim=2, call=5, again_call=6)
     assert done.returncode == 0, done.stderr[-3000:]
     assert set(results) == {"rank0", "rank1"}
