@@ -11,26 +11,20 @@ number of replicas (docs/design/DETERMINISM.md).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from stratagem.comm.blocks import Grads, exchange_blocks, generator_at
 from stratagem.core.batches import batch_size_of, slice_batch, split_sizes
-from stratagem.core.canonical import Block, block_sums, blocks, combine
+from stratagem.core.canonical import Block, block_sums, combine
 from stratagem.distribute import current
 from stratagem.distribute.determinism import OpDeterminism
 from stratagem.distribute.strategy import Execution, StateLayout, Strategy
 
 MicroStep = Callable[[Any, Any, Any, "int | None"], None]
-
-
-class Grads(tuple):  # type: ignore[type-arg]
-    """One piece's gradients, one tensor per parameter; ``+`` adds them parameter by parameter."""
-
-    def __add__(self, other: Any) -> Grads:  # type: ignore[override]
-        return Grads(a + b for a, b in zip(self, other))
 
 
 def _seed(base: int, update: int, piece: int) -> int:
@@ -105,7 +99,7 @@ class PieceRunner:
         pieces: dict[int, Grads] = {}
         for k in range(local):
             part = [None if v is None else slice_batch(v, k * p, (k + 1) * p) for v in (x, y, sw)]
-            with self.strategy.no_sync(), _generator_at(_seed(base, self.updates, first + k), device):
+            with self.strategy.no_sync(), generator_at(_seed(base, self.updates, first + k), [device]):
                 micro_step(part[0], part[1], part[2], total)
             pieces[first + k] = self._take()
         known = block_sums(pieces, first, first + local, n)
@@ -142,7 +136,7 @@ class PieceRunner:
         pieces: dict[int, Grads] = {}
         for k in range(first, last):
             part = [None if v is None else slice_batch(v, bounds[k], bounds[k + 1]) for v in (x, y, sw)]
-            rng = _generator_at(_seed(base, self.updates, k), self.strategy.extended.device) if p is not None else contextlib.nullcontext()
+            rng = generator_at(_seed(base, self.updates, k), [self.strategy.extended.device]) if p is not None else contextlib.nullcontext()
             with self.strategy.no_sync(), rng:
                 micro_step(part[0], part[1], part[2], rows)
             pieces[k] = self._take()
@@ -183,30 +177,8 @@ class PieceRunner:
         self.updates += 1
 
     def _exchange(self, mine: dict[Block, Grads], ranges: Sequence[tuple[int, int]]) -> dict[Block, Grads]:
-        """Every replica's block sums. Each replica knows which blocks every other holds (the
-        ranges are fixed), so the blocks travel as one tensor per replica (padded to the most
-        blocks any replica has) in one all-gather; parameters of mixed dtypes go as objects."""
-        world = self.strategy.extended.world
-        if len({q.dtype for q in self.params}) != 1:
-            known: dict[Block, Grads] = {}
-            for theirs in world.all_gather_object({b: Grads(t.cpu() for t in g) for b, g in mine.items()}):
-                known.update({b: Grads(t.to(q.device) for t, q in zip(g, self.params)) for b, g in theirs.items()})
-            return known
-        every = [blocks(lo, hi) for lo, hi in ranges]
-        rows = max(len(b) for b in every)
-        flat = [torch.cat([t.reshape(-1) for t in mine[b]]) for b in sorted(mine)]
-        if not flat:  # this replica holds no piece (fewer pieces than replicas)
-            flat = [torch.zeros(sum(q.numel() for q in self.params), dtype=self.params[0].dtype, device=self.params[0].device)]
-            rows = max(rows, 1)
-            packed = torch.stack(flat * rows)
-        else:
-            packed = torch.stack(flat + [torch.zeros_like(flat[0])] * (rows - len(flat)))
-        sizes = [q.numel() for q in self.params]
-        known = {}
-        for theirs, held in zip(world.all_gather_tensor(packed), every):
-            for row, b in zip(theirs, held):
-                known[b] = Grads(t.view_as(q) for t, q in zip(row.split(sizes), self.params))
-        return known
+        """Every replica's block sums (``comm/blocks.exchange_blocks``)."""
+        return exchange_blocks(self.strategy.extended.world, mine, ranges, self.params)
 
     def _take(self) -> Grads:
         """The gradients the last piece left (zeros where a parameter got none); cleared."""
@@ -216,11 +188,3 @@ class PieceRunner:
             out.append(torch.zeros_like(param) if g is None else g)
             param.grad = None
         return Grads(out)
-
-
-@contextlib.contextmanager
-def _generator_at(seed: int, device: torch.device | None) -> Iterator[None]:
-    """torch's generators set to ``seed`` inside (dropout per piece), restored after."""
-    with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield

@@ -25,24 +25,19 @@ outside ``strategy.run`` (said in the docs; not detectable in general).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from stratagem.comm.blocks import Grads, exchange_blocks, generator_at
 from stratagem.core import tree
-from stratagem.core.canonical import Block, block_sums, blocks, combine
+from stratagem.core.canonical import Block, block_sums, combine
 from stratagem.distribute import determinism
 from stratagem.distribute.context import pieces_of_global_batch
 from stratagem.distribute.determinism import OpDeterminism
 
 Call = Callable[[Sequence[Any], Mapping[str, Any]], Any]
-
-
-class _Grads(tuple):  # type: ignore[type-arg]
-    def __add__(self, other: Any) -> _Grads:  # type: ignore[override]
-        return _Grads(a + b for a, b in zip(self, other))
 
 
 def _seed(base: int, run: int, piece: int) -> int:
@@ -98,7 +93,7 @@ class PiecewiseRun:
         first, n = rank * local, local * replicas
         params = self.params()
         base = self._agreed_base()
-        taken: dict[int, _Grads] = {}
+        taken: dict[int, Grads] = {}
         fired: list[bool] = []
         outputs = []
         for k in range(local):
@@ -121,7 +116,7 @@ class PiecewiseRun:
                     for q, b in zip(params, c.before):
                         q.grad = b  # as before this backward: the step's clipping and optimizer see nothing
                 catcher.at_end = keep
-            with catcher, _generator_at(_seed(base, determinism.piece_runs(), first + k), self.device), pieces_of_global_batch(rows * replicas, n):
+            with catcher, generator_at(_seed(base, determinism.piece_runs(), first + k), [self.device]), pieces_of_global_batch(rows * replicas, n):
                 outputs.append(call(piece_args, piece_kwargs))
             fired.append(catcher.fired)
             if any(fired) and not all(fired):
@@ -133,24 +128,9 @@ class PiecewiseRun:
         determinism.count_piece_run()
         return _combined(outputs, p)
 
-    def _exchange(self, mine: dict[Block, _Grads], local: int, replicas: int) -> dict[Block, _Grads]:
-        if replicas == 1:
-            return mine
-        known: dict[Block, _Grads] = {}
-        params = self.params()
-        every = [blocks(r * local, (r + 1) * local) for r in range(replicas)]
-        if len({q.dtype for q in params}) != 1:
-            for theirs in self.comm.all_gather_object({b: _Grads(t.cpu() for t in g) for b, g in mine.items()}):
-                known.update({b: _Grads(t.to(q.device) for t, q in zip(g, params)) for b, g in theirs.items()})
-            return known
-        rows = max(len(b) for b in every)
-        flat = [torch.cat([t.reshape(-1) for t in mine[b]]) for b in sorted(mine)]
-        packed = torch.stack(flat + [torch.zeros_like(flat[0])] * (rows - len(flat)))
-        sizes = [q.numel() for q in params]
-        for theirs, held in zip(self.comm.all_gather_tensor(packed), every):
-            for row, b in zip(theirs, held):
-                known[b] = _Grads(t.view_as(q) for t, q in zip(row.split(sizes), params))
-        return known
+    def _exchange(self, mine: dict[Block, Grads], local: int, replicas: int) -> dict[Block, Grads]:
+        ranges = [(r * local, (r + 1) * local) for r in range(replicas)]
+        return exchange_blocks(self.comm, mine, ranges, self.params())
 
 
 class _PieceGradients:
@@ -186,8 +166,8 @@ class _PieceGradients:
 
         return hook
 
-    def grads(self) -> _Grads:
-        return _Grads(torch.zeros_like(q) if g is None else g for q, g in zip(self.params, self.got))
+    def grads(self) -> Grads:
+        return Grads(torch.zeros_like(q) if g is None else g for q, g in zip(self.params, self.got))
 
 
 def _combined(outputs: list[Any], p: int) -> Any:
@@ -216,10 +196,3 @@ def _combined(outputs: list[Any], p: int) -> Any:
                 + (f" of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else "")
             )
     return tree.unflatten(treedef, out)
-
-
-@contextlib.contextmanager
-def _generator_at(seed: int, device: torch.device | None) -> Iterator[None]:
-    with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
