@@ -26,6 +26,14 @@ tokens/s by medians and the median of the rounds' own ratios.
 
 Run: ``torchrun --nproc-per-node 2 benchmarks/real_models_fit.py [--rounds 5 --updates 3]``
 (``--layers/--width/--seq`` for other shapes). CPU, gloo, one thread per process.
+
+On a GPU (``--device cuda``, the default when CUDA is visible: ``torchrun --nproc-per-node 1`` on
+a one-GPU machine, NCCL), both sides run at ``--dtype bfloat16`` (the default there): ``fit(...,
+precision="bf16")`` against train.py's loop under ``torch.autocast("cuda", torch.bfloat16)`` as
+train.py writes it; the script then prints, per side, tokens/s and the MFU by nanoGPT's own
+formula (``6N + 12 L H Q T`` FLOPs per token, model.py's ``estimate_mfu``) against the GPU's dense
+bf16 peak (H100 / H200 989 TFLOPS, A100 312; another GPU: against A100's, said so). The pipeline
+pair needs 2 processes and is skipped on one GPU. Timing synchronizes the device.
 """
 
 from __future__ import annotations
@@ -117,9 +125,18 @@ def main() -> None:
     parser.add_argument("--only", choices=["mirrored", "sharded", "pipeline"], default=None)
     parser.add_argument("--microbatches", type=int, default=4, help="the pipeline pair's micro-batches")
     parser.add_argument("--model", choices=["nanogpt", "gpt2"], default="nanogpt")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    sg.MirroredStrategy(devices="cpu")  # forms the job (torchrun's variables)
+    cuda = args.device == "cuda"
+    bf16 = (args.dtype or ("bfloat16" if cuda else "float32")) == "bfloat16"
+    if not cuda:
+        torch.set_num_threads(1)
+    sg.MirroredStrategy(devices=args.device)  # forms the job (torchrun's variables)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    precision = "bf16" if bf16 else None
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext  # noqa: E731
     rank, n = dist.get_rank(), dist.get_world_size()
     chief = rank == 0
     k, per = args.accumulate, args.batch // n
@@ -152,7 +169,7 @@ def main() -> None:
             data = batches(taken[0], updates * k)
             taken[0] += updates * k
             history = sg.fit(model, optimizer, None if gpt2 else model_loss, data, epochs=1, strategy=strategy, verbose=0,
-                             gradient_accumulation_steps=k, global_clipnorm=1.0,
+                             gradient_accumulation_steps=k, global_clipnorm=1.0, precision=precision,
                              lr_scheduler=schedule, lr_scheduler_interval="step")  # fmt: skip
             last[0] = history.history["loss"][-1]
             return last[0]
@@ -160,7 +177,7 @@ def main() -> None:
         return run, lambda: model
 
     def hand_side(sharded: bool) -> tuple[Callable[[int], float], Callable[[], nn.Module]]:
-        raw = make_gpt(args)
+        raw = make_gpt(args).to(device)
         if sharded:
             from torch.distributed.fsdp import fully_shard
 
@@ -172,7 +189,7 @@ def main() -> None:
                     m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # gloo has no AVG
             model: nn.Module = raw
         else:
-            model = nn.parallel.DistributedDataParallel(raw)
+            model = nn.parallel.DistributedDataParallel(raw, device_ids=[device.index] if cuda else None)
         optimizer = optimizer_of(raw)
         it = [0]
         taken = [0]
@@ -192,8 +209,9 @@ def main() -> None:
                     else:
                         model.require_backward_grad_sync = last_micro  # type: ignore[assignment]
                     inputs, labels = data[u * k + micro]
-                    x, y = (inputs["input_ids"] if gpt2 else inputs["idx"])[mine], labels[mine]
-                    loss = forward(model, x, y, gpt2) / k
+                    x, y = (inputs["input_ids"] if gpt2 else inputs["idx"])[mine].to(device), labels[mine].to(device)
+                    with autocast():
+                        loss = forward(model, x, y, gpt2) / k
                     loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
@@ -265,27 +283,33 @@ def main() -> None:
         return torch.cat(xs), torch.cat(ys)
 
     if args.only in (None, "mirrored"):
-        sides["fit Mirrored"] = fit_side(sg.MirroredStrategy(devices="cpu"))
+        sides["fit Mirrored"] = fit_side(sg.MirroredStrategy(devices=args.device))
         sides["train.py DDP"] = hand_side(sharded=False)
     if args.only in (None, "sharded"):
-        sides["fit Sharded"] = fit_side(sg.ShardedStrategy(devices="cpu"))
+        sides["fit Sharded"] = fit_side(sg.ShardedStrategy(devices=args.device))
         sides["train.py FSDP2"] = hand_side(sharded=True)
-    if args.only in (None, "pipeline") and not gpt2 and n == 2:
+    if args.only in (None, "pipeline") and not gpt2 and n == 2 and not cuda:
         sides["fit Pipeline"] = pipeline_side()
         sides["torch pipelining"] = torch_pipeline_side()
 
-    def timed(run: Callable[[int], float]) -> float:
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
         dist.barrier()
+
+    def timed(run: Callable[[int], float]) -> float:
+        sync()
         start = time.perf_counter()
         run(args.updates)
-        dist.barrier()
+        sync()
         return args.batch * args.seq * k * args.updates / (time.perf_counter() - start)
 
     params = sum(p.numel() for p in make_gpt(args).parameters())
     if chief:
         print(f"{'GPT-2 (transformers)' if gpt2 else 'nanoGPT'} {params / 1e6:.1f} M parameters ({args.layers} layers, width {args.width}, seq {args.seq}), "
               f"micro-batch {args.batch} x {args.seq} tokens, {k} micro-steps per update, clip 1.0, per-iteration LR, "
-              f"AdamW (configure_optimizers), {n} processes (gloo, 1 thread each), "
+              f"AdamW (configure_optimizers), {n} processes ({'NCCL, ' + torch.cuda.get_device_name(0) if cuda else 'gloo, 1 thread each'}"
+              f"{', bf16 autocast' if bf16 else ''}), "
               f"{args.rounds} rounds x {args.updates} updates", flush=True)  # fmt: skip
     for run, _ in sides.values():
         run(1)  # warm-up (one update each)
@@ -304,14 +328,37 @@ def main() -> None:
         diffs[ours] = float(d)
     if chief:
         med = {name: statistics.median(v) for name, v in runs.items()}
+        mfu = _mfu_per_token(args, gpt2) if cuda else None
         for name, v in runs.items():
-            print(f"{name:16s} {med[name]:8.0f} tokens/s  (rounds: {', '.join(f'{x:.0f}' for x in v)})")
+            extra = "" if mfu is None else f"  MFU {100 * med[name] * mfu[0] / mfu[1]:5.1f}%"
+            print(f"{name:16s} {med[name]:8.0f} tokens/s{extra}  (rounds: {', '.join(f'{x:.0f}' for x in v)})")
+        if mfu is not None:
+            print(f"MFU: nanoGPT's formula, {mfu[0] / 1e9:.2f} GFLOP per token, against {mfu[2]} "
+                  f"({mfu[1] / 1e12:.0f} TFLOPS dense bf16) x {n} GPU{'s' if n > 1 else ''}")  # fmt: skip
         for ours, theirs in pairs:
             paired = statistics.median(a / b for a, b in zip(runs[ours], runs[theirs]))
             diff = diffs[ours]
             print(f"ratio {ours} / {theirs}: {med[ours] / med[theirs]:.3f} of the medians, {paired:.3f} median "
                   f"of the rounds' ratios; parameters after {1 + args.rounds * args.updates} updates differ by "
                   f"at most {diff:.1e}")  # fmt: skip
+
+
+#: dense bf16 peak FLOPS by GPU name
+_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def _mfu_per_token(args: argparse.Namespace, gpt2: bool) -> tuple[float, float, str]:
+    """(FLOPs per token by nanoGPT's estimate_mfu formula, the peak FLOPS of all GPUs, what the
+    peak is): tokens/s x the first / the second is the MFU."""
+    params = sum(p.numel() for p in make_gpt(args).parameters())
+    if not gpt2:  # nanoGPT counts without the position embedding (get_num_params)
+        params -= args.seq * args.width
+    per_token = 6 * params + 12 * args.layers * args.heads * (args.width // args.heads) * args.seq
+    name = torch.cuda.get_device_name(0)
+    key = next((k for k in _PEAKS if k in name), None)
+    peak = _PEAKS[key] if key else _PEAKS["A100"]
+    what = name if key else f"{name} (not in the table: A100's peak)"
+    return float(per_token), peak * dist.get_world_size(), what
 
 
 def _token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
