@@ -50,6 +50,13 @@ def exchange_blocks(
     return known
 
 
+def agreed_seed(comm: Communicator) -> int:
+    """The chief's ``torch.initial_seed()`` on every replica: the pieces' generators start from
+    the same seed on every replica and on one process, as the user seeded it."""
+    base = int(torch.initial_seed())
+    return int(comm.broadcast_object(base, 0)) if comm.world_size > 1 else base
+
+
 @contextlib.contextmanager
 def generator_at(seed: int, devices: Iterable[torch.device | None] = ()) -> Iterator[None]:
     """torch's generators set to ``seed`` inside (a piece's dropout), restored after."""

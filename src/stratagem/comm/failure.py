@@ -113,10 +113,10 @@ class FailureOptions:
 
     ``on_failure``: ``"raise"`` (the default) ends every process with that clear error;
     ``"continue"`` (MirroredStrategy, MultiWorkerMirroredStrategy, under ``fit``) keeps the job
-    running when a replica's process dies or raises: the survivors agree on who is left, form a
-    new process group over themselves and go on with the same global batch
-    (``distribute/failover.py``). The replica hosting the job's store (rank 0, or the chief)
-    cannot be lost, and a peer that falls silent (a host cut off) still ends the job.
+    running when a replica's process dies, raises, is stopped or falls silent (a host cut off):
+    the survivors agree on who is left, form a new process group over themselves and go on with
+    the same global batch (``distribute/failover.py``). The replica hosting the job's store
+    (rank 0, or the chief) cannot be lost.
     ``max_restarts`` (with ``"continue"``): a replica that MirroredStrategy started itself and that
     is lost is started again, up to this many times in all; the new process is let in between two
     training steps and takes the training state from a live peer (a cluster manager that starts a
@@ -552,12 +552,7 @@ class FailureMonitor:
         if p in self.left:
             return True
         with self._lock:
-            peer = self._peer(p)
-            if peer is not None and peer[0] == self._host and not pid_alive(peer[1]):
-                return True
-            if p in self._failed_ranks():
-                return True
-            return not self._alive(p)
+            return p in self._failed_ranks() or not self._alive(p)  # _alive looks at a local pid first
 
     def _failed_ranks(self) -> set[int]:
         """Every rank a failure record names (its own, or another rank's verdict on it)."""

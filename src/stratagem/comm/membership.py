@@ -82,15 +82,20 @@ def agree(
             f"replica {me}: replica {leader}, which decides who is left after a failure, did not decide "
             f"within {timeout:g}s; the job cannot go on"
         )
-    raw = json.loads(store.get(decided))
-    members = tuple(int(m) for m in raw["members"])
+    membership = _decision(store, generation)
+    members = membership.members
     if me not in members:
         raise LeftOutError(
             f"replica {me} was taken for lost (it reached the others {timeout:g}s after they noticed "
             f"the failure, or was reported failed); the job went on with replicas {list(members)} "
             "without it, so this process ends"
         )
-    return Membership(generation, members, {int(m): r for m, r in raw["reports"].items()})
+    return membership
+
+
+def _decision(store: Any, generation: int) -> Membership:
+    raw = json.loads(store.get(_key(generation, "decided")))
+    return Membership(generation, tuple(int(m) for m in raw["members"]), {int(m): r for m, r in raw["reports"].items()})
 
 
 CURRENT = "stratagem/members/current"
@@ -146,8 +151,7 @@ def admitted(store: Any, generation: int, timeout: float) -> Membership:
     """Round ``generation``'s decision (a survivor that is not the leader reads it)."""
     if await_keys(store, [_key(generation, "decided")], timeout):
         raise CollectiveError(f"the decision of membership round {generation} did not come within {timeout:g}s")
-    raw = json.loads(store.get(_key(generation, "decided")))
-    return Membership(generation, tuple(int(m) for m in raw["members"]), {})
+    return _decision(store, generation)
 
 
 CLOSED = "stratagem/members/closed"

@@ -91,7 +91,6 @@ class Survivors:
             )  # fmt: skip
         return membership
 
-
     # --- a replica that comes back ---------------------------------------------------------------
     @property
     def coming_back(self) -> bool:
@@ -102,20 +101,23 @@ class Survivors:
         """Whether a lost rank asked to come back (asked of the store by the leader only: the
         others say no, and the step's sync tells everyone what the leader saw)."""
         me, store = launch_rank(), joined_store()
-        absent = [r for r in range(self.world) if r not in self.members]
+        absent = self._absent()
         if not absent or me != self.members[0] or store is None:
             return False
         return bool(joins_pending(store, absent))
 
-    def let_in(self) -> tuple[Membership, list[int]]:
+    def _absent(self) -> list[int]:
+        """The ranks the job started with that are not members now."""
+        return [r for r in range(self.world) if r not in self.members]
+
+    def let_in(self) -> None:
         """Every member, at the step boundary where the leader saw a request: the new membership
-        with those who asked, the process group formed again over it. Returns it and who came."""
+        with those who asked, the process group formed again over it."""
         me, store, monitor = launch_rank(), joined_store(), failure_monitor()
         assert me is not None and store is not None and monitor is not None
         self.generation += 1
         if me == self.members[0]:
-            absent = [r for r in range(self.world) if r not in self.members]
-            membership = admit(store, self.generation, self.members, joins_pending(store, absent))
+            membership = admit(store, self.generation, self.members, joins_pending(store, self._absent()))
         else:
             membership = admitted(store, self.generation, self.timeout)
         came = sorted(set(membership.members) - set(self.members))
@@ -125,7 +127,6 @@ class Survivors:
         if me == membership.members[0]:
             log.warning("stratagem: replica%s %s came back; training goes on with %d replicas",
                         "s" if len(came) > 1 else "", ", ".join(map(str, came)), len(membership.members))  # fmt: skip
-        return membership, came
 
     def open(self) -> None:
         """fit begins: the leader lets lost replicas that come back in (until ``close``)."""
@@ -152,9 +153,9 @@ class Survivors:
             sys.stderr.write(f"stratagem: {e}; it ends\n")
             sys.stderr.flush()
             raise SystemExit(0) from None
-        monitor.continue_without([r for r in range(self.world) if r not in membership.members])
-        let_in(membership.members, membership.generation)
         self.generation, self.members = membership.generation, membership.members
+        monitor.continue_without(self._absent())
+        let_in(membership.members, membership.generation)
         return membership
 
 

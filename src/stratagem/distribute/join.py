@@ -99,14 +99,9 @@ def join(
         probe=job_probe(monitor if options.enabled else None),
         attempt=spec.restart_count,
     )
-    _joined["comm"] = comm
     _joined["store"] = store
-    if options.continues and options.enabled:  # a wait for a peer known lost gives up
-        comm.give_up_when = monitor.lost_peer
-    _joined["backend"], _joined["timeout"], _joined["rank"] = backend, timeout, spec.rank
-    _joined["world"] = spec.world_size
+    _remember(comm, spec, backend, timeout, monitor, options)
     if options.enabled:
-        _joined["monitor"] = monitor.start()
         kids = children()
         if kids is not None:
             # a replica this process started and that saw a peer fail says so itself, within
@@ -146,16 +141,23 @@ def _come_back(
     communicator of one, ``ProcessGroupCommunicator.pending``); fit asks to be let in and takes the
     training state from a live peer (``train/failover.py``)."""
     comm = ProcessGroupCommunicator.pending(device, probe=job_probe(monitor if options.enabled else None))
-    if options.enabled:
-        comm.give_up_when = monitor.lost_peer
-    _joined["comm"] = comm
-    _joined["backend"], _joined["timeout"], _joined["rank"] = backend, timeout, spec.rank
-    _joined["world"] = spec.world_size
     _joined["coming_back"] = True
-    if options.enabled:
-        _joined["monitor"] = monitor.start()
+    _remember(comm, spec, backend, timeout, monitor, options)
     atexit.register(_leave)
     return comm
+
+
+def _remember(
+    comm: ProcessGroupCommunicator, spec: ClusterSpec, backend: str, timeout: float, monitor: FailureMonitor,
+    options: FailureOptions,
+) -> None:  # fmt: skip
+    """The job this process joined (what ``regroup`` forms again), its monitor started."""
+    _joined["comm"] = comm
+    _joined["backend"], _joined["timeout"], _joined["rank"], _joined["world"] = backend, timeout, spec.rank, spec.world_size
+    if options.enabled:
+        if options.continues:  # a wait for a peer known lost gives up
+            comm.give_up_when = monitor.lost_peer
+        _joined["monitor"] = monitor.start()
 
 
 def coming_back() -> bool:

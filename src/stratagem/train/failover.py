@@ -57,10 +57,6 @@ class FitFailover:
         self.committed = Committed()
         self._lost_since: float | None = None
 
-    @property
-    def failures(self) -> int:
-        return len(self.survivors.rounds)
-
     def interrupted(self, step_began: float) -> None:
         """The step that began at ``step_began`` (``time.perf_counter``) failed: the cost of the
         failure is counted until the next commit."""
@@ -86,15 +82,20 @@ class FitFailover:
         updates = {m: int(r["updates"]) for m, r in membership.reports.items()}
         best = max(updates.values())
         if any(u != best for u in updates.values()):
-            source = min(m for m, u in updates.items() if u == best)
-            self._take_state_from(membership.rank_of(source))
-        comm = self.strategy.extended.world
-        for m, totals in zip(tracked, self.committed.totals):
-            # the committed totals, held once (by the new rank 0): later sums add to them
-            t = torch.tensor(totals, dtype=torch.float64)
-            m.load_totals(t if comm.rank == 0 else torch.zeros_like(t))
-            m.set_global_totals(t)
+            source = membership.rank_of(min(m for m, u in updates.items() if u == best))
+            comm = self.strategy.extended.world
+            self._share(source, take=comm.rank != source)
+        self._restart_totals(tracked)
         return self.committed
+
+    def _restart_totals(self, tracked: Sequence[Metric]) -> None:
+        """The committed totals, held once (by rank 0: later sums add to them), as every metric's
+        global totals."""
+        rank = self.strategy.extended.world.rank
+        for m, totals in zip(tracked, self.committed.totals):
+            t = torch.tensor(totals, dtype=torch.float64)
+            m.load_totals(t if rank == 0 else torch.zeros_like(t))
+            m.set_global_totals(t)
 
     # --- a replica that comes back ---------------------------------------------------------------
     def open(self) -> None:
@@ -116,77 +117,55 @@ class FitFailover:
         """The members, at a step boundary: the replicas that asked are let in and get the
         training state from rank 0 (whose state every member has)."""
         self.survivors.let_in()
-        self._send_or_take(loop, take=False)
+        self._share(0, take=False, loop=loop)
 
     def enter(self, loop: Any) -> None:
         """A new process in a running job: ask to be let in, then take the training state and
         the position (epoch, step, data, history) from rank 0; fit goes on from there."""
         self.survivors.come_back()
         self.strategy.extended.rejoined()  # type: ignore[attr-defined]
-        self._send_or_take(loop, take=True)
+        self._share(0, take=True, loop=loop)
 
-    def _send_or_take(self, loop: Any, *, take: bool) -> None:
-        """Rank 0's model, optimizer, scheduler, fit position and record, sent to every member;
-        those that ``take`` it (the new ones) put it in place; the others have the same already."""
+    def _share(self, src: int, *, take: bool, loop: Any = None) -> None:
+        """Replica ``src``'s model, optimizer, scheduler, record and pieces' counters (and, with
+        ``loop``, fit's position: epoch, step, data, history, counters) sent to every member;
+        those that ``take`` it put it in place, the others have the same already."""
         from stratagem.train.resume import FitProgress
 
         comm = self.strategy.extended.world
         pieces = self.steps.pieces
-        bundle = None
-        if comm.rank == 0:
-            progress = FitProgress()
-            loop.capture(progress, epoch_end=False)
-            bundle = {
-                "model": {k: v.detach().cpu() for k, v in self.steps.model.state_dict().items()},
+        state = None
+        if comm.rank == src:
+            state = {
+                "model": {k: v.detach() for k, v in self.steps.model.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "committed": dataclasses.asdict(self.committed),
-                "progress": progress.state,
                 "pieces": (pieces.updates, pieces._base),
             }
+            if loop is not None:
+                progress = FitProgress()
+                loop.capture(progress, epoch_end=False)
+                state["progress"] = progress.state
         began = time.perf_counter()
-        bundle, nbytes = _broadcast_state(comm, bundle, 0)
-        if comm.rank == 0:
+        state, nbytes = _broadcast_state(comm, state, src)
+        if comm.rank == src and loop is not None:
             FIGURES.append({"event": "rejoin", "seconds": time.perf_counter() - began, "bytes": nbytes})
         if not take:
             return
         with torch.no_grad():
-            self.steps.model.load_state_dict(bundle["model"])
-        self.optimizer.load_state_dict(bundle["optimizer"])
-        if self.scheduler is not None and bundle["scheduler"] is not None:
-            self.scheduler.load_state_dict(bundle["scheduler"])
-        self.committed = Committed(**bundle["committed"])
-        progress = FitProgress()
-        progress.state = bundle["progress"]
-        loop.batches.dist._checked = True  # the others compared their first batches long ago
-        loop.restore(progress)
-        pieces.updates, pieces._base = bundle["pieces"]
-        for m, totals in zip(loop.tracked, self.committed.totals):
-            t = torch.tensor(totals, dtype=torch.float64)
-            m.load_totals(torch.zeros_like(t))  # rank 0 holds the epoch's totals
-            m.set_global_totals(t)
-
-    def _take_state_from(self, src: int) -> None:
-        """The model, optimizer, scheduler and record of replica ``src`` (new rank), on every one."""
-        comm = self.strategy.extended.world
-        model = self.steps.model
-        bundle = None
-        if comm.rank == src:
-            bundle = {
-                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "committed": dataclasses.asdict(self.committed),
-            }
-        bundle = comm.broadcast_object(bundle, src)
-        if comm.rank != src:
-            with torch.no_grad():
-                model.load_state_dict(bundle["model"])
-            self.optimizer.load_state_dict(bundle["optimizer"])
-            if self.scheduler is not None and bundle["scheduler"] is not None:
-                self.scheduler.load_state_dict(bundle["scheduler"])
-            self.committed = Committed(**bundle["committed"])
-            self.steps.pieces.updates = self.committed.updates
+            self.steps.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.committed = Committed(**state["committed"])
+        if loop is not None:
+            progress = FitProgress()
+            progress.state = state["progress"]
+            loop.batches.dist._checked = True  # the others compared their first batches long ago
+            loop.restore(progress)
+            self._restart_totals(loop.tracked)  # rank 0 holds the epoch's totals
+        pieces.updates, pieces._base = state["pieces"]
 
 
 def _broadcast_state(comm: Any, state: Any, src: int) -> tuple[Any, int]:

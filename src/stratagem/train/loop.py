@@ -107,10 +107,13 @@ class _Cadence:
 
 
 def _end_execution(
-    strategy: Strategy, tracked: Sequence[Metric], state: FitState, cblist: CallbackList, extra: list[float]
+    strategy: Strategy, tracked: Sequence[Metric], state: FitState, cblist: CallbackList, extra: list[float],
+    summed: list[float] | None = None,
 ) -> list[float]:
-    """The end of an execution: one collective for every total, then the batch-end logs."""
-    summed = sync_metrics(strategy, tracked, extra)
+    """The end of an execution: one collective for every total (none when the step's commit
+    summed them already: ``summed``), then the batch-end logs."""
+    if summed is None:
+        summed = sync_metrics(strategy, tracked, extra)
     state.samples = int(tracked[0].global_totals()[1])
     cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
     return summed
@@ -351,12 +354,13 @@ class _Loop:
                 # end (on_epoch_begin, on_train_batch_begin): every replica stops after this batch,
                 # as Keras does, at no extra collective
                 proposal = cadence.proposal(t1 - t0, in_steps, len(group))
-                if self.failover is None:
-                    summed = _end_execution(self.strategy, tracked, state, self.cblist, [float(_stop_asked(state)), *proposal])
-                else:  # the step's commit summed the metrics, the stop and whether a replica came back
-                    stop, joins = self.steps.committed_extra
-                    state.samples = int(tracked[0].global_totals()[1])
-                    self.cblist.call("on_train_batch_end", state.step - 1, _logs(tracked))
+                # under on_failure="continue" the step's commit summed the metrics, the stop and
+                # whether a replica came back (its proposal is empty: one step per execution)
+                committed = self.steps.committed_extra if self.failover is not None else None
+                summed = _end_execution(self.strategy, tracked, state, self.cblist,
+                                        [float(_stop_asked(state)), *proposal], committed)  # fmt: skip
+                if committed is not None and self.failover is not None:
+                    stop, joins = committed
                     if joins > 0:  # let it in now, between two steps
                         self.failover.let_in(self)
                     summed = [stop]

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.comm.blocks import Grads, exchange_blocks, generator_at
+from stratagem.comm.blocks import Grads, agreed_seed, exchange_blocks, generator_at
 from stratagem.core.batches import batch_size_of, slice_batch, split_sizes
-from stratagem.core.canonical import Block, block_sums, combine
+from stratagem.core.canonical import block_sums, combine
 from stratagem.distribute import current
 from stratagem.distribute.determinism import OpDeterminism
 from stratagem.distribute.strategy import Execution, StateLayout, Strategy
@@ -71,17 +71,19 @@ class PieceRunner:
         """The chief's ``torch.initial_seed()``: the pieces' generators start from the same seed on
         every replica and on one process, as the user seeded it."""
         if self._base is None:
-            base = int(torch.initial_seed())
-            world = self.strategy.extended.world
-            self._base = int(world.broadcast_object(base, 0)) if world.world_size > 1 else base
+            self._base = agreed_seed(self.strategy.extended.world)
         return self._base
 
-    def step(self, x: Any, y: Any, sw: Any, total: int | None, micro_step: MicroStep) -> None:
-        """Leave the whole global batch's gradient, summed by the tree, in each parameter's ``.grad``."""
+    def _replica(self) -> tuple[int, int]:
+        """(replicas now, this replica's rank), checking the model first."""
         self._check_model()
         ctx = current.get_replica_context()
         assert ctx is not None
-        replicas, rank = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
+        return ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
+
+    def step(self, x: Any, y: Any, sw: Any, total: int | None, micro_step: MicroStep) -> None:
+        """Leave the whole global batch's gradient, summed by the tree, in each parameter's ``.grad``."""
+        replicas, rank = self._replica()
         rows = batch_size_of(x if y is None else y, "a batch")
         p = self.piece
         assert p is not None, "step() is the deterministic mode's; step_global() takes one piece per replica"
@@ -93,29 +95,16 @@ class PieceRunner:
                 "drop_remainder=True)) or choose a piece size that divides the batch"
             )
         local = rows // p
-        first, n = rank * local, local * replicas
-        base = self._agreed_base()
-        device = self.strategy.extended.device
-        pieces: dict[int, Grads] = {}
-        for k in range(local):
-            part = [None if v is None else slice_batch(v, k * p, (k + 1) * p) for v in (x, y, sw)]
-            with self.strategy.no_sync(), generator_at(_seed(base, self.updates, first + k), [device]):
-                micro_step(part[0], part[1], part[2], total)
-            pieces[first + k] = self._take()
-        known = block_sums(pieces, first, first + local, n)
-        if replicas > 1:
-            known = self._exchange(known, [(r * local, (r + 1) * local) for r in range(replicas)])
-        self._finish(known, n, None)
+        # this replica's rows are global pieces rank * local, ...; its own rows start at 0
+        self._run(x, y, sw, total, micro_step, [(r * local, (r + 1) * local) for r in range(replicas)], rank,
+                  lambda k: (k - rank * local) * p, None)  # fmt: skip
 
     def step_global(self, x: Any, y: Any, sw: Any, micro_step: MicroStep, commit: Callable[[], None]) -> None:
         """As ``step``, from the whole global batch (every replica has it: ``on_failure="continue"``):
         this replica computes its range of the pieces under the current membership, however many
         replicas there are now, so a lost replica's share is the survivors'. ``commit`` runs once
         the gradient is whole on every replica, before the update counts as done."""
-        self._check_model()
-        ctx = current.get_replica_context()
-        assert ctx is not None
-        replicas, rank = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
+        replicas, rank = self._replica()
         rows = batch_size_of(x if y is None else y, "a batch")
         p = self.piece
         if p is None:  # one piece per replica: its share, as experimental_distribute_dataset splits
@@ -131,54 +120,39 @@ class PieceRunner:
             bounds = list(range(0, rows + 1, p))
         n = len(bounds) - 1
         ranges = [(r * n // replicas, (r + 1) * n // replicas) for r in range(replicas)]
+        self._run(x, y, sw, rows, micro_step, ranges, rank, bounds.__getitem__, commit)
+
+    def _run(
+        self, x: Any, y: Any, sw: Any, total: int | None, micro_step: MicroStep, ranges: Sequence[tuple[int, int]],
+        rank: int, start: Callable[[int], int], commit: Callable[[], None] | None,
+    ) -> None:  # fmt: skip
+        """Pieces ``ranges[rank]`` of the global batch (piece ``k``: this replica's rows
+        ``start(k)`` to ``start(k + 1)``), each alone (seeded in the deterministic mode), then
+        their sum: the fixed tree (deterministic mode), or one all-reduce of one piece per
+        replica; ``.grad`` set, ``commit``, the update counted."""
         first, last = ranges[rank]
+        n, p = ranges[-1][1], self.piece
         base = self._agreed_base() if p is not None else 0
+        device = self.strategy.extended.device
         pieces: dict[int, Grads] = {}
         for k in range(first, last):
-            part = [None if v is None else slice_batch(v, bounds[k], bounds[k + 1]) for v in (x, y, sw)]
-            rng = generator_at(_seed(base, self.updates, k), [self.strategy.extended.device]) if p is not None else contextlib.nullcontext()
+            part = [None if v is None else slice_batch(v, start(k), start(k + 1)) for v in (x, y, sw)]
+            rng = generator_at(_seed(base, self.updates, k), [device]) if p is not None else contextlib.nullcontext()
             with self.strategy.no_sync(), rng:
-                micro_step(part[0], part[1], part[2], rows)
+                micro_step(part[0], part[1], part[2], total)
             pieces[k] = self._take()
-        if p is None and replicas > 1:  # one piece each, no fixed order to keep: one all-reduce
-            grads = pieces[first] if last > first else Grads(torch.zeros_like(q) for q in self.params)
-            self._all_reduce(grads)
-            for param, g in zip(self.params, grads):
-                param.grad = g
-            commit()
-            self.updates += 1
-            return
-        known = block_sums(pieces, first, last, n)
-        if replicas > 1:
-            known = self._exchange(known, ranges)
-        self._finish(known, n, commit)
-
-    def _all_reduce(self, grads: Grads) -> None:
-        """Sum ``grads`` over the replicas in place (one flat all-reduce per dtype)."""
         world = self.strategy.extended.world
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
-            world.all_reduce_(flat, "sum")
-            offset = 0
-            for g in same:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-
-    def _finish(self, known: dict[Block, Grads], n: int, commit: Callable[[], None] | None) -> None:
-        """The tree's root into each parameter's ``.grad``; ``commit``; the update counted."""
-        root = combine(known, n)
-        for param, g in zip(self.params, root):
+        if p is None:  # one piece each, no fixed order to keep: one all-reduce
+            mine = pieces[first] if last > first else Grads(torch.zeros_like(q) for q in self.params)
+            grads = list(world.all_reduce(list(mine), "sum", check=False))
+        else:
+            known = block_sums(pieces, first, last, n)
+            grads = list(combine(exchange_blocks(world, known, ranges, self.params), n))
+        for param, g in zip(self.params, grads):
             param.grad = g.to(param.device)
         if commit is not None:
             commit()
         self.updates += 1
-
-    def _exchange(self, mine: dict[Block, Grads], ranges: Sequence[tuple[int, int]]) -> dict[Block, Grads]:
-        """Every replica's block sums (``comm/blocks.exchange_blocks``)."""
-        return exchange_blocks(self.strategy.extended.world, mine, ranges, self.params)
 
     def _take(self) -> Grads:
         """The gradients the last piece left (zeros where a parameter got none); cleared."""

@@ -26,7 +26,7 @@ from stratagem.distribute.mixed_precision import Policy
 from stratagem.distribute.strategy import Strategy
 from stratagem.train.execution_metrics import ExecutionMetrics
 from stratagem.train.losses import LossFn, per_example_loss
-from stratagem.train.metrics import Metric
+from stratagem.train.metrics import Metric, sync_metrics
 from stratagem.train.outputs import call_model, examples_in, for_gather, model_loss, predictions
 from stratagem.train.pieces import PieceRunner
 
@@ -172,14 +172,6 @@ class DataParallelSteps:
         #: the deterministic mode's pieces (stratagem.experimental.enable_op_determinism)
         self.pieces: PieceRunner | None = None
         mode = op_determinism()
-        if mode is not None and optimizer is not None:
-            if self.options.accumulate != 1:
-                raise ValueError(
-                    "gradient_accumulation_steps is not supported with enable_op_determinism yet; "
-                    "leave it at 1, or make the global batch larger"
-                )
-            params = [q for g in optimizer.param_groups for q in g["params"]]
-            self.pieces = PieceRunner(strategy, model, params, mode)
         failure = getattr(strategy.extended, "failure", None)
         #: FailureOptions(on_failure="continue"): every replica reads the whole global batch and
         #: computes its range of the pieces, so the survivors of a lost replica take its share
@@ -190,15 +182,15 @@ class DataParallelSteps:
         #: and their sums
         self.commit_extra: Callable[[], list[float]] | None = None
         self.committed_extra: list[float] = []
-        if self.continuing and self.pieces is None:
-            assert optimizer is not None
+        if optimizer is not None and (mode is not None or self.continuing):
             if self.options.accumulate != 1:
+                what = "enable_op_determinism" if mode is not None else "FailureOptions(on_failure='continue')"
                 raise ValueError(
-                    "gradient_accumulation_steps is not supported with FailureOptions(on_failure="
-                    "'continue') yet; leave it at 1, or make the global batch larger"
+                    f"gradient_accumulation_steps is not supported with {what} yet; "
+                    "leave it at 1, or make the global batch larger"
                 )
             params = [q for g in optimizer.param_groups for q in g["params"]]
-            self.pieces = PieceRunner(strategy, model, params, None)
+            self.pieces = PieceRunner(strategy, model, params, mode)
         #: the forward pass and loss, compiled once for fit's whole run when jit_compile
         self._forward: Callable[[Any, Any, bool], tuple[Any, torch.Tensor]] = self._forward_and_loss
         if self.options.jit_compile:
@@ -293,15 +285,8 @@ class DataParallelSteps:
             """The update's gradient is whole everywhere: its metric totals summed (with what the
             loop adds to the step's sync: ``commit_extra``), then it counts."""
             record.apply()
-            tracked = [loss_metric, *metrics]
             extra = self.commit_extra() if self.commit_extra is not None else []
-            flat = torch.cat([*(m.local_totals() for m in tracked), torch.tensor(extra, dtype=torch.float64)])
-            strategy.extended.world.all_reduce_(flat, "sum")
-            offset = 0
-            for m in tracked:
-                m.set_global_totals(flat[offset : offset + m.num_totals])
-                offset += m.num_totals
-            self.committed_extra = flat[offset:].tolist()
+            self.committed_extra = sync_metrics(strategy, [loss_metric, *metrics], extra)
             if self.on_commit is not None:
                 self.on_commit()
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from stratagem.comm.blocks import Grads, exchange_blocks, generator_at
+from stratagem.comm.blocks import Grads, agreed_seed, exchange_blocks, generator_at
 from stratagem.core import tree
-from stratagem.core.canonical import Block, block_sums, combine
+from stratagem.core.canonical import block_sums, combine
 from stratagem.distribute import determinism
 from stratagem.distribute.context import pieces_of_global_batch
 from stratagem.distribute.determinism import OpDeterminism
@@ -59,8 +59,7 @@ class PiecewiseRun:
 
     def _agreed_base(self) -> int:
         if self._base is None:
-            base = int(torch.initial_seed())
-            self._base = int(self.comm.broadcast_object(base, 0)) if self.comm.world_size > 1 else base
+            self._base = agreed_seed(self.comm)
         return self._base
 
     def __call__(self, mode: OpDeterminism, args: Sequence[Any], kwargs: Mapping[str, Any], call: Call) -> Any:
@@ -91,6 +90,7 @@ class PiecewiseRun:
             )
         local = rows // p
         first, n = rank * local, local * replicas
+        ranges = [(r * local, (r + 1) * local) for r in range(replicas)]
         params = self.params()
         base = self._agreed_base()
         taken: dict[int, Grads] = {}
@@ -103,19 +103,17 @@ class PiecewiseRun:
                 lambda v, lo=k * p: v[lo : lo + p] if isinstance(v, torch.Tensor) and v.dim() > 0 else v,
                 (list(args), dict(kwargs)),
             )
-            if last:
-                def finish(c: _PieceGradients = catcher) -> None:
-                    taken[first + local - 1] = c.grads()
-                    root = combine(self._exchange(block_sums(taken, first, first + local, n), local, replicas), n)
-                    for q, b, g in zip(params, c.before, root):
-                        q.grad = g if b is None else b + g
-                catcher.at_end = finish
-            else:
-                def keep(c: _PieceGradients = catcher, i: int = first + k) -> None:
-                    taken[i] = c.grads()
+            def at_end(c: _PieceGradients = catcher, i: int = first + k, last: bool = last) -> None:
+                taken[i] = c.grads()
+                if not last:  # as before this backward: the step's clipping and optimizer see nothing
                     for q, b in zip(params, c.before):
-                        q.grad = b  # as before this backward: the step's clipping and optimizer see nothing
-                catcher.at_end = keep
+                        q.grad = b
+                    return
+                known = exchange_blocks(self.comm, block_sums(taken, first, first + local, n), ranges, params)
+                for q, b, g in zip(params, c.before, combine(known, n)):
+                    q.grad = g if b is None else b + g
+
+            catcher.at_end = at_end
             with catcher, generator_at(_seed(base, determinism.piece_runs(), first + k), [self.device]), pieces_of_global_batch(rows * replicas, n):
                 outputs.append(call(piece_args, piece_kwargs))
             fired.append(catcher.fired)
@@ -127,11 +125,6 @@ class PiecewiseRun:
                 )
         determinism.count_piece_run()
         return _combined(outputs, p)
-
-    def _exchange(self, mine: dict[Block, Grads], local: int, replicas: int) -> dict[Block, Grads]:
-        ranges = [(r * local, (r + 1) * local) for r in range(replicas)]
-        return exchange_blocks(self.comm, mine, ranges, self.params())
-
 
 class _PieceGradients:
     """While one piece runs: each parameter's gradient as it arrives, ``.grad`` as it was before
