@@ -161,3 +161,27 @@ def shapes_worker(bad_step: int) -> str:
     for _ in range(5):
         next(it)
     return "unreachable"
+
+
+def first_batch_worker(via: str) -> str:
+    """Each replica shuffles the same examples with its own seed (an unseeded shuffle, as each
+    process draws it): the first global batches differ. ``via``: "distribute"
+    (experimental_distribute_dataset) or "fit" (fit under FailureOptions(on_failure="continue"),
+    where every replica reads the whole global batches)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import stratagem as sg
+
+    options = CommunicationOptions(timeout_seconds=60, failure=FailureOptions(on_failure="continue"))
+    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), options if via == "fit" else FAST, devices="cpu")
+    rank = strategy.extended.replica_id
+    data = TensorDataset(torch.arange(32.0).reshape(16, 2), torch.arange(16.0).reshape(16, 1))
+    loader = DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(rank))
+    if via == "distribute":
+        next(iter(strategy.experimental_distribute_dataset(loader)))
+    else:
+        with strategy.scope():
+            model = nn.Linear(2, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sg.fit(model, opt, "mse", loader, epochs=1, verbose=0)
+    return "unreachable"

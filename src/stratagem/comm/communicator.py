@@ -33,6 +33,14 @@ from stratagem.core.eager import eager_only
 OPS = ("sum", "mean", "max", "min")
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
+def _crc(x: Any) -> int:
+    """CRC-32 of a leaf's bytes (a tensor's contents, else its repr)."""
+    if isinstance(x, torch.Tensor):
+        flat = x.detach().reshape(-1).contiguous().cpu()
+        return zlib.crc32(flat.view(torch.uint8).numpy().tobytes()) if flat.numel() else 0
+    return zlib.crc32(repr(x).encode())
+
+
 def _as_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
@@ -125,6 +133,17 @@ class Communicator(abc.ABC):
             f"{what} was called with different structures, shapes or dtypes on different "
             f"replicas ({listing}); every replica must pass the same structure and shapes"
         )
+
+    def check_same_values(self, what: str, value: Any, mismatch: str) -> None:
+        """``check_same``, then ReplicaMismatchError(``mismatch``) on every member unless every
+        member's leaves hold the same bytes (a CRC-32 per leaf, gathered: order-sensitive, exact)."""
+        self.check_same(what, value)
+        if self.world_size == 1:
+            return
+        leaves, _ = tree.flatten(value)
+        code = torch.tensor([_crc(x) for x in leaves], dtype=torch.int64, device=self.device)
+        if not all(torch.equal(c, code) for c in self.all_gather_tensor(code)):
+            raise ReplicaMismatchError(mismatch)
 
     def check_same_once(self, what: str, value: Any, site: Hashable | None) -> None:
         """``check_same`` on the first call from ``site`` (a call site every member names alike,

@@ -20,9 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import torch
-
-from stratagem.core import tree
 from stratagem.core.batches import place, to_tensors
 from stratagem.data import INFINITE_CARDINALITY, Dataset, shards_by_files
 from stratagem.distribute.strategy import Strategy
@@ -107,17 +104,13 @@ class WholeBatches:
 
 def _check_same_batch(comm: Any, batch: Any) -> None:
     """A clear error unless every replica read the same first global batch."""
-    comm.check_same("fit's first global batch", batch)
-    if comm.world_size == 1:
-        return
-    leaves, _ = tree.flatten(batch)
-    prints = torch.tensor([float(t.double().sum()) if t.numel() else 0.0 for t in leaves], dtype=torch.float64)
-    if not all(torch.equal(p.cpu(), prints) for p in comm.all_gather_tensor(prints.to(comm.device))):
-        raise RuntimeError(
-            "the dataset gave different first global batches on different replicas; with "
-            "FailureOptions(on_failure='continue') every replica reads the same global batches: seed "
-            "any shuffling (e.g. DataLoader(..., generator=torch.Generator().manual_seed(0)))"
-        )
+    comm.check_same_values(
+        "fit's first global batch",
+        batch,
+        "the dataset gave different first global batches on different replicas; with "
+        "FailureOptions(on_failure='continue') every replica reads the same global batches: seed "
+        "any shuffling (e.g. DataLoader(..., generator=torch.Generator().manual_seed(0)))",
+    )
 
 
 class GlobalBatches:

@@ -42,11 +42,6 @@ class InputContext:
         return global_batch_size // self.num_replicas_in_sync
 
 
-def _fingerprint(batch: Any) -> list[float]:
-    leaves, _ = tree.flatten(batch)
-    return [float(t.double().sum()) if t.numel() else 0.0 for t in leaves]
-
-
 def _source(dataset: Iterable[Any], epoch: int | None, seed: int | None = None) -> Iterator[Any]:
     """A fresh iterator over ``dataset``: pass ``epoch`` of a stratagem Dataset (its shuffles
     are reseeded per epoch; ``seed`` for its unseeded randomness), else ``iter(dataset)``."""
@@ -280,17 +275,14 @@ class DistributedIterator(_IteratorApi):
 
     def _check_same(self, batch: Any) -> None:
         self._checked = True
-        if self.comm.world_size == 1:
-            return
-        self.comm.check_same("experimental_distribute_dataset (first global batch)", batch)
-        prints = self.comm.all_gather_object(_fingerprint(batch))
-        if any(p != prints[0] for p in prints):
-            raise RuntimeError(
-                "the dataset yielded different first global batches on different replicas; "
-                "experimental_distribute_dataset expects every replica to see the same global "
-                "batches: seed any shuffling (e.g. DataLoader(..., generator=torch.Generator()"
-                ".manual_seed(0))) or use distribute_datasets_from_function"
-            )
+        self.comm.check_same_values(
+            "experimental_distribute_dataset (first global batch)",
+            batch,
+            "the dataset yielded different first global batches on different replicas; "
+            "experimental_distribute_dataset expects every replica to see the same global "
+            "batches: seed any shuffling (e.g. DataLoader(..., generator=torch.Generator()"
+            ".manual_seed(0))) or use distribute_datasets_from_function",
+        )
 
 
 class PerReplicaDatasets:
