@@ -192,9 +192,7 @@ def main():
 
     checkpoint_manager.save()
     if not _is_chief(task_type, task_id):
-        # tf.io.gfile.rmtree; stratagem's manager writes on the chief only, so the other
-        # workers' directory was never made (tf's would hold a copy): ignore_errors
-        shutil.rmtree(write_checkpoint_dir, ignore_errors=True)
+        shutil.rmtree(write_checkpoint_dir)  # tf.io.gfile.rmtree (the chief wrote the checkpoint)
 
     latest_checkpoint = sg.train.latest_checkpoint(checkpoint_dir)
     checkpoint.restore(latest_checkpoint)

@@ -134,3 +134,47 @@ def portable_worker(directory: str, first: int, then: int, restore: bool) -> dic
     portable_train(model, opt, range(first, then), lambda f, args: strategy.run(f, args=args), rank, world)
     manager.save(then)
     return {"restored": restored, "params": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _own_filesystem_at(path: str) -> None:
+    """This process sees a fresh, private filesystem at ``path`` (a tmpfs in a mount namespace of
+    its own, as another host without shared storage would): what it writes there no other sees."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_rec, ms_private, clone_newns = 16384, 1 << 18, 0x00020000
+    if libc.unshare(clone_newns) != 0 or libc.mount(b"none", b"/", None, ms_rec | ms_private, None) != 0:
+        raise OSError(ctypes.get_errno(), "unshare/mount --make-rprivate")
+    os.makedirs(path, exist_ok=True)
+    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", 0, None) != 0:
+        raise OSError(ctypes.get_errno(), f"mount tmpfs on {path}")
+
+
+def sharded_save_worker(tmp: str, how: str) -> dict:
+    """A ShardedStrategy checkpoint saved by 2 processes that do not write one directory:
+    ``how`` = "tf_idiom" (TensorFlow's write_filepath: the other worker names its own temporary
+    directory) or "unshared" (one path, but replica 1 sees a filesystem of its own there)."""
+    from stratagem.distribute.strategies.sharded import ShardedStrategy
+
+    strategy = ShardedStrategy()
+    rank = strategy.extended.replica_id
+    with strategy.scope():
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters())
+    directory = os.path.join(tmp, "ckpt")
+    if how == "tf_idiom" and rank != 0:
+        directory = os.path.join(tmp, f"workertemp_{rank}", "ckpt")
+    if how == "unshared" and rank == 1:
+        _own_filesystem_at(directory)
+    manager = CheckpointManager(Checkpoint(model=model, optimizer=opt), directory, max_to_keep=1)
+    try:
+        manager.save()
+        error = ""
+    except Exception as e:  # noqa: BLE001 - what each replica met is the result
+        error = f"{type(e).__name__}: {e}"
+    def listing(d: str) -> list[str] | None:  # but the lock the manager holds on its directory
+        return sorted(n for n in os.listdir(d) if n != ".stratagem-writer.lock") if os.path.isdir(d) else None
+
+    left = listing(directory)
+    strategy.extended.world.barrier()
+    return {"error": error, "left": left, "chief_sees": listing(os.path.join(tmp, "ckpt"))}

@@ -23,6 +23,7 @@ checkpoint restores into any strategy and number of replicas as ``portable_state
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -377,6 +378,11 @@ class CheckpointManager:
 
     def _save(self, step_int: int) -> str:
         self._prepare_optimizers()
+        if self._comm.rank != 0:
+            # TensorFlow's other workers write a copy in their directory, which its tutorials
+            # remove after each save (write_filepath, then rmtree): the directory exists here too
+            with contextlib.suppress(OSError):
+                self.directory.mkdir(parents=True, exist_ok=True)
         writer = _WRITERS[self._layout]()
         return writer.save(self._site(), step_int)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 import warnings
 from collections.abc import Callable
@@ -138,12 +139,11 @@ def save(site: WriteSite, step: int) -> str:
     The chief holds the directory's writer lock and names the temporary directory after itself
     (as the manager's own saves do), so a dead writer's leftovers are cleaned and a failed save
     removes its own files."""
-    import shutil
-
     comm = site.comm
     rank = comm.rank
     modules, optims, rest = _split(site.objects)
     directory = site.directory
+    _check_one_directory(comm, directory)
     problem = ("", "")
     tmp_name = ""
     if rank == 0:
@@ -172,8 +172,6 @@ def _write_parts(
     optims: dict[str, tuple[torch.optim.Optimizer, str]],
     rest: dict[str, Any],
 ) -> str:
-    import shutil
-
     import torch.distributed.checkpoint as dcp
 
     comm = site.comm
@@ -199,8 +197,8 @@ def _write_parts(
     problems = [p for p in comm.all_gather_object(problem) if p]
     if problems:
         raise RuntimeError(f"the sharded checkpoint at step {step} could not be written ({'; '.join(problems)})")
+    names = _listing_all_see(comm, tmp, directory)
     # every file hashed once, the work split across ranks
-    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     files = comm.all_gather_object(_hash(tmp, names[rank::world]))
     result = ("", "")
     if rank == 0:
@@ -237,6 +235,38 @@ def _write_parts(
     if result[1]:
         raise RuntimeError(f"the chief could not commit the sharded checkpoint at step {step}: {result[1]}")
     return result[0]
+
+
+def _check_one_directory(comm: Any, directory: Path) -> None:
+    """A clear error on every rank, before anything is written, unless all name one directory."""
+    dirs = comm.all_gather_object(str(directory.resolve()))
+    if len(set(dirs)) > 1:
+        listing = "; ".join(f"replica {r}: {d}" for r, d in enumerate(dirs))
+        raise ValueError(
+            "a sharded checkpoint is one directory that every process writes its shards into, "
+            f"but the processes passed different directories ({listing}): pass every worker the "
+            "same directory, on storage all of them reach (TensorFlow's per-worker write_filepath "
+            "is for a MirroredStrategy checkpoint, which the chief writes alone)"
+        )
+
+
+def _listing_all_see(comm: Any, tmp: Path, directory: Path) -> list[str]:
+    """The files of the save in ``tmp``, as the chief sees them; a clear error on every rank when
+    the chief does not see what another rank wrote (the directory is not on shared storage)."""
+    mine = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    listings = comm.all_gather_object(mine)
+    unseen = {r: sorted(set(names) - set(listings[0])) for r, names in enumerate(listings)}
+    unseen = {r: names for r, names in unseen.items() if names}
+    if unseen:
+        if comm.rank in unseen:  # this rank's own files, where only it sees them
+            shutil.rmtree(tmp, ignore_errors=True)
+        listing = "; ".join(f"replica {r}: {', '.join(names[:3])}" for r, names in unseen.items())
+        raise RuntimeError(
+            f"the sharded checkpoint directory {directory} is not shared: the chief does not see "
+            f"the files other processes wrote there ({listing}); put it on storage every worker "
+            "reaches (a shared filesystem). Nothing of this save was kept"
+        )
+    return listings[0]  # type: ignore[no-any-return]
 
 
 def _fqn_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, native: dict[str, Any]) -> dict[str, Any]:
