@@ -1,4 +1,4 @@
-"""The five TensorFlow tutorials of examples/tutorials run as written, on small data made in code."""
+"""The TensorFlow tutorials of examples/tutorials run as written, on small data made in code."""
 
 from __future__ import annotations
 
@@ -498,3 +498,91 @@ def test_distributed_input_tutorial_prints_tf_values(tmp_path):
     assert len(got) == 4, out
     for g, w in zip(got, want):
         np.testing.assert_allclose([float(v) for v in g], w, atol=1e-4)
+
+
+# --- "Custom training loop with Keras and MultiWorkerMirroredStrategy" ------------------------------
+
+
+def _ctl_reference(model, epochs, steps, per_worker=64):
+    """TensorFlow's reading of the tutorial, by hand on one process: each worker's dataset is the
+    seeded shuffle sharded by worker and batched by 64, a fresh ``iter`` per epoch reshuffles
+    (the e-th iteration of a process gives the e-th permutation), a step's global batch is the two
+    workers' batches, the loss is the global mean (per-replica sums over the global batch size,
+    summed across replicas), RMSprop as Keras writes it (rho 0.9, ``/ sqrt(v + 1e-7)``)."""
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+    from torch import nn
+
+    import stratagem as sg
+
+    digits = load_digits()
+    x, y = digits.images.astype(np.uint8) / np.float32(16), digits.target.astype(np.int64)
+    shuffled = sg.data.Dataset.from_tensor_slices((x, y)).shuffle(1797, seed=0)
+    velocity = [torch.zeros_like(p) for p in model.parameters()]  # a fresh optimizer per run
+    logs = []
+    for epoch in epochs:
+        workers = [shuffled.shard(2, w).batch(per_worker).iterator(epoch=epoch) for w in range(2)]
+        total = correct = count = 0.0
+        for _ in range(steps):
+            parts = [next(it) for it in workers]
+            xb, yb = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            logits = model(xb)
+            loss = nn.functional.cross_entropy(logits, yb)
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p, v in zip(model.parameters(), velocity):
+                    v.mul_(0.9).add_(0.1 * p.grad.square())
+                    p.sub_(0.001 * p.grad / (v + 1e-7).sqrt())
+            total += loss.item()
+            correct += (logits.detach().argmax(1) == yb).sum().item()
+            count += len(yb)
+        logs.append((correct / count, total / steps))
+    return logs
+
+
+def _ctl_model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)  # build_cnn_model's weights
+    return nn.Sequential(nn.Unflatten(1, (1, 8)), nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(32 * 6 * 6, 128), nn.ReLU(), nn.Linear(128, 10))  # fmt: skip
+
+
+def _ctl_lines(out: str) -> list[tuple[int, float, float]]:
+    found = re.findall(r"^Epoch: (\d+), accuracy: ([\d.]+), train_loss: ([\d.]+)\.$", out, re.M)
+    return [(int(e), float(acc), float(loss)) for e, acc, loss in found]
+
+
+@pytest.mark.timeout(240)
+def test_multi_worker_custom_loop_tutorial_matches_tensorflow(tmp_path):
+    """Two workers with TF_CONFIG, as the tutorial starts them: each epoch's printed accuracy and
+    loss are one process's over the global batches, as TensorFlow reads the program; the chief
+    keeps one checkpoint, the other worker's directory is removed."""
+    env = {**os.environ, "NUM_EPOCHS": "3"}
+    env.pop("TF_CONFIG", None)
+    r = run_script([str(TUTORIALS / "multi_worker_with_ctl.py")], timeout=180, env=env, cwd=str(tmp_path))
+    assert_clean_run(r, what="multi_worker_with_ctl.py")
+    printed = _ctl_lines(r.stdout)
+    assert [e for e, _, _ in printed] == [0, 1, 2], r.stdout  # the chief's log, printed once
+    expected = _ctl_reference(_ctl_model(), epochs=[0, 1, 2], steps=7)
+    for (_, acc, loss), (ref_acc, ref_loss) in zip(printed, expected):
+        assert acc == pytest.approx(ref_acc, abs=1.5e-6) and loss == pytest.approx(ref_loss, abs=2e-5), (printed, expected)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-3"]  # max_to_keep=1, the chief's
+    assert not (tmp_path / "workertemp_1" / "ckpt").exists()  # the other worker's, removed
+
+    # run again, it restores the newest checkpoint: the model and the counters as saved, before
+    # the epoch's `assign_add` (epoch 1, step_in_epoch 7), so the inner loop runs no step and the
+    # tutorial divides by zero batches, as it does in TensorFlow
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    first = run_script([str(TUTORIALS / "multi_worker_with_ctl.py")], timeout=180, env={**env, "NUM_EPOCHS": "2"}, cwd=str(resumed))
+    assert_clean_run(first, what="multi_worker_with_ctl.py (NUM_EPOCHS=2)")
+    assert _ctl_lines(first.stdout) == printed[:2], (first.stdout, printed)
+    again = run_script([str(TUTORIALS / "multi_worker_with_ctl.py")], timeout=180, env=env, cwd=str(resumed))
+    assert again.returncode == 1 and _ctl_lines(again.stdout) == [], again.stdout
+    both = again.stdout + again.stderr  # worker 0's log is shown on stdout, worker 1 writes to stderr
+    assert both.count("ZeroDivisionError: float division by zero") == 2, both
+    assert both.count("train_loss = total_loss / num_batches") == 2, both
