@@ -19,8 +19,7 @@ which has 30,000 images per worker); the shuffle and the initial weights are see
 ``torch.manual_seed(0)``) so the test can compare the numbers with a reference; Keras layers are
 torch layers; ``tf.Variable`` counters are tensors, restored in place; ``CUDA_VISIBLE_DEVICES=-1``
 is ``devices="cpu"``; ``util.get_temp_dir()`` (a fresh directory per process) is ``./ckpt``, so
-that a second run finds the first run's checkpoint, as the tutorial's restore means it to;
-``NUM_EPOCHS`` (3 unless set) lets the test stop a run early and resume it.
+that a second run finds the first run's checkpoint, as the tutorial's restore means it to.
 """
 
 import json
@@ -108,7 +107,7 @@ def main():
     num_workers = len(tf_config['cluster']['worker'])
     global_batch_size = per_worker_batch_size * num_workers
 
-    num_epochs = int(os.environ.get('NUM_EPOCHS', 3))
+    num_epochs = 3
     num_steps_per_epoch = 7  # 70 in the tutorial: 898 digits per worker make 14 batches of 64
 
     # Checkpoint saving and restoring
