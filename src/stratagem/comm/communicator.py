@@ -36,7 +36,7 @@ _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.Re
 def _crc(x: Any) -> int:
     """CRC-32 of a leaf's bytes (a tensor's contents, else its repr)."""
     if isinstance(x, torch.Tensor):
-        flat = x.detach().reshape(-1).contiguous().cpu()
+        flat = (x.to_dense() if x.is_sparse else x).detach().reshape(-1).contiguous().cpu()
         return zlib.crc32(flat.view(torch.uint8).numpy().tobytes()) if flat.numel() else 0
     return zlib.crc32(repr(x).encode())
 
