@@ -20,9 +20,10 @@ def wait_for(name, timeout=60.0):
         time.sleep(0.05)
 
 
-if mode == "print":  # every task says who it is
-    print("TASK", json.dumps({"task": task, "restart": restart, "config": json.loads(os.environ["TF_CONFIG"]),
-                              "omp": os.environ.get("OMP_NUM_THREADS")}), flush=True)
+if mode == "print":  # every task says who it is, in one write (print's pieces may interleave with the others')
+    sys.stdout.write("TASK " + json.dumps({"task": task, "restart": restart, "config": json.loads(os.environ["TF_CONFIG"]),
+                                           "omp": os.environ.get("OMP_NUM_THREADS")}) + "\n")
+    sys.stdout.flush()
 elif mode == "restart":  # worker 1 fails on its first run; the chief ends once it is back
     if me == ("worker", 1):
         if restart == 0:
