@@ -61,6 +61,8 @@ STRESS: dict[str, re.Pattern[str] | None] = {
     "tests/data/test_engine_batch_workers.py": re.compile(r"autotune"),
     "tests/test_mirrored.py": re.compile(r"stuck|fail|raise|kill|timeout|hang"),
     "tests/pipeline/test_pipeline_training.py": re.compile(r"failure|exception"),
+    # five tasks writing to one stdout: their lines interleaved under load
+    "tests/test_ps_launch.py": re.compile(r"every_task_gets"),
 }
 
 
