@@ -33,6 +33,14 @@ from stratagem.core.eager import eager_only
 OPS = ("sum", "mean", "max", "min")
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
+
+def value_digest(value: Any) -> int:
+    """A 31-bit digest of the bytes of every leaf of ``value``, in order (``check_same_values``
+    compares the leaves one by one; a vote can carry this one number)."""
+    leaves, _ = tree.flatten(value)
+    return zlib.crc32(b"".join(_crc(x).to_bytes(4, "little") for x in leaves)) & 0x7FFFFFFF
+
+
 def _crc(x: Any) -> int:
     """CRC-32 of a leaf's bytes (a tensor's contents, else its repr)."""
     if isinstance(x, torch.Tensor):

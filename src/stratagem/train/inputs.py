@@ -17,6 +17,7 @@ when iterating ``data`` again gives the same batches (no unseeded shuffling).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -102,6 +103,14 @@ class WholeBatches:
             yield batch
 
 
+def _take(it: Iterator[Any], n: int) -> list[Any]:
+    """Up to ``n`` batches of ``it``: through its ``take`` (one agreement for all) when it has one."""
+    take = getattr(it, "take", None)
+    if take is not None:
+        return take(n)  # type: ignore[no-any-return]
+    return list(itertools.islice(it, n))
+
+
 def _check_same_batch(comm: Any, batch: Any) -> None:
     """A clear error unless every replica read the same first global batch."""
     comm.check_same_values(
@@ -154,24 +163,28 @@ class GlobalBatches:
         if self.steps_per_epoch is None or self._it is None:
             self._new_pass()
 
-    def epoch(self) -> Iterator[Any]:
-        """The rest of the current epoch's batches (after begin_epoch or load_state_dict)."""
+    def take(self, n: int) -> list[Any]:
+        """Up to ``n`` of the current epoch's next batches (fewer at its end, none after it): an
+        execution's batches, agreed on by the replicas in one vote where the iterator can
+        (``take``), else batch by batch."""
+        out: list[Any] = []
         restarted = False
-        while self.steps_per_epoch is None or self._epoch_step < self.steps_per_epoch:
-            if self._it is None:
-                return
-            try:
-                batch = next(self._it)
-            except StopIteration:
+        while len(out) < n and self._it is not None:
+            want = n - len(out)
+            if self.steps_per_epoch is not None:
+                want = min(want, self.steps_per_epoch - self._epoch_step)
+                if want <= 0:
+                    break
+            got = _take(self._it, want)
+            self._consumed += len(got)
+            self._epoch_step += len(got)
+            out += got
+            if len(got) < want:  # the pass ended
                 self._it = None
                 if self.steps_per_epoch is not None and self._epoch_step == 0 and not restarted:
                     restarted = True  # the pass ended exactly at the last epoch's end
                     self._new_pass()
-                    continue
-                return
-            self._consumed += 1
-            self._epoch_step += 1
-            yield batch
+        return out
 
     # --- position ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -199,6 +199,9 @@ class _Loop:
         self.cblist = CallbackList(cbs, state)
         self.cadence = _Cadence(steps_per_execution, cbs)
         self.per_batch_stop = any(_may_stop_per_batch(cb) for cb in cbs)
+        # only a callback of the user's may ask to stop at an epoch's end (the progress bar
+        # never does): without one there is nothing to agree on then
+        self.epoch_stop = any(not isinstance(cb, Progress) for cb in cbs)
         state.capture = self.capture
         state.restore = self.restore
         #: FailureOptions(on_failure="continue"): what to do after a lost replica (train/failover.py)
@@ -263,7 +266,7 @@ class _Loop:
                 self._entered = True
             for epoch in range(state.initial_epoch, epochs):
                 logs = self._epoch(epoch)
-                if self._going_on(lambda: self.steps.agree(_stop_asked(state))):
+                if self._going_on(lambda: self.steps.agree(_stop_asked(state)) if self.epoch_stop else _stop_asked(state)):
                     state.stop_training = True
                     _set_model_flag(state.model, True)
                     break
@@ -309,16 +312,17 @@ class _Loop:
             self.batches.begin_epoch()
         if self._entered:  # the totals came with the state from a live peer
             self._entered = False
-        elif self.failover is None or state.step > 0:
+        elif state.step > 0:  # resumed mid-epoch: the restored totals, summed
             sync_metrics(self.strategy, tracked)
         else:  # a fresh epoch's totals are zero everywhere (no collective outside the steps)
             for m in tracked:
                 m.set_global_totals(m.local_totals())
-            self.failover.record(epoch, self.batches.state_dict(), 0, state.iterations, tracked)
+            if self.failover is not None:
+                self.failover.record(epoch, self.batches.state_dict(), 0, state.iterations, tracked)
         state.samples = int(tracked[0].global_totals()[1])
         steps.set_training(True)
         self.cblist.call("on_epoch_begin", epoch, None)
-        self._train(self.batches.epoch())
+        self._train()
         logs = _logs(tracked)
         if self.validation is not None:
             steps.set_training(False)
@@ -334,12 +338,12 @@ class _Loop:
             self.epoch_scheduler.step()
         return logs
 
-    def _train(self, epoch_batches: Iterator[Any]) -> None:
+    def _train(self) -> None:
         """The epoch's executions: up to ``cadence.size`` steps in one ``strategy.run``, then one sync."""
         state, cadence, tracked = self.state, self.cadence, self.tracked
         retry: list[Any] | None = None
         while True:
-            group = retry if retry is not None else list(itertools.islice(epoch_batches, cadence.size * self.accumulate))
+            group = retry if retry is not None else self.batches.take(cadence.size * self.accumulate)
             retry = None
             if not group:
                 return

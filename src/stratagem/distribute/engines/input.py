@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from stratagem.comm import Communicator
+from stratagem.comm.communicator import value_digest
+from stratagem.comm.errors import ReplicaMismatchError
 from stratagem.core import tree
 from stratagem.core.batches import batch_size_of, place, slice_batch, split_sizes, to_tensors
 from stratagem.core.eager import eager_only
@@ -60,19 +62,21 @@ def _restored(dataset: Iterable[Any], state: dict[str, Any]) -> Iterator[Any]:
 
 
 class _Agreement:
-    """The per-step vote: does any replica still have data, do all, and (for global batches)
-    did all get batches of the same structure, shapes and dtypes? One small all-reduce."""
+    """The vote before batches are used: how many does each replica have (the most and the
+    fewest), and (for global batches) did all get batches of the same structure, shapes and
+    dtypes? One small all-reduce, for one batch or for a group of them."""
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
 
-    def vote(self, has: bool, signature: int = 0) -> tuple[bool, bool, bool]:
+    def counts(self, count: int, signature: int = 0) -> tuple[int, int, bool]:
         if self.comm.world_size == 1:
-            return has, has, True
+            return count, count, True
         # max of (x, -x) gives max and -min at once: all equal iff max == min
-        t = torch.tensor([int(has), -int(has), signature, -signature], dtype=torch.int64, device=self.comm.device)
+        t = torch.tensor([count, -count, signature, -signature], dtype=torch.int64, device=self.comm.device)
         self.comm.all_reduce_(t, "max")
-        return bool(t[0] > 0), bool(-t[1] > 0), bool(t[2] == -t[3])
+        most, least, sig_max, sig_min = t.tolist()
+        return most, -least, sig_max == -sig_min
 
 
 def _as_is(batch: Any, device: torch.device | None) -> Any:
@@ -99,6 +103,22 @@ def _local(batch: Any, device: torch.device | None) -> Any:
     batch = to_tensors(batch)
     batch_size_of(batch)  # every leaf a tensor with one batch size, or a clear error
     return place(batch, device)
+
+
+def _group_signature(batches: list[Any]) -> int:
+    """A 31-bit digest of the structures, shapes and dtypes of ``batches``, in order."""
+    return zlib.crc32("|".join(tree.signature(b) for b in batches).encode()) & 0x7FFFFFFF
+
+
+def _read(source: Iterator[Any], n: int, convert: Callable[[Any], Any]) -> list[Any]:
+    """Up to ``n`` elements of ``source``, each through ``convert`` (fewer at its end)."""
+    out = []
+    for _ in range(n):
+        batch = next(source, _END)
+        if batch is _END:
+            break
+        out.append(convert(batch))
+    return out
 
 
 def _signature(batch: Any) -> int:
@@ -237,53 +257,62 @@ class DistributedIterator(_IteratorApi):
         return states[0]
 
     def __next__(self) -> Any:
-        if self.comm.world_size == 1:  # nothing to split or agree on
-            batch = next(self.source)
-            self._step += 1
-            return _local(batch, self.device)
-        batch = next(self.source, _END)
-        if batch is not _END:
-            batch = to_tensors(batch)
-        self._step += 1
-        anyone, everyone, same = self.vote.vote(batch is not _END, _signature(batch) if batch is not _END else 0)
-        if not anyone:
+        batches = self.take(1)
+        if not batches:
             raise StopIteration
-        if not everyone:
+        return batches[0]
+
+    def take(self, n: int) -> list[Any]:
+        """This replica's slices of up to ``n`` next global batches (fewer at the end, none
+        after it), agreed on in one vote for all of them: fit takes an execution's batches so,
+        one collective per execution instead of one per batch."""
+        first = self._step
+        if self.comm.world_size == 1:  # nothing to split or agree on
+            batches = _read(self.source, n, lambda b: _local(b, self.device))
+            self._step += len(batches)
+            return batches
+        batches = _read(self.source, n, to_tensors)
+        self._step += len(batches)
+        signature = _group_signature(batches)
+        check_values = not self._checked and bool(batches)
+        if check_values:  # the first global batch's bytes too, in the same vote
+            signature = zlib.crc32(f"{signature}:{value_digest(batches[0])}".encode()) & 0x7FFFFFFF
+        most, least, same = self.vote.counts(len(batches), signature)
+        if most == 0:
+            return []
+        if least < most:
             raise RuntimeError(
                 "the dataset ended on some replicas but not on others; experimental_distribute_dataset "
                 "expects every replica to see the same global batches (use "
                 "distribute_datasets_from_function for per-replica pipelines)"
             )
         if not same:
-            sigs = self.comm.all_gather_object(tree.signature(batch))
-            listing = "; ".join(f"replica {r}: {s}" for r, s in enumerate(sigs))
+            sigs = self.comm.all_gather_object([tree.signature(b) for b in batches])
+            i = next((i for i in range(len(batches)) if len({s[i] for s in sigs}) > 1), None)
+            if i is None:  # alike in structure: the first batch's values differ
+                raise ReplicaMismatchError(
+                    "the dataset yielded different first global batches on different replicas; "
+                    "experimental_distribute_dataset expects every replica to see the same global "
+                    "batches: seed any shuffling (e.g. DataLoader(..., generator=torch.Generator()"
+                    ".manual_seed(0))) or use distribute_datasets_from_function"
+                )
+            listing = "; ".join(f"replica {r}: {s[i]}" for r, s in enumerate(sigs))
             raise RuntimeError(
-                f"global batch {self._step - 1} has different structures, shapes or dtypes on "
+                f"global batch {first + i} has different structures, shapes or dtypes on "
                 f"different replicas ({listing}); experimental_distribute_dataset expects every "
                 "replica to see the same global batches: build the dataset alike on every worker "
                 "(same files, same seed)"
             )
+        self._checked = True
+        return [self._mine(b) for b in batches]
+
+    def _mine(self, batch: Any) -> Any:
+        """This replica's slice of a global batch, on its device."""
         size = batch_size_of(batch)
         n, r = self.comm.world_size, self.comm.rank
-        if n == 1:
-            return place(batch, self.device)
-        if not self._checked:
-            self._check_same(batch)
         sizes = split_sizes(size, n)
         start = sum(sizes[:r])
         return place(slice_batch(batch, start, start + sizes[r]), self.device)
-
-    def _check_same(self, batch: Any) -> None:
-        self._checked = True
-        self.comm.check_same_values(
-            "experimental_distribute_dataset (first global batch)",
-            batch,
-            "the dataset yielded different first global batches on different replicas; "
-            "experimental_distribute_dataset expects every replica to see the same global "
-            "batches: seed any shuffling (e.g. DataLoader(..., generator=torch.Generator()"
-            ".manual_seed(0))) or use distribute_datasets_from_function",
-        )
-
 
 class PerReplicaDatasets:
     """Per-replica batches from ``dataset_fn(InputContext)``, one input pipeline per process."""
@@ -372,6 +401,7 @@ class PerReplicaIterator(_IteratorApi):
         self.vote = _Agreement(comm)
         self.stop_when_uneven = stop_when_uneven
         self._empty: Any = None
+        self._stopped = False  # stop_when_uneven: a replica's pipeline ended, so all did
 
     def __iter__(self) -> PerReplicaIterator:
         return self
@@ -388,28 +418,43 @@ class PerReplicaIterator(_IteratorApi):
         self.source.load_state_dict(state["source"])
 
     def __next__(self) -> Any:
-        if self.comm.world_size == 1:  # nothing to agree on
-            batch = next(self.source)
-            return _local(batch, self.device)
-        batch = next(self.source, _END)
-        anyone, everyone, _ = self.vote.vote(batch is not _END)
-        if not anyone or (self.stop_when_uneven and not everyone):
+        batches = self.take(1)
+        if not batches:
             raise StopIteration
-        if batch is not _END:
-            batch = to_tensors(batch)
-            batch_size_of(batch)
-            if self._empty is None:
-                self._empty = slice_batch(batch, 0, 0)
-        if not everyone:
-            batch = self._empty_like_peers(batch)
-        return place(batch, self.device)
+        return batches[0]
 
-    def _empty_like_peers(self, batch: Any) -> Any:
-        """Replicas without data take a zero-size batch shaped like the others' batches."""
+    def take(self, n: int) -> list[Any]:
+        """Up to ``n`` of this replica's next batches, agreed on in one vote: while any replica
+        has batches the others take zero-size ones (or, ``stop_when_uneven``, all stop where the
+        first ran out); none once every replica's pipeline has ended."""
+        if self.comm.world_size == 1:  # nothing to agree on
+            return _read(self.source, n, lambda b: _local(b, self.device))
+        if self._stopped:
+            return []
+        batches = _read(self.source, n, self._convert)
+        most, least, _ = self.vote.counts(len(batches))
+        if self.stop_when_uneven and least < most:
+            self._stopped = True
+            most = least
+        if most == 0:
+            return []
+        if least < most:
+            empty = self._empty_from_peers()
+            batches += [empty] * (most - len(batches))
+        return [place(b, self.device) for b in batches[:most]]
+
+    def _convert(self, batch: Any) -> Any:
+        batch = to_tensors(batch)
+        batch_size_of(batch)
+        if self._empty is None:
+            self._empty = slice_batch(batch, 0, 0)
+        return batch
+
+    def _empty_from_peers(self) -> Any:
+        """A zero-size batch shaped like the replicas' batches (this one's, else a peer's); a
+        collective: every replica asks when any lacks a batch."""
         # zero-size batches are tiny: the peers' own empty batches carry structure, shapes, dtypes
         empties = self.comm.all_gather_object(self._empty)
-        if batch is not _END:
-            return batch
         empty = self._empty if self._empty is not None else next((e for e in empties if e is not None), None)
         if empty is None:
             raise RuntimeError("no replica has seen a batch to shape an empty batch after")
@@ -422,7 +467,7 @@ _END: Any = object()
 # a step compiled with stratagem.function that iterates a distributed dataset (tf's
 # "iterating inside a tf.function") takes each batch eagerly: the vote is a collective, and the
 # iterators' Python state would otherwise be specialised into the graph (a recompilation a step)
-eager_only(DistributedIterator, ["__next__"])
-eager_only(PerReplicaIterator, ["__next__"])
+eager_only(DistributedIterator, ["__next__", "take"])
+eager_only(PerReplicaIterator, ["__next__", "take"])
 for _dataset in (DistributedDataset, ShardedDataset, PerReplicaDatasets):
     eager_only(_dataset, ["__iter__"])
