@@ -201,7 +201,18 @@ def collectives_worker() -> dict[str, Any]:
 
         sg.fit(model, optimizer, nn.CrossEntropyLoss(), train, epochs=1, verbose=0,
                metrics=["sparse_categorical_accuracy"], callbacks=[MayStop()])
-    return {"loop": per_step, "fit": fit_steps, "may_stop": may_stop}
+        counting.take()
+        executions: list[dict[str, int]] = []
+
+        class PerExecution(sg.Callback):  # with steps_per_execution=N, called once per N steps
+            may_stop_per_batch = False
+
+            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                executions.append(counting.take())
+
+        sg.fit(model, optimizer, nn.CrossEntropyLoss(), Dataset.from_tensor_slices((x, y)).batch(8), epochs=1,
+               verbose=0, metrics=["sparse_categorical_accuracy"], callbacks=[PerExecution()], steps_per_execution=4)
+    return {"loop": per_step, "fit": fit_steps, "may_stop": may_stop, "executions": executions}
 
 
 def _precision_run(strategy: Any, precision: str, spe: Any = "auto") -> dict[str, Any]:

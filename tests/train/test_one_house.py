@@ -68,6 +68,11 @@ def test_collectives_per_step():
     for counts in r["may_stop"][2:]:
         small = {k: v for k, v in counts.items() if k != "all_reduce_async"}
         assert small == {"all_reduce_": 4}, counts
+    # steps_per_execution=4: the input vote, the global counts and the metric totals once per
+    # execution of 4 steps (the gradient buckets once per step)
+    assert len(r["executions"]) == 2, r["executions"]
+    for counts in r["executions"][1:]:
+        assert counts == {"all_reduce_": 3, "all_reduce_async": 4}, counts
 
 
 @pytest.mark.timeout(240)
