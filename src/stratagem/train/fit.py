@@ -9,7 +9,7 @@ each global batch (see ``stratagem.train.losses`` for how loss functions are rea
 on N replicas gives the parameters one device gives on the same global batches.
 
 Logs (the loss and metrics handed to callbacks, shown by the progress bar, kept in the History)
-are global: every replica's totals are summed after each step in one small collective, so they
+are global: every replica's totals are summed after each execution in one small collective, so they
 are identical on all replicas and callbacks decide alike everywhere. ``stop_training`` (Keras's
 ``self.model.stop_training = True`` in a callback, or ``self.state.stop_training``) ends training
 after the current batch when a batch hook sets it, else after the current epoch, as in Keras;
