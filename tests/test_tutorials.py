@@ -569,7 +569,9 @@ def test_multi_worker_custom_loop_tutorial_matches_tensorflow(tmp_path):
     assert [e for e, _, _ in printed] == [0, 1, 2], r.stdout  # the chief's log, printed once
     expected = _ctl_reference(_ctl_model(), epochs=[0, 1, 2], steps=7)
     for (_, acc, loss), (ref_acc, ref_loss) in zip(printed, expected):
-        assert acc == pytest.approx(ref_acc, abs=1.5e-6) and loss == pytest.approx(ref_loss, abs=2e-5), (printed, expected)
+        # float drift between 2 x 64 rows and 128 rows (another CPU's kernels) may flip one
+        # borderline example of 896 (1.1e-3); here they are equal to the printed 6 decimals
+        assert acc == pytest.approx(ref_acc, abs=1.2e-3) and loss == pytest.approx(ref_loss, abs=2e-5), (printed, expected)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-3"]  # max_to_keep=1, the chief's
     assert not (tmp_path / "workertemp_1" / "ckpt").exists()  # the other worker's, removed
 
