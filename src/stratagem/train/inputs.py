@@ -104,10 +104,11 @@ class WholeBatches:
 
 
 def _take(it: Iterator[Any], n: int) -> list[Any]:
-    """Up to ``n`` batches of ``it``: through its ``take`` (one agreement for all) when it has one."""
-    take = getattr(it, "take", None)
-    if take is not None:
-        return take(n)  # type: ignore[no-any-return]
+    """Up to ``n`` batches of ``it``: through its ``next_batches`` (one agreement for all) when
+    it has one."""
+    next_batches = getattr(it, "next_batches", None)
+    if next_batches is not None:
+        return next_batches(n)  # type: ignore[no-any-return]
     return list(itertools.islice(it, n))
 
 
@@ -166,7 +167,7 @@ class GlobalBatches:
     def take(self, n: int) -> list[Any]:
         """Up to ``n`` of the current epoch's next batches (fewer at its end, none after it): an
         execution's batches, agreed on by the replicas in one vote where the iterator can
-        (``take``), else batch by batch."""
+        (``next_batches``), else batch by batch."""
         out: list[Any] = []
         restarted = False
         while len(out) < n and self._it is not None:

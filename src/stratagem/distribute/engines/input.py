@@ -257,15 +257,15 @@ class DistributedIterator(_IteratorApi):
         return states[0]
 
     def __next__(self) -> Any:
-        batches = self.take(1)
+        batches = self.next_batches(1)
         if not batches:
             raise StopIteration
         return batches[0]
 
-    def take(self, n: int) -> list[Any]:
+    def next_batches(self, n: int) -> list[Any]:
         """This replica's slices of up to ``n`` next global batches (fewer at the end, none
         after it), agreed on in one vote for all of them: fit takes an execution's batches so,
-        one collective per execution instead of one per batch."""
+        one collective per execution instead of one per batch (``next()`` is ``next_batches(1)``)."""
         first = self._step
         if self.comm.world_size == 1:  # nothing to split or agree on
             batches = _read(self.source, n, lambda b: _local(b, self.device))
@@ -418,12 +418,12 @@ class PerReplicaIterator(_IteratorApi):
         self.source.load_state_dict(state["source"])
 
     def __next__(self) -> Any:
-        batches = self.take(1)
+        batches = self.next_batches(1)
         if not batches:
             raise StopIteration
         return batches[0]
 
-    def take(self, n: int) -> list[Any]:
+    def next_batches(self, n: int) -> list[Any]:
         """Up to ``n`` of this replica's next batches, agreed on in one vote: while any replica
         has batches the others take zero-size ones (or, ``stop_when_uneven``, all stop where the
         first ran out); none once every replica's pipeline has ended."""
@@ -467,7 +467,7 @@ _END: Any = object()
 # a step compiled with stratagem.function that iterates a distributed dataset (tf's
 # "iterating inside a tf.function") takes each batch eagerly: the vote is a collective, and the
 # iterators' Python state would otherwise be specialised into the graph (a recompilation a step)
-eager_only(DistributedIterator, ["__next__", "take"])
-eager_only(PerReplicaIterator, ["__next__", "take"])
+eager_only(DistributedIterator, ["__next__", "next_batches"])
+eager_only(PerReplicaIterator, ["__next__", "next_batches"])
 for _dataset in (DistributedDataset, ShardedDataset, PerReplicaDatasets):
     eager_only(_dataset, ["__iter__"])
