@@ -296,9 +296,10 @@ def two_processes(tmp: str) -> dict[str, Any]:
     out["errors"] = errors
 
     # options: no resharding after forward, units by class, mixed precision, CPU offload
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     variants = {
+        "default_units": stratagem.ShardedStrategy(units=100, devices="cpu"),  # the root keeps a Linear
         "keep_gathered": stratagem.ShardedStrategy(reshard_after_forward=False, units=nn.Linear, devices="cpu"),
         "offload": stratagem.ShardedStrategy(offload=True, units=100, devices="cpu"),
     }
@@ -306,6 +307,9 @@ def two_processes(tmp: str) -> dict[str, Any]:
         vm, _ = train_under(vs, make_mlp, make_adam, mse, batches, seed=0)
         out[f"{name}_diff"] = max(max_diff(full_state(vm), want).values())
         out[f"{name}_plan"] = str(vs.extended.plans[-1])
+        # which units free their gathered parameters after forward (FSDP2's state after a step)
+        groups = {n or "<root>": m._get_fsdp_state()._fsdp_param_group for n, m in vm.named_modules() if isinstance(m, FSDPModule)}
+        out[f"{name}_reshards"] = {n: g.post_forward_mesh_info is not None for n, g in groups.items() if g is not None}
     mp = stratagem.ShardedStrategy(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), devices="cpu")
     vm, _ = train_under(mp, make_mlp, make_adam, mse, batches, seed=0)
     out["bf16_diff"] = max(max_diff(full_state(vm), want).values())

@@ -151,6 +151,11 @@ def test_sharded_two_processes(tmp_path: Path) -> None:
         assert out["restored_from"] == "ckpt-3" and out["restored_step"] == 3
         assert out["restored_diff"] == 0.0 and out["continued_diff"] == 0.0
         assert out["keep_gathered_diff"] < TOL and out["keep_gathered_plan"] == "units: 0 2 4 6 + root"
+        assert set(out["keep_gathered_reshards"].values()) == {False}, out["keep_gathered_reshards"]
+        # by default as fully_shard by hand: each unit freed after its forward, the root kept for
+        # the backward right after (passing True made the root gather again: one more all-gather)
+        assert out["default_units_diff"] < TOL
+        assert out["default_units_reshards"] == {"<root>": False, "0": True, "2": True, "4": True}, out
         assert out["offload_diff"] < TOL and out["offload_plan"] == "units: 0 2 4 + root"
         assert out["resumed_diff"] < TOL and out["resumed_epochs"] == 3  # BackupAndRestore resumed exactly
         errors = out["errors"]

@@ -19,7 +19,9 @@ class ShardingOptions:
     """How a model is sharded (ShardedStrategy's arguments)."""
 
     units: UnitSpec = None
-    reshard_after_forward: bool = True
+    # None: torch's default (each unit freed after its forward, the root kept for the backward
+    # that follows at once); True: the root too; False: every unit kept until its backward
+    reshard_after_forward: bool | None = None
     mixed_precision: Any = None  # torch.distributed.fsdp.MixedPrecisionPolicy
     offload: Any = None  # torch.distributed.fsdp.CPUOffloadPolicy
     gradient_op: str = "sum"
@@ -35,7 +37,9 @@ def apply_fsdp(root: nn.Module, mesh: Any, options: ShardingOptions) -> UnitPlan
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     plan = plan_units(root, options.units)
-    kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward}
+    kw: dict[str, Any] = {"mesh": mesh}
+    if options.reshard_after_forward is not None:  # else torch's own choice, as fully_shard by hand
+        kw["reshard_after_forward"] = options.reshard_after_forward
     if options.mixed_precision is not None:
         kw["mp_policy"] = options.mixed_precision
     if options.offload is not None:

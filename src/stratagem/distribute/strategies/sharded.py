@@ -24,8 +24,10 @@ class ShardedStrategy(Strategy):
 
     ``units``: which submodules are all-gathered together (None: the blocks of the outermost
     ``ModuleList``/``Sequential``, else units of >= 1/8 of the parameters; a class or tuple of
-    classes; or a minimum parameter count). ``reshard_after_forward``: free gathered parameters
-    after forward (ZeRO-3) or keep them until backward (ZeRO-2-like, more memory, less traffic).
+    classes; or a minimum parameter count). ``reshard_after_forward``: None (the default, as
+    ``fully_shard``'s): free each unit's gathered parameters after its forward (ZeRO-3) but keep
+    the root's, which backward gathers again at once; True: the root's too; False: keep every
+    unit's until its backward (ZeRO-2-like, more memory, less traffic).
     ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. parameters in
     bf16, reductions in fp32). ``offload``: ``True`` or a ``CPUOffloadPolicy`` keeps parameters,
     gradients and optimizer state on the CPU. ``gradient_reduction=ReduceOp.SUM`` is
@@ -49,7 +51,7 @@ class ShardedStrategy(Strategy):
         *,
         num_replicas: int | None = None,
         units: UnitSpec = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         mixed_precision: Any = None,
         offload: Any = None,
         gradient_reduction: ReduceOp | str = ReduceOp.SUM,
