@@ -121,11 +121,6 @@ def _read(source: Iterator[Any], n: int, convert: Callable[[Any], Any]) -> list[
     return out
 
 
-def _signature(batch: Any) -> int:
-    """A 31-bit digest of a batch's structure, shapes and dtypes (what the replicas compare)."""
-    return zlib.crc32(tree.signature(batch).encode()) & 0x7FFFFFFF
-
-
 def _dataset_spec(dataset: Any) -> Any:
     """The ``element_spec`` of the dataset a distributed dataset reads, or a clear error."""
     from stratagem.data.dataset import Dataset
@@ -274,8 +269,7 @@ class DistributedIterator(_IteratorApi):
         batches = _read(self.source, n, to_tensors)
         self._step += len(batches)
         signature = _group_signature(batches)
-        check_values = not self._checked and bool(batches)
-        if check_values:  # the first global batch's bytes too, in the same vote
+        if not self._checked and batches:  # the first global batch's bytes too, in the same vote
             signature = zlib.crc32(f"{signature}:{value_digest(batches[0])}".encode()) & 0x7FFFFFFF
         most, least, same = self.vote.counts(len(batches), signature)
         if most == 0:
@@ -313,6 +307,7 @@ class DistributedIterator(_IteratorApi):
         sizes = split_sizes(size, n)
         start = sum(sizes[:r])
         return place(slice_batch(batch, start, start + sizes[r]), self.device)
+
 
 class PerReplicaDatasets:
     """Per-replica batches from ``dataset_fn(InputContext)``, one input pipeline per process."""
