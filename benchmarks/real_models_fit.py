@@ -79,9 +79,10 @@ def make_gpt(args: argparse.Namespace) -> nn.Module:
 
         hf = GPT2Config(vocab_size=VOCAB, n_positions=args.seq, n_embd=args.width, n_layer=args.layers,
                         n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        tie_word_embeddings=True, use_cache=False)  # fmt: skip
-        hf.loss_type = "ForCausalLM"  # named, so transformers does not print its guess
-        return GPT2LMHeadModel(hf)
+                        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, use_cache=False)  # fmt: skip
+        model = GPT2LMHeadModel(hf)
+        model.loss_type = "ForCausalLM"  # named, so transformers does not print its guess
+        return model
     cfg = GPTConfig(block_size=args.seq, vocab_size=VOCAB, n_layer=args.layers, n_head=args.heads,
                     n_embd=args.width, dropout=0.0, bias=False)  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT prints its parameter count

@@ -70,6 +70,10 @@ def test_bucket_plan_is_reverse_registration_order_with_a_small_first_bucket():
     assert describe(plan) == f"B0[2p {MB // 4 + 10} float32] B1[2p {MB // 4 + 10} float32]"
     mixed = [ParamSpec("a", 4, 4, "float32", "cpu"), ParamSpec("b", 4, 2, "float16", "cpu")]
     assert sorted(b.dtype for b in plan_buckets(mixed)) == ["float16", "float32"]
+    # an order seen in a backward pass (a tied weight registered last, ready last)
+    assert [b.params for b in plan_buckets(specs, first_cap=MB, cap=2 * MB, order=[2, 1, 0, 3])] == [(2,), (1, 0, 3)]
+    with pytest.raises(ValueError, match="each of the 4 parameters once"):
+        plan_buckets(specs, order=[0, 1, 1, 3])
 
 
 def test_nest_roundtrip_and_signature():

@@ -39,18 +39,92 @@ def test_buckets_launch_in_plan_order_during_backward_and_sum_gradients():
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(lambda _p, i=i: log.append(f"ready {i}"))
     x = torch.randn(8, 4)
-    model(x).sum().backward()
-    # overlap: the first bucket is launched before the first layer's gradients are ready
-    assert log.index(next(e for e in log if e.startswith("launch"))) < log.index("ready 0")
-    launches = [e for e in log if e.startswith("launch")]
-    assert len(launches) == len(reducer.buckets)
-    assert launches == [f"launch {b.numel + len(b.params)}" for b in reducer.buckets]
-    # gradients are the sum over the 2 replicas, i.e. twice the local gradient
     reference = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
     reference.load_state_dict(model.state_dict())
     reference(x).sum().backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, 2 * q.grad)
+    for learning in (True, False):
+        log.clear()
+        model.zero_grad()
+        model(x).sum().backward()
+        first = log.index(next(e for e in log if e.startswith("launch")))
+        if learning:  # the first pass records the order: every bucket starts at its end
+            assert first > max(log.index(f"ready {i}") for i in range(len(params)))
+        else:  # overlap: the first bucket is launched before the first layer's gradients are ready
+            assert first < log.index("ready 0")
+        launches = [e for e in log if e.startswith("launch")]
+        assert launches == [f"launch {b.numel + len(b.params)}" for b in reducer.buckets]
+        # gradients are the sum over the 2 replicas, i.e. twice the local gradient
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, 2 * q.grad)
+
+
+class TiedLM(nn.Module):
+    """nanoGPT's tie: the head's weight, registered last, is the token embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(10, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 10, bias=False)
+        self.wte.weight = self.head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.wte(idx)))
+
+
+def test_buckets_follow_the_order_gradients_become_ready():
+    # registration order as a strategy's scope sees it: the tied weight comes last, so the
+    # first planned bucket holds it, and its gradient is complete only at the end of backward
+    torch.manual_seed(0)
+    model = TiedLM()
+    params = [*model.body.parameters(), model.head.weight]
+    log: list[str] = []
+    reducer = GradientReducer(RecordingComm(log), params, [str(i) for i in range(len(params))],
+                              first_bucket_bytes=16, bucket_bytes=64)  # fmt: skip
+    assert reducer.buckets[0].params[0] == len(params) - 1
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: log.append(f"ready {i}"))
+    idx = torch.randint(0, 10, (6,))
+    reference = TiedLM()
+    reference.load_state_dict(model.state_dict())
+    reference(idx).square().sum().backward()
+    expected = [2 * p.grad for p in [*reference.body.parameters(), reference.head.weight]]
+    for _ in range(3):
+        log.clear()
+        model.zero_grad()
+        model(idx).square().sum().backward()
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p.grad, e)
+    # learned: the tied weight (ready last) is in the last bucket, and the first bucket starts
+    # while the body's gradients are still being computed
+    assert reducer.buckets[-1].params == (len(params) - 1,)
+    ready = [e for e in log if e.startswith("ready")]
+    first = log.index(next(e for e in log if e.startswith("launch")))
+    assert ready[-1] == f"ready {len(params) - 1}" and first < log.index(ready[-2])
+
+
+class OrderFromRank0(RecordingComm):
+    """A replica whose rank 0 saw another order: the broadcast brings rank 0's."""
+
+    def __init__(self, order: list[int]) -> None:
+        super().__init__([])
+        self.order = order
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        tensor.copy_(torch.tensor(self.order))
+
+
+def test_the_learned_order_is_rank_0s():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    params = list(model.parameters())
+    order = [0, 2, 1, 3]  # not this replica's
+    reducer = GradientReducer(OrderFromRank0(order), params, ["a", "b", "c", "d"], first_bucket_bytes=1, bucket_bytes=1)
+    model(torch.randn(2, 4)).sum().backward()
+    assert [b.params for b in reducer.buckets] == [(0,), (2,), (1,), (3,)]
+    reducer.relearn()  # the members changed: the next pass records and agrees again
+    assert reducer.learning
+    model(torch.randn(2, 4)).sum().backward()
+    assert not reducer.learning
 
 
 def test_parameters_without_gradients_keep_none_and_mean_divides():

@@ -1,9 +1,10 @@
 """The bucket plan for gradient reduction: a pure function from parameter sizes to buckets.
 
-As DDP does: parameters in reverse registration order (roughly the order their gradients become
-ready in the backward pass), grouped by dtype and device, cut into buckets of at most
-``first_cap`` bytes for the first and ``cap`` bytes for the rest. Buckets are launched in index
-order on every replica, so the plan must be identical everywhere (it is a function of the model).
+As DDP does: parameters in the order their gradients become ready in the backward pass (before
+one was seen: reverse registration order, roughly that), grouped by dtype and device, cut into
+buckets of at most ``first_cap`` bytes for the first and ``cap`` bytes for the rest. Buckets are
+launched in index order on every replica, so the plan must be identical everywhere (a function
+of the model and of one agreed order).
 """
 
 from __future__ import annotations
@@ -41,9 +42,17 @@ class Bucket:
 
 
 def plan_buckets(
-    specs: Sequence[ParamSpec], first_cap: int = 1 * MB, cap: int = 25 * MB
+    specs: Sequence[ParamSpec], first_cap: int = 1 * MB, cap: int = 25 * MB, order: Sequence[int] | None = None
 ) -> tuple[Bucket, ...]:
-    """Buckets over ``specs`` (given in registration order), first bucket capped at ``first_cap``."""
+    """Buckets over ``specs`` (given in registration order), first bucket capped at ``first_cap``.
+
+    ``order``: the indices of ``specs`` in the order their gradients become ready (a backward
+    pass seen, as DDP rebuilds its buckets after its first iteration); default: reverse
+    registration order."""
+    if order is None:
+        order = range(len(specs) - 1, -1, -1)
+    elif sorted(order) != list(range(len(specs))):
+        raise ValueError(f"a bucket order must name each of the {len(specs)} parameters once, got {list(order)}")
     buckets: list[Bucket] = []
     open_: dict[tuple[str, str], list[int]] = {}
     sizes: dict[tuple[str, str], int] = {}
@@ -57,7 +66,7 @@ def plan_buckets(
             total += specs[i].numel
         buckets.append(Bucket(len(buckets), tuple(idx), tuple(offsets), total, key[0], key[1]))
 
-    for i in reversed(range(len(specs))):
+    for i in order:
         s = specs[i]
         key = (s.dtype, s.device)
         open_.setdefault(key, []).append(i)

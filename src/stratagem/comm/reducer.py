@@ -3,7 +3,15 @@
 One hook per parameter (``register_post_accumulate_grad_hook``) marks its gradient ready; when
 every parameter of the next bucket in plan order is ready, the bucket is copied into a flat
 buffer and its all-reduce starts asynchronously, so communication overlaps the rest of the
-backward pass. Buckets start strictly in index order on every replica. At the end of the
+backward pass. Buckets start strictly in index order on every replica.
+
+The plan follows the order gradients become ready, as DDP's rebuilt buckets do: the first
+reducing backward pass only records that order (its buckets all start at its end), rank 0's
+order is broadcast, and every later pass uses buckets planned from it. Registration order can be
+far from it (nanoGPT's head weight, tied to the token embedding, is registered last, so it led
+the first bucket while its gradient is complete only at the very end: no bucket could start
+before the end of the pass). Every reducer learns at its own first pass, so a run resumed from
+a checkpoint reduces with the same buckets as the run it continues. At the end of the
 backward pass (an autograd engine callback) the buckets not yet started are started, every
 reduction is waited for and the results are written back to ``.grad``, so the gradients are
 final before ``backward()`` returns. Each parameter carries one extra flag element in its bucket
@@ -28,7 +36,7 @@ from typing import Any
 
 import torch
 
-from stratagem.comm.buckets import Bucket, ParamSpec, plan_buckets
+from stratagem.comm.buckets import MB, Bucket, ParamSpec, plan_buckets
 from stratagem.comm.communicator import Communicator
 from stratagem.core.eager import eager_hooks, eager_only
 
@@ -90,17 +98,14 @@ class GradientReducer:
         self._numels = [_local(p).numel() for p in params]
         self._dtypes = [p.dtype for p in params]
         self.op = op
-        kw: dict[str, int] = {}
-        if first_bucket_bytes is not None:
-            kw["first_cap"] = first_bucket_bytes
-        if bucket_bytes is not None:
-            kw["cap"] = bucket_bytes
-        self.buckets: tuple[Bucket, ...] = plan_buckets(param_specs(params, names), **kw)
-        self._bucket_of: dict[int, int] = {}
-        for b in self.buckets:
-            for i in b.params:
-                self._bucket_of[i] = b.index
-        self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._first_cap = first_bucket_bytes if first_bucket_bytes is not None else MB
+        self._cap = bucket_bytes if bucket_bytes is not None else 25 * MB
+        self._specs = param_specs(params, names)
+        self._shapes = [_local(p).shape for p in params]
+        self._is_dtensor = [hasattr(p, "to_local") for p in params]
+        self._set_plan(plan_buckets(self._specs, self._first_cap, self._cap))
+        #: the first reducing backward pass records the order gradients become ready in
+        self.learning = True
         self._handles: list[Any] = []
         # gradients this reducer wrote (already reduced), by parameter: (weakref, version)
         self._reduced: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
@@ -115,10 +120,35 @@ class GradientReducer:
                     self._handles.append(p.register_hook(self._pre_hook(i)))
                     self._handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
 
+    def _set_plan(self, buckets: tuple[Bucket, ...]) -> None:
+        self.buckets = buckets
+        self._bucket_of: dict[int, int] = {i: b.index for b in buckets for i in b.params}
+        self._buffers: list[torch.Tensor | None] = [None] * len(buckets)
+        # each bucket's parameters' slices of its buffer, shaped as the (local) parameters
+        self._views: list[list[torch.Tensor]] = [[] for _ in buckets]
+        # buckets of plain tensors (no DTensor): their copies are one foreach call each way
+        self._plain = [not any(self._is_dtensor[i] for i in b.params) for b in buckets]
+
+    def _learn_order(self) -> None:
+        """At the end of the first reducing pass: buckets planned from the order this pass made
+        gradients ready in, rank 0's (one broadcast: the plan is the same everywhere)."""
+        seen = list(self._touched)  # in the order the hooks fired
+        rest = [i for b in self.buckets for i in b.params if i not in self._touched]
+        order = torch.tensor(seen + rest, dtype=torch.int64, device=self.comm.device)
+        self.comm.broadcast_(order, src=0)
+        self._set_plan(plan_buckets(self._specs, self._first_cap, self._cap, order=order.tolist()))
+        self.learning = False
+
+    def relearn(self) -> None:
+        """Record the order again at the next reducing pass (its buckets all start at its end).
+        Every member calls it at the same point when the job's members change, so a new process
+        (which has not learned) and the others plan alike, whatever an interrupted pass left."""
+        self.learning = True
+
     # --- per-backward state ---------------------------------------------------------------
     def _reset(self) -> None:
         self._ready: list[int] = [0] * len(self.buckets)
-        self._touched: set[int] = set()
+        self._touched: dict[int, None] = {}  # (insertion-ordered: the order they became ready)
         self._next = 0
         self._works: list[tuple[Bucket, torch.Tensor, Any]] = []
         self._armed = False
@@ -166,7 +196,9 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if i in self._touched:
             return
-        self._touched.add(i)
+        self._touched[i] = None
+        if self.learning:
+            return  # every bucket starts at this pass's end, once its order is known
         self._ready[self._bucket_of[i]] += 1
         self._launch_ready()
 
@@ -191,23 +223,33 @@ class GradientReducer:
         if buf is None:
             buf = torch.empty(b.numel + n, dtype=self._dtypes[b.params[0]], device=self.comm.device)
             self._buffers[b.index] = buf
-        flags = torch.zeros(n, dtype=buf.dtype)
-        for k, (i, off) in enumerate(zip(b.params, b.offsets)):
-            view = buf[off : off + self._numels[i]]
-            g = self._contribution(i)
-            if g is not None:
-                p = self.param(i)
-                assert p is not None
-                view.copy_(_local_as(g, p).reshape(-1))
-                flags[k] = 1
-            else:
-                view.zero_()
-        buf[b.numel :].copy_(flags)
+            self._views[b.index] = [
+                buf[off : off + self._numels[i]].view(self._shapes[i]) for i, off in zip(b.params, b.offsets)
+            ]
+        views = self._views[b.index]
+        grads = [self._contribution(i) for i in b.params]
+        if self._plain[b.index] and all(g is not None and g.dtype == buf.dtype for g in grads):
+            torch._foreach_copy_(views, grads)  # type: ignore[arg-type]  # the common case: one call
+            buf[b.numel :].fill_(1)
+        else:
+            flags = [0.0] * n
+            for k, (i, g) in enumerate(zip(b.params, grads)):
+                view = views[k]
+                if g is not None:
+                    p = self.param(i)
+                    assert p is not None
+                    view.copy_(_local_as(g, p))
+                    flags[k] = 1.0
+                else:
+                    view.zero_()
+            buf[b.numel :].copy_(torch.tensor(flags, dtype=buf.dtype))
         self._works.append((b, buf, self.comm.all_reduce_async(buf)))
         self._next += 1
 
     def _finalize(self) -> None:
         try:
+            if self.learning:
+                self._learn_order()
             while self._next < len(self.buckets):
                 self._launch(self.buckets[self._next])
             for b, buf, work in self._works:
@@ -215,10 +257,23 @@ class GradientReducer:
                 if self.op == "mean":
                     buf[: b.numel].div_(self.comm.world_size)
                 flags = buf[b.numel :].tolist()
-                for k, (i, off) in enumerate(zip(b.params, b.offsets)):
+                views = self._views[b.index]
+                plain = self._plain[b.index]
+                # the common case (this backward's own .grad, overwritten): one call per bucket
+                into: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+                for k, i in enumerate(b.params):
                     if flags[k] == 0:
                         continue  # no replica had a new gradient for it: .grad is left alone
-                    self._write(i, buf[off : off + self._numels[i]])
+                    p = self.param(i)
+                    g = None if p is None else p.grad
+                    if plain and g is not None and i in self._touched and i not in self._prev and g.dtype == buf.dtype:
+                        into.append((i, g, views[k]))
+                    else:
+                        self._write(i, views[k])
+                if into:
+                    torch._foreach_copy_([g for _, g, _ in into], [v for _, _, v in into])
+                    for i, g, _ in into:
+                        self._reduced[i] = (weakref.ref(g), g._version)
         finally:
             self._reset()
 
@@ -230,7 +285,7 @@ class GradientReducer:
             return  # gone here (garbage not yet collected elsewhere): nothing to write to
         if prev is None and i not in self._touched and self._is_reduced(i, p.grad):
             prev = p.grad  # untouched here, reduced before, new contributions elsewhere
-        r = reduced.view(_local(p).shape)
+        r = reduced  # its slice of the bucket, shaped as the (local) parameter
         if prev is not None:
             _local(prev).add_(r)
             g = prev

@@ -129,7 +129,8 @@ class FitFailover:
     def _share(self, src: int, *, take: bool, loop: Any = None) -> None:
         """Replica ``src``'s model, optimizer, scheduler, record and pieces' counters (and, with
         ``loop``, fit's position: epoch, step, data, history, counters) sent to every member;
-        those that ``take`` it put it in place, the others have the same already."""
+        those that ``take`` it put it in place, the others have the same already. Every member
+        then plans its gradient buckets again at the next reducing pass, together."""
         from stratagem.train.resume import FitProgress
 
         comm = self.strategy.extended.world
@@ -149,6 +150,7 @@ class FitFailover:
                 state["progress"] = progress.state
         began = time.perf_counter()
         state, nbytes = _broadcast_state(comm, state, src)
+        self.strategy.extended.members_changed()  # type: ignore[attr-defined]
         if comm.rank == src and loop is not None:
             FIGURES.append({"event": "rejoin", "seconds": time.perf_counter() - began, "bytes": nbytes})
         if not take:

@@ -148,6 +148,13 @@ class DataParallelExtended(StrategyExtended):
         if self.registry is not None:
             self.registry.rejoined()
 
+    def members_changed(self) -> None:
+        """Every member, at the same point, after the job's members changed (a replica lost or
+        let in): the gradient buckets are planned again at the next reducing pass, together."""
+        reducer = self.registry.reducer if self.registry is not None else None
+        if reducer is not None:
+            reducer.relearn()
+
     def merge_values(self, value: Any) -> list[Any]:
         return self.comm.all_gather_object(tree.map_structure(_to_cpu, value))
 
