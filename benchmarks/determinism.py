@@ -12,6 +12,7 @@ Run: ``python benchmarks/determinism.py [--replicas 2] [--model mlp|gpt] [--piec
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -75,6 +76,7 @@ def main() -> None:
     def one_round(deterministic: bool) -> float:
         if deterministic:
             sg.experimental.enable_op_determinism(piece_size=args.piece)
+        gc.collect()  # the last round's model, if a cycle holds it, leaves the scope's reduction now
         torch.manual_seed(0)
         with strategy.scope():
             model = mlp()[0] if args.model == "mlp" else TinyGPT()

@@ -52,7 +52,7 @@ def test_buckets_launch_in_plan_order_during_backward_and_sum_gradients():
         else:  # overlap: the first bucket is launched before the first layer's gradients are ready
             assert first < log.index("ready 0")
         launches = [e for e in log if e.startswith("launch")]
-        assert launches == [f"launch {b.numel + len(b.params)}" for b in reducer.buckets]
+        assert launches == [f"launch {b.numel + len(b.params) + 1}" for b in reducer.buckets]
         # gradients are the sum over the 2 replicas, i.e. twice the local gradient
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, 2 * q.grad)
@@ -104,14 +104,14 @@ def test_buckets_follow_the_order_gradients_become_ready():
 
 
 class OrderFromRank0(RecordingComm):
-    """A replica whose rank 0 saw another order: the broadcast brings rank 0's."""
+    """A replica whose rank 0 saw another order: the all-gather brings rank 0's first."""
 
     def __init__(self, order: list[int]) -> None:
         super().__init__([])
         self.order = order
 
-    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
-        tensor.copy_(torch.tensor(self.order))
+    def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.tensor(self.order), tensor]
 
 
 def test_the_learned_order_is_rank_0s():
@@ -127,40 +127,55 @@ def test_the_learned_order_is_rank_0s():
     assert not reducer.learning
 
 
-def test_parameters_without_gradients_keep_none_and_mean_divides():
+def test_a_model_no_replica_trains_is_not_reduced_until_one_does():
+    # two models in one reducer (a strategy's scope): only the one trained is all-reduced; when
+    # the other gets gradients (on any replica), they are reduced that pass and it joins the plan
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    params = [*a.parameters(), *b.parameters()]
+    log: list[str] = []
+    reducer = GradientReducer(RecordingComm(log), params, ["aw", "ab", "bw", "bb"])
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        log.clear()
+        a.zero_grad()
+        a(x).sum().backward()
+        assert b.weight.grad is None
+    a_size = sum(p.numel() for p in a.parameters())
+    assert log == [f"launch {a_size + 2 + 1}"]  # a's bucket only (its 2 flags and the extra)
+    b(x).square().sum().backward()  # now b: reduced at once (twice the local gradient)
+    expected = torch.autograd.grad(b(x).square().sum(), [b.weight])[0]  # (.grad left alone)
+    torch.testing.assert_close(b.weight.grad, 2 * expected)
+    assert reducer.learning  # planned again at the next pass, b included
+    b.zero_grad()
+    b(x).square().sum().backward()
+    torch.testing.assert_close(b.weight.grad, 2 * expected)
+    assert {i for bk in reducer.buckets[: reducer._live] for i in bk.params} == {0, 1, 2, 3}
+
+
+def test_gradients_accumulated_without_sync_are_reduced_even_if_the_last_pass_does_not_touch_them():
+    # the no_sync micro-steps gave b a gradient, the reducing pass touches only a: b's
+    # accumulated gradient is still reduced (in the learning pass and after)
     a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
-    reducer = GradientReducer(RecordingComm([]), [a, b], ["a", "b"], op="mean")
-    (a * 3).sum().backward()  # b takes no part in this backward
-    assert b.grad is None
-    torch.testing.assert_close(a.grad, torch.full((3,), 3.0))  # (3 + 3) / 2 replicas
-    reducer.remove()
-    (a * 1).sum().backward()
-    torch.testing.assert_close(a.grad, torch.full((3,), 4.0))  # no reduction after remove()
+    reducer = GradientReducer(RecordingComm([]), [a, b], ["a", "b"])
+    for _ in range(2):
+        a.grad = b.grad = None
+        reducer.enabled = False
+        (b * 3).sum().backward()
+        reducer.enabled = True
+        (a * 1).sum().backward()
+        torch.testing.assert_close(a.grad, torch.full((3,), 2.0))
+        torch.testing.assert_close(b.grad, torch.full((2,), 6.0))
 
 
-def test_accumulating_over_backward_passes_reduces_only_the_new_part():
-    # two identical 'replicas': each reduction doubles what it is given
+def test_autograd_grad_with_respect_to_parameters_leaves_grad_alone():
+    # the hook that sets a reduced .grad aside fires for torch.autograd.grad too, which then
+    # accumulates nothing: the .grad is put back at that pass's end (it was left None)
     w = nn.Parameter(torch.ones(3))
     GradientReducer(RecordingComm([]), [w], ["w"])
     (w * 1).sum().backward()
-    torch.testing.assert_close(w.grad, torch.full((3,), 2.0))  # 1 + 1
-    (w * 2).sum().backward()  # no zero_grad: accumulate
-    torch.testing.assert_close(w.grad, torch.full((3,), 6.0))  # 2 + (2 + 2), not 2 * (2 + 2)
-    w.grad = None
-    (w * 1).sum().backward()
+    (g,) = torch.autograd.grad((w * 5).sum(), [w])
+    torch.testing.assert_close(g, torch.full((3,), 5.0))
     torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
-    w.grad.zero_()  # zero_grad(set_to_none=False)
-    (w * 1).sum().backward()
-    torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
-
-
-def test_gradients_accumulated_while_disabled_are_reduced_whole():
-    w = nn.Parameter(torch.ones(2))
-    reducer = GradientReducer(RecordingComm([]), [w], ["w"])
-    reducer.enabled = False  # like the pipeline's micro-batches (DDP's no_sync)
-    (w * 1).sum().backward()
-    (w * 1).sum().backward()
-    torch.testing.assert_close(w.grad, torch.full((2,), 2.0))  # local only
-    reducer.enabled = True
-    (w * 1).sum().backward()
-    torch.testing.assert_close(w.grad, torch.full((2,), 6.0))  # (1 + 1 + 1) reduced over 2
+    (w * 2).sum().backward()  # accumulating on top: still only the new part reduced
+    torch.testing.assert_close(w.grad, torch.full((3,), 6.0))

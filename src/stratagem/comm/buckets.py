@@ -42,13 +42,15 @@ class Bucket:
 
 
 def plan_buckets(
-    specs: Sequence[ParamSpec], first_cap: int = 1 * MB, cap: int = 25 * MB, order: Sequence[int] | None = None
+    specs: Sequence[ParamSpec], first_cap: int = 1 * MB, cap: int = 25 * MB, order: Sequence[int] | None = None,
+    cut: int | None = None,
 ) -> tuple[Bucket, ...]:
     """Buckets over ``specs`` (given in registration order), first bucket capped at ``first_cap``.
 
     ``order``: the indices of ``specs`` in the order their gradients become ready (a backward
     pass seen, as DDP rebuilds its buckets after its first iteration); default: reverse
-    registration order."""
+    registration order. ``cut``: the first ``cut`` of the order and the others never share a
+    bucket (the others' buckets come after)."""
     if order is None:
         order = range(len(specs) - 1, -1, -1)
     elif sorted(order) != list(range(len(specs))):
@@ -66,7 +68,10 @@ def plan_buckets(
             total += specs[i].numel
         buckets.append(Bucket(len(buckets), tuple(idx), tuple(offsets), total, key[0], key[1]))
 
-    for i in order:
+    for pos, i in enumerate(order):
+        if pos == cut:
+            for key in list(open_):
+                close(key)
         s = specs[i]
         key = (s.dtype, s.device)
         open_.setdefault(key, []).append(i)

@@ -11,7 +11,12 @@ order is broadcast, and every later pass uses buckets planned from it. Registrat
 far from it (nanoGPT's head weight, tied to the token embedding, is registered last, so it led
 the first bucket while its gradient is complete only at the very end: no bucket could start
 before the end of the pass). Every reducer learns at its own first pass, so a run resumed from
-a checkpoint reduces with the same buckets as the run it continues. At the end of the
+a checkpoint reduces with the same buckets as the run it continues. The order is every replica's
+(rank 0's first, one all-gather); parameters no replica had a gradient for are planned apart
+and not reduced (a strategy's scope may hold a model not trained now, or one not yet garbage
+collected: all-reducing its zeros every step made a benchmark's step 1.5x slower). The last
+live bucket carries one more element: whether a replica has a gradient for one of those; if
+any has, they are reduced after it in the same pass and the next pass plans again. At the end of the
 backward pass (an autograd engine callback) the buckets not yet started are started, every
 reduction is waited for and the results are written back to ``.grad``, so the gradients are
 final before ``backward()`` returns. Each parameter carries one extra flag element in its bucket
@@ -103,9 +108,10 @@ class GradientReducer:
         self._specs = param_specs(params, names)
         self._shapes = [_local(p).shape for p in params]
         self._is_dtensor = [hasattr(p, "to_local") for p in params]
-        self._set_plan(plan_buckets(self._specs, self._first_cap, self._cap))
+        self._set_plan(plan_buckets(self._specs, self._first_cap, self._cap), live=None)
         #: the first reducing backward pass records the order gradients become ready in
         self.learning = True
+        self._known: set[int] = set()  # the parameters some replica gave a gradient (agreed)
         self._handles: list[Any] = []
         # gradients this reducer wrote (already reduced), by parameter: (weakref, version)
         self._reduced: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
@@ -120,8 +126,15 @@ class GradientReducer:
                     self._handles.append(p.register_hook(self._pre_hook(i)))
                     self._handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
 
-    def _set_plan(self, buckets: tuple[Bucket, ...]) -> None:
+    def _set_plan(self, buckets: tuple[Bucket, ...], live: int | None) -> None:
+        """``buckets[:live]`` hold the parameters that get gradients; the rest (``live`` None:
+        none) those no replica gave one when the plan was made."""
         self.buckets = buckets
+        self._live = len(buckets) if live is None else live
+        self._rest = [i for b in buckets[self._live :] for i in b.params]
+        # while there is a rest, the last live bucket starts at the pass's end: it carries
+        # whether any replica has a gradient for a parameter of the rest
+        self._hook_limit = self._live - 1 if self._rest else self._live
         self._bucket_of: dict[int, int] = {i: b.index for b in buckets for i in b.params}
         self._buffers: list[torch.Tensor | None] = [None] * len(buckets)
         # each bucket's parameters' slices of its buffer, shaped as the (local) parameters
@@ -130,20 +143,49 @@ class GradientReducer:
         self._plain = [not any(self._is_dtensor[i] for i in b.params) for b in buckets]
 
     def _learn_order(self) -> None:
-        """At the end of the first reducing pass: buckets planned from the order this pass made
-        gradients ready in, rank 0's (one broadcast: the plan is the same everywhere)."""
+        """At the end of a learning pass: buckets planned from the order gradients became ready
+        (rank 0's, then what other replicas had besides), those no replica had a gradient for
+        kept apart (a model alive in the scope but not trained costs nothing). One all-gather of
+        each replica's order: every replica makes the same plan."""
+        n = len(self._specs)
         seen = list(self._touched)  # in the order the hooks fired
-        rest = [i for b in self.buckets for i in b.params if i not in self._touched]
-        order = torch.tensor(seen + rest, dtype=torch.int64, device=self.comm.device)
-        self.comm.broadcast_(order, src=0)
-        self._set_plan(plan_buckets(self._specs, self._first_cap, self._cap, order=order.tolist()))
+        seen += [i for i in range(n) if i not in self._touched and self._contribution(i) is not None]
+        mine = torch.full((n,), -1, dtype=torch.int64)
+        mine[: len(seen)] = torch.tensor(seen, dtype=torch.int64)
+        order: list[int] = []
+        inside: set[int] = set()
+        for theirs in self.comm.all_gather_tensor(mine.to(self.comm.device)):
+            for i in theirs.tolist():
+                if i < 0:
+                    break
+                if i not in inside:
+                    inside.add(i)
+                    order.append(i)
+        before = [i for b in self.buckets for i in b.params]
+        for i in before:  # known from an earlier plan, none this time: kept with them
+            if i in self._known and i not in inside:
+                inside.add(i)
+                order.append(i)
+        cut = len(order)
+        order += [i for i in before if i not in inside]
+        self._known = inside
+        if cut == 0:  # no gradient anywhere: one plan of everything
+            self._set_plan(plan_buckets(self._specs, self._first_cap, self._cap, order=order), live=None)
+        else:
+            plan = plan_buckets(self._specs, self._first_cap, self._cap, order=order, cut=cut)
+            self._set_plan(plan, live=sum(1 for b in plan if b.params[0] in inside))
         self.learning = False
 
-    def relearn(self) -> None:
+    def relearn(self, *, forget: bool = True) -> None:
         """Record the order again at the next reducing pass (its buckets all start at its end).
         Every member calls it at the same point when the job's members change, so a new process
         (which has not learned) and the others plan alike, whatever an interrupted pass left."""
         self.learning = True
+        if forget:
+            self._known = set()
+
+    def _rest_has_gradients(self) -> bool:
+        return any(self._contribution(i) is not None for i in self._rest)
 
     # --- per-backward state ---------------------------------------------------------------
     def _reset(self) -> None:
@@ -183,8 +225,20 @@ class GradientReducer:
         p = self.param(i)
         if p is not None and self._is_reduced(i, p.grad):
             assert p.grad is not None
+            if not self._prev:  # at this pass's end, put back what was not accumulated after all
+                torch.autograd.Variable._execution_engine.queue_callback(self._put_back)
             self._prev[i] = p.grad
             p.grad = None
+
+    def _put_back(self) -> None:
+        """A pass that computed a parameter's gradient without accumulating it (``torch.autograd
+        .grad`` with respect to parameters) leaves its ``.grad`` as it was."""
+        for i in [i for i in self._prev if i not in self._touched]:
+            p = self.param(i)
+            if p is None or p.grad is None:
+                prev = self._prev.pop(i)
+                if p is not None:
+                    p.grad = prev
 
     def _accumulated(self, i: int) -> None:
         if not self.enabled:
@@ -203,7 +257,7 @@ class GradientReducer:
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.buckets):
+        while self._next < self._hook_limit:
             b = self.buckets[self._next]
             if self._ready[b.index] < len(b.params):
                 return
@@ -217,11 +271,14 @@ class GradientReducer:
             return None
         return g
 
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, b: Bucket, extra: float = 0.0) -> None:
+        """Start bucket ``b``'s all-reduce: the gradients, a flag per parameter (this replica has
+        a gradient for it), and ``extra`` (the last live bucket's: this replica has a gradient
+        for a parameter of the rest)."""
         buf = self._buffers[b.index]
         n = len(b.params)
         if buf is None:
-            buf = torch.empty(b.numel + n, dtype=self._dtypes[b.params[0]], device=self.comm.device)
+            buf = torch.empty(b.numel + n + 1, dtype=self._dtypes[b.params[0]], device=self.comm.device)
             self._buffers[b.index] = buf
             self._views[b.index] = [
                 buf[off : off + self._numels[i]].view(self._shapes[i]) for i, off in zip(b.params, b.offsets)
@@ -230,7 +287,7 @@ class GradientReducer:
         grads = [self._contribution(i) for i in b.params]
         if self._plain[b.index] and all(g is not None and g.dtype == buf.dtype for g in grads):
             torch._foreach_copy_(views, grads)  # type: ignore[arg-type]  # the common case: one call
-            buf[b.numel :].fill_(1)
+            buf[b.numel : b.numel + n].fill_(1)
         else:
             flags = [0.0] * n
             for k, (i, g) in enumerate(zip(b.params, grads)):
@@ -242,7 +299,8 @@ class GradientReducer:
                     flags[k] = 1.0
                 else:
                     view.zero_()
-            buf[b.numel :].copy_(torch.tensor(flags, dtype=buf.dtype))
+            buf[b.numel : b.numel + n].copy_(torch.tensor(flags, dtype=buf.dtype))
+        buf[-1:].fill_(extra)
         self._works.append((b, buf, self.comm.all_reduce_async(buf)))
         self._next += 1
 
@@ -250,32 +308,47 @@ class GradientReducer:
         try:
             if self.learning:
                 self._learn_order()
-            while self._next < len(self.buckets):
-                self._launch(self.buckets[self._next])
-            for b, buf, work in self._works:
-                work.wait()
-                if self.op == "mean":
-                    buf[: b.numel].div_(self.comm.world_size)
-                flags = buf[b.numel :].tolist()
-                views = self._views[b.index]
-                plain = self._plain[b.index]
-                # the common case (this backward's own .grad, overwritten): one call per bucket
-                into: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-                for k, i in enumerate(b.params):
-                    if flags[k] == 0:
-                        continue  # no replica had a new gradient for it: .grad is left alone
-                    p = self.param(i)
-                    g = None if p is None else p.grad
-                    if plain and g is not None and i in self._touched and i not in self._prev and g.dtype == buf.dtype:
-                        into.append((i, g, views[k]))
-                    else:
-                        self._write(i, views[k])
-                if into:
-                    torch._foreach_copy_([g for _, g, _ in into], [v for _, _, v in into])
-                    for i, g, _ in into:
-                        self._reduced[i] = (weakref.ref(g), g._version)
+            while self._next < self._live:
+                b = self.buckets[self._next]
+                last = b.index == self._live - 1 and bool(self._rest)
+                self._launch(b, float(self._rest_has_gradients()) if last else 0.0)
+            if self._drain() > 0:  # a replica has gradients outside the plan's live buckets
+                while self._next < len(self.buckets):
+                    self._launch(self.buckets[self._next])
+                self._drain()
+                self.learning = True  # (every replica read the same sum) planned again next pass
         finally:
             self._reset()
+
+    def _drain(self) -> float:
+        """Wait for the started buckets and write their gradients; returns the last one's extra
+        element (summed over the replicas)."""
+        extra = 0.0
+        works, self._works = self._works, []
+        for b, buf, work in works:
+            work.wait()
+            if self.op == "mean":
+                buf[: b.numel].div_(self.comm.world_size)
+            tail = buf[b.numel :].tolist()
+            extra = tail[-1]
+            views = self._views[b.index]
+            plain = self._plain[b.index]
+            # the common case (this backward's own .grad, overwritten): one call per bucket
+            into: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+            for k, i in enumerate(b.params):
+                if tail[k] == 0:
+                    continue  # no replica had a new gradient for it: .grad is left alone
+                p = self.param(i)
+                g = None if p is None else p.grad
+                if plain and g is not None and i in self._touched and i not in self._prev and g.dtype == buf.dtype:
+                    into.append((i, g, views[k]))
+                else:
+                    self._write(i, views[k])
+            if into:
+                torch._foreach_copy_([g for _, g, _ in into], [v for _, _, v in into])
+                for i, g, _ in into:
+                    self._reduced[i] = (weakref.ref(g), g._version)
+        return extra
 
     def _write(self, i: int, reduced: torch.Tensor) -> None:
         """.grad = (the reduced gradient set aside, if any) + this reduction, in its own tensor."""
@@ -314,5 +387,5 @@ class GradientReducer:
         self._handles.clear()
 
 
-eager_only(GradientReducer, ["_before_accumulate", "_accumulated", "_finalize"])
+eager_only(GradientReducer, ["_before_accumulate", "_put_back", "_accumulated", "_finalize"])
 eager_hooks(GradientReducer, ["_pre_hook", "_hook"])
