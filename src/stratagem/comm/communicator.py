@@ -94,6 +94,11 @@ class Communicator(abc.ABC):
         """Every member's ``tensor`` (same shape everywhere), in rank order."""
 
     @abc.abstractmethod
+    def all_gather_async(self, tensor: torch.Tensor, out: list[torch.Tensor]) -> Any:
+        """Start gathering every member's ``tensor`` into ``out`` (one tensor per member, in rank
+        order); returns an object with ``wait()``."""
+
+    @abc.abstractmethod
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` with the one on ``src``."""
 
@@ -256,6 +261,10 @@ class LocalCommunicator(Communicator):
     def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]
 
+    def all_gather_async(self, tensor: torch.Tensor, out: list[torch.Tensor]) -> Any:
+        out[0].copy_(tensor)
+        return _Done()
+
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
         return None
 
@@ -405,6 +414,11 @@ class ProcessGroupCommunicator(Communicator):
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _GuardedWork(work, self)
 
+    def all_gather_async(self, tensor: torch.Tensor, out: list[torch.Tensor]) -> Any:
+        with self._guard("all_gather"):
+            work = dist.all_gather(out, tensor, group=self.group, async_op=True)
+        return _GuardedWork(work, self, "all_gather")
+
     def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         with self._guard("all_gather"):
@@ -481,12 +495,13 @@ eager_only(ProcessGroupCommunicator, ["broadcast_object"])
 
 
 class _GuardedWork:
-    def __init__(self, work: Any, comm: ProcessGroupCommunicator) -> None:
+    def __init__(self, work: Any, comm: ProcessGroupCommunicator, op: str = "all_reduce") -> None:
         self.work = work
         self.comm = comm
+        self.op = op
 
     def wait(self) -> bool:
-        with self.comm._guard("all_reduce"):
+        with self.comm._guard(self.op):
             return bool(self.work.wait())
 
 

@@ -17,7 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.comm.blocks import Grads, agreed_seed, exchange_blocks, generator_at
+from stratagem.comm.blocks import (
+    Grads,
+    OverlappedExchange,
+    agreed_seed,
+    exchange_blocks,
+    generator_at,
+)
 from stratagem.core.batches import batch_size_of, slice_batch, split_sizes
 from stratagem.core.canonical import block_sums, combine
 from stratagem.distribute import current
@@ -57,6 +63,9 @@ class PieceRunner:
         #: optimizer updates whose gradient every replica has (the exchange and ``commit`` done)
         self.updates = 0
         self._base: int | None = None
+        #: the deterministic mode's exchange overlapped with the last piece's backward (fit's own
+        #: steps; under ``on_failure="continue"`` the exchange stays one collective after it)
+        self._exchange = OverlappedExchange(self.params) if self.piece is not None and OverlappedExchange.supports(self.params) else None
 
     def _check_model(self) -> None:
         for name, m in self._batch_norms:
@@ -135,16 +144,21 @@ class PieceRunner:
         base = self._agreed_base() if p is not None else 0
         device = self.strategy.extended.device
         pieces: dict[int, Grads] = {}
+        world = self.strategy.extended.world
+        exchange = self._exchange if commit is None and last > first and world.world_size > 1 else None
         for k in range(first, last):
             part = [None if v is None else slice_batch(v, start(k), start(k + 1)) for v in (x, y, sw)]
             rng = generator_at(_seed(base, self.updates, k), [device]) if p is not None else contextlib.nullcontext()
-            with self.strategy.no_sync(), rng:
+            during = (exchange.during(world, pieces, first, last, n, ranges) if exchange is not None and k == last - 1
+                      else contextlib.nullcontext())  # fmt: skip
+            with self.strategy.no_sync(), rng, during:
                 micro_step(part[0], part[1], part[2], total)
             pieces[k] = self._take()
-        world = self.strategy.extended.world
         if p is None:  # one piece each, no fixed order to keep: one all-reduce
             mine = pieces[first] if last > first else Grads(torch.zeros_like(q) for q in self.params)
             grads = list(world.all_reduce(list(mine), "sum", check=False))
+        elif exchange is not None:
+            grads = exchange.finish(ranges)
         else:
             known = block_sums(pieces, first, last, n)
             grads = list(combine(exchange_blocks(world, known, ranges, self.params), n))
