@@ -147,10 +147,13 @@ def test_a_model_no_replica_trains_is_not_reduced_until_one_does():
     expected = torch.autograd.grad(b(x).square().sum(), [b.weight])[0]  # (.grad left alone)
     torch.testing.assert_close(b.weight.grad, 2 * expected)
     assert reducer.learning  # planned again at the next pass, b included
+    a.zero_grad()
     b.zero_grad()
+    a(x).sum().backward()  # a only, while planning again: b, once trained, stays planned
+    assert {i for bk in reducer.buckets[: reducer._live] for i in bk.params} == {0, 1, 2, 3}
+    assert not reducer.learning
     b(x).square().sum().backward()
     torch.testing.assert_close(b.weight.grad, 2 * expected)
-    assert {i for bk in reducer.buckets[: reducer._live] for i in bk.params} == {0, 1, 2, 3}
 
 
 def test_gradients_accumulated_without_sync_are_reduced_even_if_the_last_pass_does_not_touch_them():

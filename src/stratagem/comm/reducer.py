@@ -16,7 +16,8 @@ a checkpoint reduces with the same buckets as the run it continues. The order is
 and not reduced (a strategy's scope may hold a model not trained now, or one not yet garbage
 collected: all-reducing its zeros every step made a benchmark's step 1.5x slower). The last
 live bucket carries one more element: whether a replica has a gradient for one of those; if
-any has, they are reduced after it in the same pass and the next pass plans again. At the end of the
+any has, they are reduced after it in the same pass and the next pass plans again, those that
+had one kept live from then on (agreed: their summed flags). At the end of the
 backward pass (an autograd engine callback) the buckets not yet started are started, every
 reduction is waited for and the results are written back to ``.grad``, so the gradients are
 final before ``backward()`` returns. Each parameter carries one extra flag element in its bucket
@@ -315,14 +316,17 @@ class GradientReducer:
             if self._drain() > 0:  # a replica has gradients outside the plan's live buckets
                 while self._next < len(self.buckets):
                     self._launch(self.buckets[self._next])
-                self._drain()
-                self.learning = True  # (every replica read the same sum) planned again next pass
+                # the parameters of the rest some replica had a gradient for (their summed flags:
+                # the same everywhere) stay in the live buckets from the next pass on, planned then
+                self._drain(self._known)
+                self.learning = True
         finally:
             self._reset()
 
-    def _drain(self) -> float:
-        """Wait for the started buckets and write their gradients; returns the last one's extra
-        element (summed over the replicas)."""
+    def _drain(self, had: set[int] | None = None) -> float:
+        """Wait for the started buckets and write their gradients (``had``: add the parameters
+        some replica had a gradient for); returns the last one's extra element (summed over the
+        replicas)."""
         extra = 0.0
         works, self._works = self._works, []
         for b, buf, work in works:
@@ -338,6 +342,8 @@ class GradientReducer:
             for k, i in enumerate(b.params):
                 if tail[k] == 0:
                     continue  # no replica had a new gradient for it: .grad is left alone
+                if had is not None:
+                    had.add(i)
                 p = self.param(i)
                 g = None if p is None else p.grad
                 if plain and g is not None and i in self._touched and i not in self._prev and g.dtype == buf.dtype:
