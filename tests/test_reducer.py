@@ -182,3 +182,19 @@ def test_autograd_grad_with_respect_to_parameters_leaves_grad_alone():
     torch.testing.assert_close(w.grad, torch.full((3,), 2.0))
     (w * 2).sum().backward()  # accumulating on top: still only the new part reduced
     torch.testing.assert_close(w.grad, torch.full((3,), 6.0))
+
+
+def test_autograd_grad_leaves_grad_alone_while_another_reduced_grad_is_set_aside():
+    # a no_sync pass set a's reduced .grad aside (until the next reducing pass adds it back);
+    # an autograd.grad pass over b then must still put b's back
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    reducer = GradientReducer(RecordingComm([]), [a, b], ["a", "b"])
+    (a * 1).sum().backward()
+    (b * 1).sum().backward()
+    reducer.enabled = False
+    (a * 1).sum().backward()  # a's reduced 2.0 set aside; .grad holds the new 1.0
+    reducer.enabled = True
+    torch.autograd.grad((b * 5).sum(), [b])
+    torch.testing.assert_close(b.grad, torch.full((2,), 2.0))
+    (a * 1).sum().backward()  # 2 (set aside) + reduced(1 + 1) * 2
+    torch.testing.assert_close(a.grad, torch.full((3,), 6.0))

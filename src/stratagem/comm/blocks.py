@@ -82,7 +82,9 @@ class OverlappedExchange:
         specs = [ParamSpec(str(i), q.numel(), q.element_size(), str(q.dtype), str(q.device)) for i, q in enumerate(self.params)]
         self.buckets = plan_buckets(specs, first_cap, cap)
         self._bucket_of = {i: b.index for b in self.buckets for i in b.params}
-        self._buffers: dict[tuple[int, int], list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
+        # each bucket's send buffer and receive buffers, for (rows, replicas): kept between updates
+        self._shape: tuple[int, int] | None = None
+        self._buffers: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self._works: list[tuple[Any, Any]] = []
         self._state: Any = None
 
@@ -91,15 +93,15 @@ class OverlappedExchange:
         return bool(params) and len({(q.dtype, q.device) for q in params}) == 1 and not any(hasattr(q, "to_local") for q in params)
 
     def _buffers_for(self, rows: int, world: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-        key = (rows, world)
-        if key not in self._buffers:
+        if self._shape != (rows, world):
             q0 = self.params[0]
-            self._buffers = {key: [
+            self._buffers = [
                 (torch.zeros(rows, b.numel, dtype=q0.dtype, device=q0.device),
                  [torch.empty(rows, b.numel, dtype=q0.dtype, device=q0.device) for _ in range(world)])
                 for b in self.buckets
-            ]}  # fmt: skip
-        return self._buffers[key]
+            ]  # fmt: skip
+            self._shape = (rows, world)
+        return self._buffers
 
     @contextlib.contextmanager
     def during(

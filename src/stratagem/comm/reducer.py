@@ -6,14 +6,14 @@ buffer and its all-reduce starts asynchronously, so communication overlaps the r
 backward pass. Buckets start strictly in index order on every replica.
 
 The plan follows the order gradients become ready, as DDP's rebuilt buckets do: the first
-reducing backward pass only records that order (its buckets all start at its end), rank 0's
-order is broadcast, and every later pass uses buckets planned from it. Registration order can be
+reducing backward pass only records that order (its buckets all start at its end), the replicas'
+orders are gathered (rank 0's first, then what others had besides: one all-gather, the same
+plan everywhere), and every later pass uses buckets planned from it. Registration order can be
 far from it (nanoGPT's head weight, tied to the token embedding, is registered last, so it led
 the first bucket while its gradient is complete only at the very end: no bucket could start
 before the end of the pass). Every reducer learns at its own first pass, so a run resumed from
-a checkpoint reduces with the same buckets as the run it continues. The order is every replica's
-(rank 0's first, one all-gather); parameters no replica had a gradient for are planned apart
-and not reduced (a strategy's scope may hold a model not trained now, or one not yet garbage
+a checkpoint reduces with the same buckets as the run it continues. Parameters no replica had a
+gradient for are planned apart and not reduced (a strategy's scope may hold a model not trained now, or one not yet garbage
 collected: all-reducing its zeros every step made a benchmark's step 1.5x slower). The last
 live bucket carries one more element: whether a replica has a gradient for one of those; if
 any has, they are reduced after it in the same pass and the next pass plans again, those that
@@ -118,6 +118,7 @@ class GradientReducer:
         self._reduced: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         # reduced gradients set aside while a later backward accumulates on top of them
         self._prev: dict[int, torch.Tensor] = {}
+        self._put_back_queued = False
         self._reset()
         self.enabled = True
         self.armed = armed  # asked at each backward pass whether to reduce (it may raise)
@@ -177,13 +178,13 @@ class GradientReducer:
             self._set_plan(plan, live=sum(1 for b in plan if b.params[0] in inside))
         self.learning = False
 
-    def relearn(self, *, forget: bool = True) -> None:
-        """Record the order again at the next reducing pass (its buckets all start at its end).
-        Every member calls it at the same point when the job's members change, so a new process
-        (which has not learned) and the others plan alike, whatever an interrupted pass left."""
+    def relearn(self) -> None:
+        """Record the order again at the next reducing pass (its buckets all start at its end),
+        from nothing known. Every member calls it at the same point when the job's members
+        change, so a new process (which has learned nothing) and the others plan alike, whatever
+        an interrupted pass left."""
         self.learning = True
-        if forget:
-            self._known = set()
+        self._known = set()
 
     def _rest_has_gradients(self) -> bool:
         return any(self._contribution(i) is not None for i in self._rest)
@@ -226,7 +227,8 @@ class GradientReducer:
         p = self.param(i)
         if p is not None and self._is_reduced(i, p.grad):
             assert p.grad is not None
-            if not self._prev:  # at this pass's end, put back what was not accumulated after all
+            if not self._put_back_queued:  # at this pass's end, put back what it did not accumulate
+                self._put_back_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._put_back)
             self._prev[i] = p.grad
             p.grad = None
@@ -234,6 +236,7 @@ class GradientReducer:
     def _put_back(self) -> None:
         """A pass that computed a parameter's gradient without accumulating it (``torch.autograd
         .grad`` with respect to parameters) leaves its ``.grad`` as it was."""
+        self._put_back_queued = False
         for i in [i for i in self._prev if i not in self._touched]:
             p = self.param(i)
             if p is None or p.grad is None:
