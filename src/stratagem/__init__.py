@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         metrics,
         optimizers,
         partitioners,
+        saved_model,
         utils,
     )
     from stratagem.cluster.spawn import LaunchError, LaunchTimeoutError, launch
@@ -92,7 +93,13 @@ if TYPE_CHECKING:
         predict,
     )
     from stratagem.train.fit import fit
-    from stratagem.train.keras_model import Model, Sequential, keras_model, load_model
+    from stratagem.train.keras_model import (
+        Model,
+        Sequential,
+        keras_model,
+        load_model,
+        register_keras_serializable,
+    )
 
 __all__ = [
     "Callback",
@@ -160,7 +167,8 @@ __all__ = [
     "strategy_of",
     "strategy_on_mesh",
 ]
-__all__ += ["Model", "Sequential", "keras_model", "load_model", "optimizers", "utils"]
+__all__ += ["Model", "Sequential", "keras_model", "load_model", "optimizers", "register_keras_serializable", "utils"]
+__all__ += ["saved_model"]
 
 #: the modules of stratagem that are public names of the package
 _SUBMODULES = (
@@ -173,6 +181,7 @@ _SUBMODULES = (
     "metrics",
     "partitioners",
     "optimizers",
+    "saved_model",
     "utils",
 )
 
@@ -237,6 +246,7 @@ _DEFINED_IN: dict[str, str] = {
     "Sequential": "stratagem.train.keras_model",
     "keras_model": "stratagem.train.keras_model",
     "load_model": "stratagem.train.keras_model",
+    "register_keras_serializable": "stratagem.train.keras_model",
 }
 
 

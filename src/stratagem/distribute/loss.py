@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from stratagem.core.eager import eager_only
+from stratagem.core.sample_weights import weigh
 from stratagem.distribute import context, current
 from stratagem.distribute.strategy import Execution
 
@@ -27,13 +28,12 @@ def compute_average_loss(
     rate by the number of replicas.
     """
     loss = per_example_loss
-    if sample_weight is not None:
-        loss = loss * torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device)
     if loss.dim() == 0:
         raise ValueError(
             "compute_average_loss expects per-example losses with a batch dimension; got a scalar "
             "(use reduction='none' in the loss function)"
         )
+    loss = weigh(loss, sample_weight)  # (N,) or (N, 1) weights, as Keras shapes them
     local = loss.shape[0]
     if global_batch_size is None and torch.compiler.is_compiling():
         # in a compiled step the count comes back as a tensor: an int read back from the

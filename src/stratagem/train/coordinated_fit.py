@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem.core.sample_weights import weigh
 from stratagem.distribute import context
 from stratagem.distribute.coordinator import ClusterCoordinator
 from stratagem.distribute.loss import compute_average_loss
@@ -68,8 +69,7 @@ def train_step(
         outputs = call_model(model, x)
         preds = predictions(outputs)
         losses = model_loss(outputs, examples_in(x)) if loss_fn is None else per_example_loss(loss_fn, preds, y).float()
-        if sw is not None:
-            losses = losses * torch.as_tensor(sw, dtype=losses.dtype)
+        losses = weigh(losses, sw)
         compute_average_loss(losses).backward()
         optimizer.step()
         totals = [metrics[0].batch_totals(losses.detach())]

@@ -49,6 +49,7 @@ from stratagem.train.loop import (  # noqa: F401  (the cadence's names, read her
 )
 from stratagem.train.losses import LossFn, check_loss_fn
 from stratagem.train.metrics import FitMetric, Mean, Metric, compile_metrics
+from stratagem.train.overrides import StepLogs, keras_order, overridden
 from stratagem.train.runners import FitRun, runner_for
 from stratagem.train.steps import TrainOptions
 
@@ -197,8 +198,8 @@ def fit(
     train_metrics = _tracked_metrics(model, loss_fn, metrics, weighted_metrics)
     runner.check_metrics(weighted_metrics)
     validation = validation_data is not None
-    tracked = [Mean("loss"), *train_metrics]
-    val_tracked = [Mean("loss"), *(copy.deepcopy(m) for m in train_metrics)] if validation else []
+    tracked = _tracked(model, "train_step", train_metrics)
+    val_tracked = _tracked(model, "test_step", [copy.deepcopy(m) for m in train_metrics]) if validation else []
     if validation:
         check_iterable(validation_data, "validation_data")
         check_finite(validation_data, validation_steps, "validation_data", "validation_steps")
@@ -209,6 +210,14 @@ def fit(
         validation_data, validation_steps, tracked, val_tracked, params, callbacks, verbose,
         steps_per_execution, lr_scheduler, lr_scheduler_interval,
     ))  # fmt: skip
+
+
+def _tracked(model: Any, step: str, metrics: list[Metric]) -> list[Metric]:
+    """What a pass tracks: the loss and the metrics, or the logs of the model's own ``step``
+    (Keras's ``train_step`` / ``test_step`` override)."""
+    if overridden(model, step):
+        return [StepLogs(model, f"{type(model).__name__}.{step}")]
+    return [Mean("loss"), *metrics]
 
 
 def _check_fit(
@@ -226,6 +235,8 @@ def _check_fit(
 
 
 def _log_names(tracked: Sequence[Metric], validation: bool) -> list[str]:
+    if isinstance(tracked[0], StepLogs):
+        return []  # the names the model's own step returns, known once it ran
     names = [m.name for m in tracked]
     return names + ([f"val_{n}" for n in names] if validation else [])
 
@@ -371,7 +382,7 @@ def evaluate_logs(
     data = _array_batches(data, batch_size, "evaluate", with_y=resolved is not None)
     check_iterable(data, "data")
     check_finite(data, steps, "data", "steps")
-    tracked = [Mean("loss"), *_tracked_metrics(model, resolved, metrics, weighted_metrics)]
+    tracked = _tracked(model, "test_step", _tracked_metrics(model, resolved, metrics, weighted_metrics))
     runner = runner_for(strategy)
     runner.check_metrics(weighted_metrics)
     test_steps = runner.steps(model, None, resolved)
@@ -382,6 +393,9 @@ def evaluate_logs(
             logs = _run_test(strategy, test_steps, data, tracked, None, steps)
     finally:
         test_steps.set_training(was_training)
+        test_steps.close()
+    if isinstance(tracked[0], StepLogs):
+        return logs, keras_order(model, logs)
     return logs, _in_keras_order(logs, tracked)
 
 
@@ -417,4 +431,5 @@ def predict(
                 parts.append(predict_steps.predict(batch))
     finally:
         predict_steps.set_training(was_training)
+        predict_steps.close()
     return concat(parts)

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from stratagem.core.sample_weights import weigh
 from stratagem.distribute.strategy import Execution
 from stratagem.train import optimizers as optimizers_mod
 from stratagem.train.callback import Callback
@@ -57,9 +58,11 @@ from stratagem.train.fit import predict as predict_fn
 from stratagem.train.history import History
 from stratagem.train.losses import Loss, per_example_loss
 from stratagem.train.losses import get as get_loss
-from stratagem.train.metrics import Metric
+from stratagem.train.metrics import Mean, Metric, compile_metrics
+from stratagem.train.model_api import ModelAPI, apply_trainable, record_input
+from stratagem.train.overrides import CompileMetrics
 
-__all__ = ["Model", "Sequential", "keras_model", "load_model"]
+__all__ = ["Model", "Sequential", "keras_model", "load_model", "register_keras_serializable"]
 
 _WEIGHTS = "model.weights"  # the checkpoint inside a saved model's directory
 _CONFIG = "config.json"
@@ -145,8 +148,7 @@ class _OutputLossMetric(Metric):
         losses = per_example_loss(self.loss, y_pred[self.key], y_true[self.key]).detach().to(torch.float64)
         if isinstance(sample_weight, (Mapping, tuple, list)):
             sample_weight = sample_weight[self.key]
-        if sample_weight is not None:
-            losses = losses * torch.as_tensor(sample_weight, dtype=losses.dtype, device=losses.device).reshape(-1)
+        losses = weigh(losses, sample_weight)
         total = losses.sum()  # sum(w * l) over the batch's examples, and their count
         return torch.stack((total, total.new_full((), float(losses.shape[0]))))
 
@@ -340,11 +342,15 @@ def _agreed_seed(strategy: Any) -> int:
 
 
 # --- the model ---------------------------------------------------------------------------------
-class Model(nn.Module):
+class Model(ModelAPI, nn.Module):
     """A torch module with Keras's ``compile`` / ``fit`` / ``evaluate`` / ``predict`` / ``save``.
 
     Subclass it as you would ``nn.Module`` (``__init__`` + ``forward``), or use ``Sequential`` or
-    ``keras_model(module)``."""
+    ``keras_model(module)``. As in Keras, a subclass may override ``train_step(data)``,
+    ``test_step(data)`` and ``predict_step(data)``: fit, evaluate and predict then call them for
+    every batch (each replica on its share; see ``stratagem.train.overrides``), with Keras's
+    helpers: ``self(x, training=True)``, ``compute_loss``, ``trainable_weights``,
+    ``self.optimizer.apply(grads, weights)``, ``self.metrics`` and ``compute_metrics``."""
 
     history: History | None
     stop_training: bool
@@ -387,6 +393,92 @@ class Model(nn.Module):
         return list(self._keras().get("metrics_names", ["loss"]))
 
     @property
+    def metrics(self) -> list[Any]:
+        """Keras's ``model.metrics``: the loss tracker (``"loss"``) and the compiled metrics (one
+        ``compile_metrics`` entry), once compiled; reset at each epoch's start and evaluate's.
+        Override it to list the metrics an own ``train_step`` updates."""
+        state = self._keras()
+        if state["compiled"] is None:
+            return []
+        return [state["loss_tracker"], state["compile_metrics"]]
+
+    def reset_metrics(self) -> None:
+        for m in self.metrics:
+            m.reset_state()
+
+    def get_metrics_result(self) -> dict[str, Any]:
+        """``{name: result}`` of ``self.metrics`` (the compiled metrics' entries flattened)."""
+        out: dict[str, Any] = {}
+        for m in self.metrics:
+            value = m.result()
+            out.update(value if isinstance(value, Mapping) else {m.name: value})
+        return out
+
+    def __call__(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
+        """Call the module; ``training=`` as Keras has it: passed on when ``forward`` takes it,
+        else the call runs in that mode (``train()`` / ``eval()``) and the mode is restored."""
+        if training is not None and _takes_training(type(self)):
+            kwargs["training"] = training
+        elif training is not None and bool(training) != self.training:
+            was = self.training
+            self.train(bool(training))
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                self.train(was)
+        return super().__call__(*args, **kwargs)
+
+    # --- the steps fit, evaluate and predict call (Keras's; override them) ----------------------
+    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
+                     training: bool = True) -> torch.Tensor:
+        """The compiled loss of ``y_pred`` against ``y`` (Keras's ``compute_loss``): the mean over
+        this batch of the weighted per-example losses (``sum(w * loss) / batch``, Keras's
+        ``"sum_over_batch_size"``); ``sample_weight`` of shape ``(N,)`` or ``(N, 1)``."""
+        del x, training
+        compiled = self._compiled("compute_loss")
+        if compiled.loss is None:
+            raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
+        losses = weigh(per_example_loss(compiled.loss, y_pred, y).float(), sample_weight)
+        return losses.sum() / max(int(losses.shape[0]), 1)
+
+    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> dict[str, Any]:
+        """Update the compiled metrics with this batch; return ``get_metrics_result()`` (Keras's)."""
+        del x
+        self._compiled("compute_metrics")
+        self._keras()["compile_metrics"].update_state(y, y_pred, sample_weight)
+        return self.get_metrics_result()
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        """One training step on ``data`` (Keras 3's, on its torch backend): forward, ``compute_loss``,
+        backward, ``optimizer.apply``, the metrics. fit runs an equal built-in step unless a
+        subclass overrides this; an override may call ``super().train_step(data)``."""
+        x, y, sw = _unpack(data)
+        y_pred = self(x, training=True)
+        self.zero_grad()
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw)
+        self._keras()["loss_tracker"].update_state(loss.detach(), sample_weight=_rows_in(x))
+        trainable = [w for w in self.trainable_weights]  # type: ignore[attr-defined]
+        if trainable:
+            loss.backward()
+            with torch.no_grad():
+                optimizers_mod.apply_update(self._compiled("train_step").optimizer,  # type: ignore[arg-type]
+                                            [w.value.grad for w in trainable], trainable)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+    def test_step(self, data: Any) -> dict[str, Any]:
+        """One evaluation step (Keras's): forward, ``compute_loss``, the metrics."""
+        x, y, sw = _unpack(data)
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False)
+        self._keras()["loss_tracker"].update_state(loss.detach(), sample_weight=_rows_in(x))
+        return self.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+    def predict_step(self, data: Any) -> Any:
+        """One prediction step (Keras's): the model's outputs for ``data``'s ``x``."""
+        x, _, _ = _unpack(data)
+        return self(x, training=False)
+
+    @property
     def distribute_strategy(self) -> Any:
         from stratagem.distribute.ownership import strategy_of
 
@@ -423,11 +515,19 @@ class Model(nn.Module):
                     f"Expected `{argument}` argument to be a list, tuple, or dict. Received instead: "
                     f"{argument}={value!r} of type {type(value)}"
                 )
-        self._keras()["compiled"] = _Compiled(
+        state = self._keras()
+        state["compiled"] = _Compiled(
             built, optimizer, resolved, loss, metrics if metrics is not None else [], loss_weights,
             steps_per_execution, weighted_metrics if weighted_metrics is not None else [],
             jit_compile=jit_compile is True,
         )
+        # Keras's loss tracker and compiled metrics, for the steps a subclass writes (the built-in
+        # steps fit runs track their own copies)
+        names = getattr(self, "output_names", None)
+        state["loss_tracker"] = Mean(name="loss")
+        state["compile_metrics"] = CompileMetrics(compile_metrics(
+            copy.deepcopy(metrics or []), copy.deepcopy(weighted_metrics or []),
+            names if isinstance(names, (list, tuple)) else None))
 
     def _build_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -476,9 +576,11 @@ class Model(nn.Module):
         if shuffle == "batch":
             raise ValueError("fit(shuffle='batch') is not offered (it exists in Keras for HDF5 files); use shuffle=True")
         strategy = self.distribute_strategy
+        apply_trainable(self)
         val = validation_data
         if _is_array(x):
             arrays = _array_data(x, y, sample_weight, "fit")
+            record_input(self, arrays[0])
             if val is None and validation_split:
                 if not 0.0 < validation_split < 1.0:
                     raise ValueError(f"fit: validation_split must be in (0, 1), got {validation_split}")
@@ -521,7 +623,8 @@ class Model(nn.Module):
             jit_compile=compiled.jit_compile,
         )
         self.__dict__["history"] = history
-        self._keras()["metrics_names"] = [n for n in history.params.get("metrics", ["loss"]) if not n.startswith("val_")]
+        names = history.params.get("metrics") or list(history.history)
+        self._keras()["metrics_names"] = [n for n in names if not n.startswith("val_")]
         return history
 
     def _validation(self, val: Any, train: tuple[Any, ...] | None, batch_size: int | None) -> Any:
@@ -562,6 +665,7 @@ class Model(nn.Module):
         del verbose
         if callbacks:
             raise ValueError("evaluate(callbacks=...) is not offered; evaluate takes no callbacks in stratagem")
+        apply_trainable(self)
         if _is_array(x):
             data: Any = _ArrayEpochs(_array_data(x, y, sample_weight, "evaluate"), _check_batch_size(batch_size, "evaluate"), False, 0)
         else:
@@ -592,6 +696,7 @@ class Model(nn.Module):
         if callbacks:
             raise ValueError("predict(callbacks=...) is not offered; predict takes no callbacks in stratagem")
         if _is_array(x):
+            record_input(self, _tensor(x))
             return predict_fn(self, _tensor(x), batch_size=_check_batch_size(batch_size, "predict"), steps=steps)
         if batch_size is not None:
             raise ValueError("predict: batch_size is for array inputs; a dataset already yields batches")
@@ -613,11 +718,18 @@ class Model(nn.Module):
             path = path / _WEIGHTS
         load_weights(self, path)
 
-    def save(self, filepath: str | os.PathLike[str], overwrite: bool = True) -> None:
-        """Save the weights and the compile arguments to the directory ``filepath`` (Keras's
-        ``model.save``). The architecture is not saved (torch has no portable form of it): load with
-        ``stratagem.load_model(filepath, model=ModelClass(...))``, or without ``model=`` when the
-        class has Keras's ``get_config()`` (then ``from_config`` or ``cls(**config)`` rebuilds it)."""
+    def save(self, filepath: str | os.PathLike[str], overwrite: bool = True, options: Any = None) -> None:
+        """Save the model (Keras's ``model.save``): its weights, the compile arguments and the
+        optimizer's state (Adam's moments, ``iterations``), so ``load_model`` continues training
+        exactly as this model would. ``"m.keras"`` is one file (a zip of JSON and safetensors, no
+        pickle); another path a directory of the same. The architecture is its class (rebuilt from
+        ``register_keras_serializable``'s or the module's ``get_config()``), or pass ``model=`` to
+        ``load_model``. Call it on every replica (the chief writes)."""
+        if options is not None:
+            raise ValueError(
+                "save(options=...) takes TensorFlow's SaveOptions, which have no meaning for a stratagem "
+                "file (no devices or functions are saved); leave options unset"
+            )
         path = Path(filepath)
         if path.exists() and not overwrite:
             raise FileExistsError(f"save: {path} exists and overwrite=False")
@@ -625,16 +737,61 @@ class Model(nn.Module):
 
         strategy = self.distribute_strategy or get_strategy()
         chief = strategy.extended.should_checkpoint
-        _save_checkpoint(self, path / _WEIGHTS, True)
-        if chief:
-            config: dict[str, Any] = {
-                "class": f"{type(self).__module__}:{type(self).__qualname__}",
-                "keras_model_of": _base_class(self),
-                "config": _get_config(self),
-                "compile": _compile_config(self._keras()["compiled"]),
-            }
-            (path / _CONFIG).write_text(json.dumps(config, indent=2, default=str))
-        strategy.barrier()
+        single = path.suffix == ".keras"
+        directory = path.parent / f".staging-{path.name}.d" if single else path
+        if single and path.is_dir():
+            raise IsADirectoryError(f"save: {path} is a directory; a .keras model is one file (remove it or pick another name)")
+        compiled = self._keras()["compiled"]
+        _save_checkpoint(self, directory / _WEIGHTS, True, optimizer=compiled.optimizer if compiled is not None else None)
+        try:
+            if chief:
+                config: dict[str, Any] = {
+                    "class": f"{type(self).__module__}:{type(self).__qualname__}",
+                    "registered": _registered_name(type(self)),
+                    "keras_model_of": _base_class(self),
+                    "config": _get_config(self),
+                    "compile": _compile_config(compiled),
+                    "optimizer_state": compiled is not None and compiled.optimizer is not None,
+                }
+                (directory / _CONFIG).write_text(json.dumps(config, indent=2, default=str))
+                if single:
+                    _zip_directory(directory, path)
+        finally:
+            strategy.barrier()
+            if single and chief:
+                shutil.rmtree(directory, ignore_errors=True)
+
+def _takes_training(cls: type) -> bool:
+    import inspect
+
+    try:
+        return "training" in inspect.signature(cls.forward).parameters  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        return False
+
+
+def _unpack(data: Any) -> tuple[Any, Any, Any]:
+    """Keras's ``unpack_x_y_sample_weight``: ``(x,)``, ``(x, y)``, ``(x, y, w)`` or ``x`` alone."""
+    if isinstance(data, list):
+        data = tuple(data)
+    if isinstance(data, tuple) and not hasattr(data, "_fields"):
+        if len(data) == 1:
+            return data[0], None, None
+        if len(data) == 2:
+            return data[0], data[1], None
+        if len(data) == 3:
+            return data[0], data[1], data[2]
+        raise ValueError(f"Data is expected to be in format `x`, `(x,)`, `(x, y)`, or `(x, y, sample_weight)`, found a tuple of {len(data)}")
+    return data, None, None
+
+
+def _rows_in(x: Any) -> int:
+    from stratagem.core import tree
+
+    for t in tree.leaves(x):
+        if isinstance(t, torch.Tensor) and t.dim():
+            return int(t.shape[0])
+    return 1
 
 
 def _get_config(model: nn.Module) -> Any:
@@ -712,9 +869,48 @@ def _compile_config(compiled: _Compiled | None) -> dict[str, Any] | None:
     }
 
 
-def _save_checkpoint(model: nn.Module, target: Path, overwrite: bool) -> None:
-    """Write ``model``'s weights as a stratagem checkpoint directory at ``target`` (every replica
-    calls it; the chief writes and renames it into place)."""
+def _zip_directory(directory: Path, target: Path) -> None:
+    """``directory``'s files as one zip at ``target`` (stored, not compressed; written to a
+    temporary name, synced, then renamed into place)."""
+    import zipfile
+
+    partial = target.parent / f".{target.name}.partial"
+    with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED) as z:
+        for f in sorted(directory.rglob("*")):
+            if f.is_file():
+                z.write(f, f.relative_to(directory).as_posix())
+    with open(partial, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(partial, target)
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Any:
+    """A saved model as a directory: itself, or a ``.keras`` file extracted to a private temporary
+    one (every replica its own; member names checked to stay inside it)."""
+    import tempfile
+    import zipfile
+
+    if path.is_dir():
+        yield path
+        return
+    if not path.exists():
+        raise FileNotFoundError(f"load_model: {path} does not exist")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"load_model: {path} is not a model saved by Model.save (not a .keras zip nor a directory)")
+    with tempfile.TemporaryDirectory(prefix="stratagem-model-") as tmp:
+        with zipfile.ZipFile(path) as z:
+            for name in z.namelist():
+                target = (Path(tmp) / name).resolve()
+                if not str(target).startswith(str(Path(tmp).resolve()) + os.sep):
+                    raise ValueError(f"load_model: {path} holds a member {name!r} outside the model; refusing it")
+            z.extractall(tmp)
+        yield Path(tmp)
+
+
+def _save_checkpoint(model: nn.Module, target: Path, overwrite: bool, optimizer: Any = None) -> None:
+    """Write ``model``'s weights (and ``optimizer``'s state) as a stratagem checkpoint directory at
+    ``target`` (every replica calls it; the chief writes and renames it into place)."""
     from stratagem.distribute.current import get_strategy
     from stratagem.distribute.ownership import strategy_of
     from stratagem.train.checkpoint import Checkpoint, CheckpointManager
@@ -725,7 +921,8 @@ def _save_checkpoint(model: nn.Module, target: Path, overwrite: bool) -> None:
     strategy = strategy_of(model) or get_strategy()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".staging-{target.name}"
-    manager = CheckpointManager(Checkpoint(model=model), staging, None, strategy=strategy)
+    objects: dict[str, Any] = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    manager = CheckpointManager(Checkpoint(**objects), staging, None, strategy=strategy)
     try:
         staged = Path(manager.save(0))
         if strategy.extended.should_checkpoint:
@@ -769,48 +966,95 @@ def keras_model(module: nn.Module) -> Model:
     return module  # type: ignore[return-value]
 
 
-def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None, compile: bool = True) -> Model:
-    """Keras's ``load_model`` for a model saved by ``Model.save``: the weights loaded into
-    ``model`` (the architecture rebuilt in code), or into a model rebuilt from the saved class's
-    ``get_config()``; compiled again with the saved arguments when they were names."""
+def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None, compile: bool = True,
+               custom_objects: Mapping[str, Any] | None = None) -> Model:
+    """Keras's ``load_model`` for a model saved by ``Model.save`` (a ``.keras`` file or a
+    directory): the model rebuilt from its registered class or ``get_config()`` (or ``model=``,
+    built in code), its weights loaded, compiled again with the saved arguments, and the
+    optimizer's state restored, so ``fit`` continues exactly as the saved model would have.
+    ``custom_objects``: ``{name: class}`` for classes saved under a registered name."""
     path = Path(filepath)
-    config_file = path / _CONFIG
-    if not config_file.exists():
-        raise FileNotFoundError(
-            f"load_model: {path} is not a model saved by Model.save (no {_CONFIG} in it); for weights "
-            "saved by save_weights or ModelCheckpoint use model.load_weights(path)"
-        )
-    saved = json.loads(config_file.read_text())
-    if model is None:
-        model = _rebuild(saved, path)
-    keras = keras_model(model)
-    keras.load_weights(path / _WEIGHTS)
-    spec = saved.get("compile")
-    if compile and spec is not None:
-        unsaved = [k for k in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights") if _unsaved(spec.get(k))]
-        if unsaved:
-            raise ValueError(
-                f"load_model: {path} was compiled with {' and '.join(unsaved)} that cannot be saved (a torch "
-                "optimizer, a function, or an object without get_config); load with compile=False and "
-                "call model.compile(...) again"
+    with _opened(path) as directory:
+        config_file = directory / _CONFIG
+        if not config_file.exists():
+            raise FileNotFoundError(
+                f"load_model: {path} is not a model saved by Model.save (no {_CONFIG} in it); for weights "
+                "saved by save_weights or ModelCheckpoint use model.load_weights(path)"
             )
-        from stratagem.distribute.ownership import strategy_of
+        saved = json.loads(config_file.read_text())
+        if model is None:
+            model = _rebuild(saved, path, custom_objects)
+        keras = keras_model(model)
+        weights = directory / _WEIGHTS
+        keras.load_weights(weights)
+        spec = saved.get("compile")
+        if compile and spec is not None:
+            unsaved = [k for k in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights") if _unsaved(spec.get(k))]
+            if unsaved:
+                raise ValueError(
+                    f"load_model: {path} was compiled with {' and '.join(unsaved)} that cannot be saved (a torch "
+                    "optimizer, a function, or an object without get_config); load with compile=False and "
+                    "call model.compile(...) again"
+                )
+            from stratagem.distribute.ownership import strategy_of
 
-        args = {k: _deserialize(spec.get(k)) for k in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights")}
-        strategy = strategy_of(keras)
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
-            keras.compile(optimizer=args["optimizer"], loss=args["loss"], metrics=args["metrics"] or None,
-                          weighted_metrics=args["weighted_metrics"] or None,
-                          loss_weights=args["loss_weights"], steps_per_execution=spec.get("steps_per_execution", 1),
-                          jit_compile=spec.get("jit_compile", "auto"))
+            args = {k: _deserialize(spec.get(k)) for k in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights")}
+            strategy = strategy_of(keras)
+            with strategy.scope() if strategy is not None else contextlib.nullcontext():
+                keras.compile(optimizer=args["optimizer"], loss=args["loss"], metrics=args["metrics"] or None,
+                              weighted_metrics=args["weighted_metrics"] or None,
+                              loss_weights=args["loss_weights"], steps_per_execution=spec.get("steps_per_execution", 1),
+                              jit_compile=spec.get("jit_compile", "auto"))
+            if saved.get("optimizer_state") and keras.optimizer is not None:
+                from stratagem.train.checkpoint import Checkpoint
+
+                # the weights again with the optimizer's state: one checkpoint, restored whole
+                Checkpoint(model=keras, optimizer=keras.optimizer).restore(weights)
     return keras
 
 
+#: classes registered by ``register_keras_serializable``: "package>Name" -> class
+_REGISTERED: dict[str, type] = {}
 
-def _rebuild(saved: Mapping[str, Any], path: Path) -> nn.Module:
+
+def register_keras_serializable(package: str = "Custom", name: str | None = None) -> Any:
+    """Keras's ``@register_keras_serializable(package=, name=)``: ``load_model`` rebuilds the class
+    by this name (``"package>Name"``) wherever it was defined, with ``from_config`` or
+    ``cls(**get_config())``."""
+
+    def register(cls: type) -> type:
+        key = f"{package}>{name or cls.__name__}"
+        if key in _REGISTERED and _REGISTERED[key] is not cls:
+            raise ValueError(f"{key} has been already registered to {_REGISTERED[key]}")
+        _REGISTERED[key] = cls
+        return cls
+
+    return register
+
+
+def _registered_name(cls: type) -> str | None:
+    for key, value in _REGISTERED.items():
+        if value is cls:
+            return key
+    return None
+
+
+def _rebuild(saved: Mapping[str, Any], path: Path, custom_objects: Mapping[str, Any] | None = None) -> nn.Module:
     import importlib
 
     name = saved.get("keras_model_of") or saved.get("class")
+    registered = saved.get("registered")
+    if registered:
+        short = registered.split(">", 1)[1]
+        found: Any = (custom_objects or {}).get(registered) or (custom_objects or {}).get(short) or _REGISTERED.get(registered)
+        if found is None:
+            raise ValueError(
+                f"load_model: {path} holds a {registered}, registered with register_keras_serializable, but no "
+                "class of that name is registered in this process: import the module that defines it, or pass "
+                f"custom_objects={{{short!r}: TheClass}}"
+            )
+        config = saved.get("config") or {}
+        return found.from_config(config) if hasattr(found, "from_config") else found(**config)  # type: ignore[no-any-return]
     if saved.get("config") is None:
         raise ValueError(
             f"load_model: {path} holds the weights of a {name}, but not its architecture (torch has no "

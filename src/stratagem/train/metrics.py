@@ -23,6 +23,10 @@ assumed additive).
 
 In ``fit`` / ``evaluate``, as in Keras, ``metrics=`` are updated *without* sample weights (nor
 class weights) and ``weighted_metrics=`` with them (``compile_metrics``).
+
+Keras's count-based metrics (``AUC``, ``Precision``, ``Recall``, ``F1Score``, ``MeanIoU``, ...)
+live in ``confusion_metrics``; ``get`` takes their names as Keras 3's ``keras.metrics.get`` does,
+and torchmetrics metric objects (``torchmetrics_metric``).
 """
 
 from __future__ import annotations
@@ -534,13 +538,14 @@ def sync_metrics(strategy: Strategy, metrics: Sequence[Metric], extra: Sequence[
     """
     if not metrics and not extra:
         return []
-    flat = torch.cat([*(m.local_totals() for m in metrics), torch.tensor(list(extra), dtype=torch.float64)])
+    parts = [m.local_totals() for m in metrics]
+    flat = torch.cat([*parts, torch.tensor(list(extra), dtype=torch.float64)])
     if strategy.num_replicas_in_sync > 1:
         flat = strategy.reduce("sum", flat).to("cpu", torch.float64)
     offset = 0
-    for m in metrics:
-        m.set_global_totals(flat[offset : offset + m.num_totals])
-        offset += m.num_totals
+    for m, part in zip(metrics, parts):
+        m.set_global_totals(flat[offset : offset + part.numel()])
+        offset += part.numel()
     return flat[offset:].tolist()
 
 
@@ -701,9 +706,14 @@ class TopKCategoricalAccuracy(_PerExample):
                 f"TopKCategoricalAccuracy needs one-hot labels of shape {tuple(y_pred.shape)} or "
                 f"integer labels of shape {tuple(y_pred.shape[:-1])}; got {tuple(y_true.shape)}"
             )
-        k = min(self.k, y_pred.shape[-1])
-        top = y_pred.topk(k, dim=-1).indices
-        return _per_example_mean((top == labels.unsqueeze(-1)).any(dim=-1))
+        return _per_example_mean(in_top_k(labels, y_pred, self.k))
+
+
+def in_top_k(labels: torch.Tensor, predictions: torch.Tensor, k: int) -> torch.Tensor:
+    """Keras's ``in_top_k``: whether each label's prediction is at least the k-th highest of its
+    row (a tie with the k-th counts as in the top k)."""
+    kth = predictions.topk(min(k, predictions.shape[-1]), dim=-1).values[..., -1:]
+    return (predictions.gather(-1, labels.long().unsqueeze(-1)) >= kth).squeeze(-1)
 
 
 class MeanSquaredError(_PerExample):
@@ -805,15 +815,31 @@ _BY_NAME: dict[str, type[Metric]] = {
 }
 
 
-def get(metric: Metric | str) -> Metric:
-    """A metric object from a metric or its name (``"sparse_categorical_accuracy"``, ``"mse"``)."""
+def _by_name() -> dict[str, type[Metric]]:
+    """Every metric name: these, and those of ``confusion_metrics`` (Keras's own spellings)."""
+    from stratagem.train.confusion_metrics import BY_NAME
+
+    return {**_BY_NAME, **BY_NAME}
+
+
+def get(metric: Any) -> Metric:
+    """A metric object from a metric, its name as Keras 3's ``keras.metrics.get`` takes it
+    (``"sparse_categorical_accuracy"``, ``"mse"``, ``"auc"``, ``"AUC"``, ``"f1_score"``), or a
+    torchmetrics metric object (``stratagem.train.torchmetrics_metric.TorchMetric``)."""
     if isinstance(metric, Metric):
         return metric
-    if isinstance(metric, str) and metric.lower() in _BY_NAME:
-        return _BY_NAME[metric.lower()]()
+    if isinstance(metric, str):
+        names = _by_name()
+        cls = names.get(metric) or _BY_NAME.get(metric.lower())
+        if cls is not None:
+            return cls()
+    from stratagem.train.torchmetrics_metric import TorchMetric, is_torchmetric
+
+    if is_torchmetric(metric):
+        return TorchMetric(metric)
     raise ValueError(
-        f"unknown metric {metric!r}; pass a stratagem.metrics.Metric or one of "
-        f"{sorted(_BY_NAME)}"
+        f"unknown metric {metric!r}; pass a stratagem.metrics.Metric, a torchmetrics metric object or one of "
+        f"{sorted(_by_name())}"
     )
 
 
@@ -856,12 +882,20 @@ class FitMetric(Metric):
     gave)."""
 
     def __init__(self, metric: Metric, log_name: str, *, weighted: bool, output: Any = _WHOLE) -> None:
-        super().__init__(log_name)
         self.metric = metric
+        super().__init__(log_name)
         self.weighted = weighted
         self.output = output
         self.additive = metric.additive and output == _WHOLE
-        self.num_totals = metric.num_totals
+
+    @property
+    def num_totals(self) -> int:
+        """The metric's (a lazily built one, like Keras's F1Score, knows it after its first batch)."""
+        return self.metric.num_totals
+
+    @num_totals.setter
+    def num_totals(self, value: int) -> None:
+        raise AttributeError("a FitMetric's num_totals is its metric's; set it on the metric")
 
     def _args(self, y_true: Any, y_pred: Any, sample_weight: Any) -> tuple[Any, Any, dict[str, Any]]:
         if self.output == _WHOLE:
@@ -964,12 +998,13 @@ def compile_metrics(
         for key, output_name, identifiers in _per_output(spec, output_names, argument):
             for identifier in identifiers:
                 m = _named(identifier)
-                if id(m) in seen:
+                given = id(getattr(m, "wrapped", m))  # a torchmetrics object: the object given
+                if given in seen:
                     raise ValueError(
-                        f"the metric object {m!r} is given twice ({seen[id(m)]} and {argument}); each place "
+                        f"the metric object {m!r} is given twice ({seen[given]} and {argument}); each place "
                         "needs its own object (one state per place), e.g. a second instance of its class"
                     )
-                seen[id(m)] = argument
+                seen[given] = argument
                 name = f"{output_name}_{m.name}" if output_name else m.name
                 if name not in counters:
                     counters[name] = 1

@@ -239,6 +239,48 @@ class _KerasSteps:
     def _after_step(self) -> None:
         self.param_groups[0]["iterations"] = self.iterations + 1
 
+    def apply(self, grads: Iterable[Any], trainable_variables: Iterable[Any] | None = None) -> None:
+        """Keras's ``optimizer.apply(grads, trainable_variables)``: one update of those variables
+        (``Model.trainable_weights``' ``Variable`` objects or the tensors; all the optimizer holds
+        when None) with ``grads``, the others left as they are."""
+        apply_update(self, grads, trainable_variables)  # type: ignore[arg-type]
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> None:
+        """Keras's ``optimizer.apply_gradients(zip(grads, variables))``."""
+        pairs = list(grads_and_vars)
+        self.apply([g for g, _ in pairs], [v for _, v in pairs])
+
+
+def apply_update(optimizer: torch.optim.Optimizer, grads: Iterable[Any], variables: Iterable[Any] | None) -> None:
+    """One ``optimizer.step()`` that updates only ``variables``, with ``grads`` as their gradients."""
+    from stratagem.train.variables import tensor_of
+
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    targets = held if variables is None else [tensor_of(v) for v in variables]
+    grads = list(grads)
+    if len(grads) != len(targets):
+        raise ValueError(f"apply: got {len(grads)} gradients for {len(targets)} variables; give one gradient per variable")
+    ids = {id(p) for p in held}
+    foreign = [tuple(t.shape) for t in targets if id(t) not in ids]
+    if foreign:
+        raise ValueError(
+            f"apply: {len(foreign)} of the variables (shapes {foreign[:3]}) are not held by this optimizer, which "
+            f"was built over {len(held)} others; build one optimizer per set of weights (as a GAN's d_optimizer "
+            "and g_optimizer)"
+        )
+    chosen = {id(t) for t in targets}
+    kept = {i: p.grad for i, p in enumerate(held) if id(p) not in chosen and p.grad is not None}
+    for i in kept:
+        held[i].grad = None
+    for t, g in zip(targets, grads):
+        if g is not t.grad:
+            t.grad = None if g is None else g.to(t.dtype) if g.dtype != t.dtype else g
+    try:
+        optimizer.step()
+    finally:
+        for i, g in kept.items():
+            held[i].grad = g
+
 
 _SCHEDULED: dict[type, Any] = {}
 
@@ -354,6 +396,19 @@ class _KerasRMSprop(torch.optim.Optimizer):
 
 
 # --- the recipes users name ------------------------------------------------------------------
+class _Holder:
+    """Tensors seen as an optimizer would hold them (to ask which strategy made them)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.param_groups = [{"params": params}]
+
+
+def _nothing() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 class Optimizer:
     """A Keras optimizer before the model exists: ``build(params)`` makes the torch optimizer."""
 
@@ -382,6 +437,48 @@ class Optimizer:
         kwargs = {self.renames.get(k, k): v for k, v in self.config.items()}
         cls = _scheduled(self.torch_class)
         return cls(params, schedule, lr=start, **kwargs)  # type: ignore[no-any-return]
+
+    def apply(self, grads: Iterable[Any], trainable_variables: Iterable[Any]) -> None:
+        """Keras's ``optimizer.apply(grads, trainable_variables)`` on a recipe that was never
+        given to ``compile`` (a GAN's ``d_optimizer``): built over those variables at the first
+        call, as Keras builds its optimizer's variables, then applied; later calls update them."""
+        from stratagem.train.variables import tensor_of
+
+        variables = list(trainable_variables)
+        built = self.__dict__.get("_built")
+        if built is None:
+            params = [tensor_of(v) for v in variables]
+            from stratagem.distribute.ownership import strategy_of
+
+            strategy = strategy_of(_Holder(params))
+            with strategy.scope() if strategy is not None else _nothing():
+                built = self.build(params)
+            self.__dict__["_built"] = built
+        apply_update(built, grads, variables)
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> None:
+        """Keras's ``optimizer.apply_gradients(zip(grads, variables))``."""
+        pairs = list(grads_and_vars)
+        self.apply([g for g, _ in pairs], [v for _, v in pairs])
+
+    @property
+    def iterations(self) -> int:
+        """Updates applied by ``apply`` so far (0 before the first)."""
+        built = self.__dict__.get("_built")
+        return 0 if built is None else int(built.iterations)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The built optimizer's state (after the first ``apply``), for a checkpoint."""
+        built = self.__dict__.get("_built")
+        if built is None:
+            raise ValueError(f"{type(self).__name__} has no state yet: it is built by its first apply()")
+        return built.state_dict()  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        built = self.__dict__.get("_built")
+        if built is None:
+            raise ValueError(f"{type(self).__name__} is built by its first apply(); restore it after that")
+        built.load_state_dict(state)
 
     def get_config(self) -> dict[str, Any]:
         """Keras's ``get_config``: ``type(self)(**config)`` makes the same recipe."""

@@ -117,6 +117,9 @@ class PipelineSteps:
     def set_training(self, mode: bool) -> None:
         self.pipe.train(mode)
 
+    def close(self) -> None:
+        """Release what the steps hold beyond the call (nothing here)."""
+
     def loss_scale_state(self) -> None:
         return None  # mixed precision is not supported under a pipeline yet
 

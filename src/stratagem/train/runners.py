@@ -30,6 +30,7 @@ from stratagem.train.inputs import GlobalBatches
 from stratagem.train.loop import _Loop, _run_test
 from stratagem.train.losses import LossFn
 from stratagem.train.metrics import Metric
+from stratagem.train.overrides import KerasSteps, overridden, overrides_any
 from stratagem.train.steps import DataParallelSteps, TrainOptions
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class StepsRunner:
         if run.lr_scheduler is not None and run.lr_scheduler_interval == "step":
             steps.after_update = run.lr_scheduler.step
         continuing = bool(getattr(steps, "continuing", False))  # on_failure="continue"
-        batches = GlobalBatches(strategy, run.data, run.steps_per_epoch, whole=continuing)
+        batches = GlobalBatches(strategy, run.data, run.steps_per_epoch, whole=continuing, optimizer=run.optimizer)
         loop = _Loop(strategy, steps, run.optimizer, batches, run.tracked, run.val_tracked,
                      {**run.params, "steps": batches.steps()}, run.callbacks, run.verbose,
                      1 if continuing else run.steps_per_execution, run.options.accumulate)  # fmt: skip
@@ -103,7 +104,10 @@ class StepsRunner:
             loop.continue_on_failure(FitFailover(strategy, steps, run.optimizer, run.lr_scheduler))
         loop.validation = (run.validation_data, run.validation_steps) if run.validation_data is not None else None
         loop.epoch_scheduler = run.lr_scheduler if run.lr_scheduler_interval == "epoch" else None
-        return loop.run(run.initial_epoch, run.epochs)
+        try:
+            return loop.run(run.initial_epoch, run.epochs)
+        finally:
+            steps.close()
 
 
 class ReplicaRunner(StepsRunner):
@@ -119,7 +123,8 @@ class ReplicaRunner(StepsRunner):
     ) -> Any:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-        return DataParallelSteps(self.strategy, model, optimizer, loss_fn, policy or Policy.of(None), options or TrainOptions())
+        cls = KerasSteps if overrides_any(model) else DataParallelSteps  # the model's own steps, if any
+        return cls(self.strategy, model, optimizer, loss_fn, policy or Policy.of(None), options or TrainOptions())
 
 
 class PipelineRunner(StepsRunner):
@@ -160,6 +165,7 @@ class PipelineRunner(StepsRunner):
     ) -> Any:
         from stratagem.train.pipeline_steps import PipelineSteps
 
+        _refuse_overrides(model, "PipelineStrategy", "its stages run the model's forward over micro-batches")
         return PipelineSteps(self.strategy, model, optimizer, loss_fn, options or TrainOptions())
 
 
@@ -171,6 +177,8 @@ class CoordinatedRunner(ReplicaRunner):
     def check_fit(self, run: FitRun) -> None:
         from stratagem.train import coordinated_fit
 
+        if overridden(run.model, "train_step"):
+            _refuse_overrides(run.model, "ParameterServerStrategy", "its workers run fit's own step functions")
         options = run.options
         coordinated_fit.unsupported({
             "precision": run.policy.name != "32", "gradient_accumulation_steps": options.accumulate != 1,
@@ -195,6 +203,16 @@ class CoordinatedRunner(ReplicaRunner):
             initial_epoch=run.initial_epoch, validate=validate if run.validation_data is not None else None,
             params=run.params,
         )  # fmt: skip
+
+
+def _refuse_overrides(model: Any, strategy: str, why: str) -> None:
+    if overrides_any(model):
+        steps = [n for n in ("train_step", "test_step", "predict_step") if overridden(model, n)]
+        raise ValueError(
+            f"{type(model).__name__} overrides {', '.join(steps)}, which fit, evaluate and predict do not run under "
+            f"{strategy} ({why}); use the built-in steps (compile(loss=..., metrics=...)) there, or a data-parallel "
+            "strategy (MirroredStrategy, MultiWorkerMirroredStrategy)"
+        )
 
 
 _RUNNERS: dict[Execution, type[StepsRunner]] = {

@@ -19,13 +19,14 @@ from torch import nn
 
 from stratagem.core import tree
 from stratagem.core.batches import batch_size_of
+from stratagem.core.sample_weights import per_example
 from stratagem.distribute import current
 from stratagem.distribute.determinism import op_determinism
 from stratagem.distribute.loss import compute_average_loss
 from stratagem.distribute.mixed_precision import Policy
 from stratagem.distribute.strategy import Strategy
 from stratagem.train.execution_metrics import ExecutionMetrics
-from stratagem.train.losses import LossFn, per_example_loss
+from stratagem.train.losses import LossFn, check_shapes, per_example_loss
 from stratagem.train.metrics import Metric, sync_metrics
 from stratagem.train.outputs import call_model, examples_in, for_gather, model_loss, predictions
 from stratagem.train.pieces import PieceRunner
@@ -131,7 +132,8 @@ class TrainOptions:
         for c, weight in self.class_weight.items():
             table[int(c)] = float(weight)
         w = table.to(labels.device)[labels.long()]
-        return w if sw is None else w * torch.as_tensor(sw, dtype=w.dtype, device=w.device)
+        weights = per_example(sw, w.shape[0], w)
+        return w if weights is None else w * weights
 
 
 def _by_kind(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -169,6 +171,10 @@ class DataParallelSteps:
         self.after_update: Callable[[], Any] | None = None
         if optimizer is not None:  # an optimizer made in a sharding scope: onto the shards now,
             strategy.extended.prepare_optimizer(optimizer)  # so clipping sees what it steps
+            if not any(p.requires_grad for p in model.parameters()):
+                import warnings
+
+                warnings.warn("The model does not have any trainable weights.", stacklevel=4)
         #: the deterministic mode's pieces (stratagem.experimental.enable_op_determinism)
         self.pieces: PieceRunner | None = None
         mode = op_determinism()
@@ -206,6 +212,7 @@ class DataParallelSteps:
             outputs = call_model(self.model, x)
             preds = predictions(outputs)
             if fused:
+                check_shapes(loss_fn, preds, y)  # type: ignore[arg-type]
                 part = loss_fn(preds, y).float()  # type: ignore[misc]
             elif loss_fn is None:  # the model's own loss (a mapping's "loss")
                 part = model_loss(outputs, examples_in(x))
@@ -215,6 +222,9 @@ class DataParallelSteps:
 
     def set_training(self, mode: bool) -> None:
         self.model.train(mode)
+
+    def close(self) -> None:
+        """Release what the steps hold beyond the call (nothing here)."""
 
     def loss_scale_state(self) -> dict[str, Any] | None:
         """The fp16 loss scaler's state (None without one), saved with fit's progress."""
@@ -252,13 +262,12 @@ class DataParallelSteps:
                 loss = mean if total == n else mean * (n / (total or n))
                 record.add_mean_loss(mean, n)
             else:
-                losses = part
-                sw = options.weights_for(y, sw)
-                if sw is not None:
-                    losses = losses * torch.as_tensor(sw, dtype=losses.dtype, device=losses.device)
+                sw = options.weights_for(y, per_example(sw, part.shape[0], part))
+                losses = part if sw is None else part * sw
                 loss = compute_average_loss(losses, global_batch_size=total)
                 record.add_losses(losses)
-            (loss if scaler is None else scaler.scale(loss)).backward()
+            if loss.requires_grad:  # nothing trainable (model.trainable = False): Keras goes on, as here
+                (loss if scaler is None else scaler.scale(loss)).backward()
             record.add(y, preds, sw)
 
         after_update = self.after_update
@@ -366,8 +375,9 @@ class DataParallelSteps:
                     losses = model_loss(outputs, examples_in(x))
                 else:
                     losses = per_example_loss(loss_fn, preds, y).float()
+                sw = per_example(sw, losses.shape[0], losses)
                 if sw is not None:
-                    losses = losses * torch.as_tensor(sw, dtype=losses.dtype, device=losses.device)
+                    losses = losses * sw
                 loss_metric.update_state(losses)
                 _update(metrics, y, preds, sw)
 
