@@ -32,7 +32,7 @@ ROOMS = {
 }
 API = {"strategy", "context", "reduce_op", "ownership", "function", "mixed_precision", "input_options", "partitioners",
        "determinism"}
-SETUP = {"join", "bootstrap", "devices", "startup"}
+SETUP = {"join", "bootstrap", "devices", "startup", "views"}
 
 
 def layer_of(module: str) -> str | None:

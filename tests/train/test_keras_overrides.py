@@ -268,3 +268,50 @@ def test_load_model_names_what_is_missing(tmp_path):
     assert torch.equal(again.lin.weight, m.lin.weight)
     with pytest.raises(ValueError, match="options"):
         m.save(tmp_path / "x.keras", options=object())
+
+
+def test_the_on_batch_calls_give_keras_numbers():
+    """train_on_batch / test_on_batch / predict_on_batch: each call resets the metrics first (Keras
+    3), returns [loss, mae] or the dict; an overriding model's own train_step is what they run."""
+    x, y, _ = data(96)
+    inputs, outputs = _keras_dense()
+    km = keras.Model(inputs, outputs)
+    km.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    sm = sg.Sequential(nn.Linear(32, 1))
+    _copy_dense(km, sm[0])
+    sm.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    for i in range(3):
+        part = slice(32 * i, 32 * (i + 1))
+        _close(sm.train_on_batch(x[part], y[part]), km.train_on_batch(x[part], y[part]))
+    _close(sm.test_on_batch(x[:32], y[:32]), km.test_on_batch(x[:32], y[:32]))
+    k, s = km.test_on_batch(x[:32], y[:32], return_dict=True), sm.test_on_batch(x[:32], y[:32], return_dict=True)
+    assert set(k) == set(s)
+    _close([s[n] for n in sorted(s)], [k[n] for n in sorted(k)])
+    _close(sm.predict_on_batch(x[:4]), np.asarray(km.predict_on_batch(x[:4])))
+    custom = CustomModel(nn.Linear(32, 1))
+    custom.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    CustomModel.calls.update(train_step=0, test_step=0, predict_step=0)
+    loss, mae = custom.train_on_batch(x[:32], y[:32])
+    assert CustomModel.calls["train_step"] == 1 and loss > 0 and mae > 0
+
+
+def test_per_element_sample_weights_of_a_sequence_as_keras():
+    """(N, T) weights against a sequence's (N, T) per-step losses weigh each step, as Keras's
+    sum(w * loss) / (N * T); fit, evaluate and the history give Keras's numbers."""
+    rng = np.random.default_rng(0)
+    n, t, c = 64, 5, 4
+    x = rng.random((n, t, 3)).astype("float32")
+    y = rng.integers(0, c, (n, t))
+    sw = rng.random((n, t)).astype("float32")
+    keras.utils.set_random_seed(0)
+    km = keras.Sequential([keras.Input((t, 3)), keras.layers.Dense(c, activation="softmax")])
+    km.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    sm = sg.Sequential(nn.Linear(3, c), nn.Softmax(-1))
+    _copy_dense(km, sm[0])
+    sm.compile(optimizer=sg.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    kh = km.fit(x, y, sample_weight=sw, epochs=2, shuffle=False, verbose=0).history
+    sh = sm.fit(x, y, sample_weight=sw, epochs=2, shuffle=False, verbose=0).history
+    _close(sh["loss"], kh["loss"])
+    _close(sm.evaluate(x, y, sample_weight=sw, verbose=0), km.evaluate(x, y, sample_weight=sw, verbose=0))
+    with pytest.raises(ValueError, match=r"sample_weight has shape \(32, 3\) but the loss has shape \(32, 5\)"):
+        sm.fit(x, y, sample_weight=np.ones((n, 3), "float32"), epochs=1, verbose=0)

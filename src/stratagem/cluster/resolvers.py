@@ -144,6 +144,20 @@ class TFClusterSpec(ClusterSpec):
     def job_tasks(self, job_name: str) -> list[str]:
         return list(self._job(job_name))
 
+    def view(self) -> dict[str, object]:
+        """TF_CONFIG's ``cluster`` as this process read it (every task must be given the same)."""
+        return {"cluster": {name: list(tasks) for name, tasks in self.tf_jobs}, "rendezvous": self.master}
+
+    def summary(self) -> str:
+        jobs = ", ".join(f"{len(tasks)} {name}{'' if len(tasks) == 1 else 's'}" for name, tasks in self.tf_jobs)
+        return f"a cluster of {jobs} (rendezvous {self.master})"
+
+    @property
+    def task_name(self) -> str:
+        """This process's TF_CONFIG task, ``worker:1`` (``chief:0`` for a chief)."""
+        chiefs = len(dict(self.tf_jobs).get("chief", ()))
+        return "chief:0" if self.rank < chiefs else f"worker:{self.rank - chiefs}"
+
 
 def _local_position(hosts: list[str], index: int) -> tuple[int, int]:
     host = hosts[index]

@@ -63,6 +63,22 @@ class ClusterSpec:
             f"{self.num_workers}: [{where}]; rendezvous {self.master}; from {self.source})"
         )
 
+    # --- what every process of one job must be told alike -----------------------------------
+    def view(self) -> dict[str, object]:
+        """The job as this process was told it, apart from its own place in it (the processes,
+        the workers, the rendezvous): every process of one job must be told the same, which the
+        rendezvous checks (``distribute.views``)."""
+        return {"processes": self.world_size, "workers": list(self.workers), "rendezvous": self.master}
+
+    def summary(self) -> str:
+        """``view()`` in a few words, of a size that does not grow with the job."""
+        return f"{self.world_size} processes on {self.num_workers} workers, rendezvous {self.master}"
+
+    @property
+    def task_name(self) -> str:
+        """This process's task as its cluster description names it (``worker 1``)."""
+        return f"worker {self.task_index}"
+
     # --- the launch environment --------------------------------------------------------------
     @classmethod
     def single(cls) -> ClusterSpec:

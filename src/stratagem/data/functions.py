@@ -9,7 +9,15 @@ import numpy as np
 
 
 class MapFunctionError(ValueError):
-    """A user function failed on an element; ``__cause__`` holds the original exception."""
+    """A user function failed on an element; ``__cause__`` holds the original exception.
+    ``position`` is the element's position in the function's input, ``what`` the transformation
+    (``map``), ``fn`` the function and ``reason`` the original error in words (None when
+    unknown, e.g. raised in a worker process)."""
+
+    position: int | None = None
+    what: str | None = None
+    fn: Callable[..., Any] | None = None
+    reason: str | None = None
 
 
 def function_name(fn: Callable[..., Any]) -> str:
@@ -52,9 +60,14 @@ def call_checked(
 
 
 def failure(what: str, fn: Callable[..., Any], position: int, e: BaseException) -> MapFunctionError:
-    err = MapFunctionError(
-        f"{what} function failed on element {position} of {what}({function_name(fn)}): "
-        f"{type(e).__name__}: {e}"
-    )
-    err.__cause__ = e
+    return failure_at(what, fn, f"element {position}", position, f"{type(e).__name__}: {e}", e)
+
+
+def failure_at(
+    what: str, fn: Callable[..., Any], element: str, position: int, reason: str, cause: BaseException | None
+) -> MapFunctionError:
+    """The MapFunctionError for ``fn`` failing on ``element`` (its words: "element 7")."""
+    err = MapFunctionError(f"{what} function failed on {element} of {what}({function_name(fn)}): {reason}")
+    err.position, err.what, err.fn, err.reason = position, what, fn, reason
+    err.__cause__ = cause
     return err

@@ -16,6 +16,7 @@ from typing import Any
 from stratagem.core.batches import split_sizes
 from stratagem.data.dataset import Dataset
 from stratagem.data.iterator import Context, StatefulIterator
+from stratagem.data.options import UNKNOWN_CARDINALITY
 
 
 class RebatchShardDataset(Dataset):
@@ -40,6 +41,26 @@ class RebatchShardDataset(Dataset):
 
     def _make_iterator(self, ctx: Context) -> StatefulIterator:
         return _RebatchShardIterator(self._inputs[0]._make_iterator(ctx.child(0)), self)
+
+    def source_position(self, k: int) -> int | None:
+        """The position in the input of this worker's ``k``-th element (0-based), when it is
+        known exactly: in a full group, or in the last, partial one of an input of known length
+        (None when the input's length is unknown and ``k`` may lie in a partial last group)."""
+        sizes = split_sizes(self._global_batch, self._num_shards)
+        mine, start = sizes[self._index], sum(sizes[: self._index])
+        if mine == 0:
+            return None
+        n = self._inputs[0].cardinality()
+        if n == UNKNOWN_CARDINALITY:
+            return None
+        if n >= 0:
+            full = n // self._global_batch
+            if k >= full * mine:  # in the last, partial group
+                rest = split_sizes(n % self._global_batch, self._num_shards)
+                offset = k - full * mine
+                return full * self._global_batch + sum(rest[: self._index]) + offset if offset < rest[self._index] else None
+        group, offset = divmod(k, mine)
+        return group * self._global_batch + start + offset
 
 
 class _RebatchShardIterator(StatefulIterator):

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from stratagem.data.batching import BatchDataset
 from stratagem.data.dataset import Dataset
+from stratagem.data.functions import MapFunctionError, failure_at
 from stratagem.data.options import AutoShardPolicy
 from stratagem.data.parallel import ParallelMapDataset
 from stratagem.data.rebatch import RebatchShardDataset
@@ -181,3 +182,27 @@ def _maps_below(batch: BatchDataset) -> list[Dataset]:
         out.append(below)
         below = below._inputs[0]
     return out
+
+
+def renumbered(dataset: Dataset, error: MapFunctionError) -> MapFunctionError | None:
+    """``error`` (a map function failing in worker ``i``'s pipeline that ``rebatch_and_shard``
+    made) numbering the element within the whole dataset, as the user wrote it, rather than
+    within the worker's share; None when it was not one of the maps above the shard, or the
+    position is not known exactly."""
+    if error.position is None or error.fn is None or error.what is None:
+        return None
+    batch = last_batch(dataset)
+    if batch is None:
+        return None
+    maps = _maps_below(batch)
+    below = (maps[-1] if maps else batch)._inputs[0]
+    if not isinstance(below, RebatchShardDataset) or not any(getattr(m, "_fn", None) is error.fn for m in maps):
+        return None
+    position = below.source_position(error.position)
+    if position is None:
+        return None
+    where = (
+        f"element {position} of the dataset (element {error.position} of replica "
+        f"{below._index}'s share of it, of {below._num_shards})"
+    )
+    return failure_at(error.what, error.fn, where, position, error.reason or "", error.__cause__)

@@ -23,10 +23,17 @@ from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.failure import FailureOptions
 from stratagem.distribute.devices import plan_devices
 from stratagem.distribute.join import join
+from stratagem.distribute.views import ClusterConfigurationError
 
-
-class ClusterConfigurationError(RuntimeError):
-    """Workers of one job disagree (versions, world size, configuration); raised on every worker."""
+__all__ = [
+    "ClusterConfigurationError",
+    "CommunicationOptions",
+    "check_agreement",
+    "connect_to_cluster",
+    "default_device",
+    "initialize_system",
+    "local_facts",
+]
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from stratagem.comm import (
     release_groups,
 )
 from stratagem.comm.failure import FailureMonitor, FailureOptions, job_probe
+from stratagem.distribute.views import DESCRIBED_BY_EACH, compare_views
 
 _joined: dict[str, Any] = {}
 
@@ -87,6 +88,11 @@ def join(
     )  # fmt: skip
     if options.continues and spec.rank != 0 and _running_without_me(spec, timeout):
         return _come_back(spec, device, backend, timeout, monitor, options)
+    host = spec.rank == 0 and not spec.agent_store
+    hosted = None
+    if spec.source in DESCRIBED_BY_EACH:  # each process read its own TF_CONFIG: compare them first
+        hosted = compare_views(spec, timeout=timeout, attempt=spec.restart_count, host=host)
+        _joined["hosted_store"] = hosted  # the store server lives as long as the job's store
     comm, store = init_process_group(
         spec.rank,
         spec.world_size,
@@ -95,7 +101,7 @@ def join(
         backend=backend,
         device=device,
         timeout=timeout,
-        is_store_server=spec.rank == 0 and not spec.agent_store,
+        is_store_server=host and hosted is None,
         probe=job_probe(monitor if options.enabled else None),
         attempt=spec.restart_count,
     )
@@ -259,6 +265,7 @@ def _leave() -> None:
     if monitor is not None:
         monitor.close()
     _joined.pop("store", None)
+    _joined.pop("hosted_store", None)
 
 
 def _close_groups() -> None:

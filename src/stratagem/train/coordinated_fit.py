@@ -68,8 +68,10 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
         outputs = call_model(model, x)
         preds = predictions(outputs)
-        losses = model_loss(outputs, examples_in(x)) if loss_fn is None else per_example_loss(loss_fn, preds, y).float()
-        losses = weigh(losses, sw)
+        if loss_fn is None:
+            losses = weigh(model_loss(outputs, examples_in(x)), sw)
+        else:
+            losses = per_example_loss(loss_fn, preds, y, sample_weight=sw).float()
         compute_average_loss(losses).backward()
         optimizer.step()
         totals = [metrics[0].batch_totals(losses.detach())]

@@ -220,6 +220,50 @@ def _tracked(model: Any, step: str, metrics: list[Metric]) -> list[Metric]:
     return [Mean("loss"), *metrics]
 
 
+def on_batch(model: Model, optimizer: torch.optim.Optimizer | None, loss_fn: Any, batch: Any, what: str, *,
+             metrics: Any = (), weighted_metrics: Any = (), class_weight: dict[int, float] | None = None,
+             ) -> tuple[Any, list[Metric]]:
+    """Keras's ``train_on_batch`` / ``test_on_batch`` / ``predict_on_batch``: one global batch
+    through the model's steps (split across the replicas as fit splits it). ``what`` is
+    ``"train"``, ``"test"`` or ``"predict"``. Returns the logs (the outputs for ``"predict"``) and
+    the metrics tracked."""
+    strategy = _strategy(model, optimizer, None, f"{what}_on_batch")
+    resolved = loss_names.resolve(loss_fn)
+    runner = runner_for(strategy)
+    if what == "predict":
+        steps = runner.steps(model, None, None)
+        was = steps.module.training
+        steps.set_training(False)
+        try:
+            with context.strategy_scope(strategy):
+                return concat([steps.predict(b) for b in _batches(strategy, [batch], None)]), []
+        finally:
+            steps.set_training(was)
+            steps.close()
+    step = "train_step" if what == "train" else "test_step"
+    tracked = _tracked(model, step, _tracked_metrics(model, resolved, metrics, weighted_metrics))
+    options = TrainOptions(class_weight=dict(class_weight) if class_weight is not None else None)
+    steps = runner.steps(model, optimizer if what == "train" else None, resolved, Policy.of(None), options)
+    was = steps.module.training
+    steps.set_training(what == "train")
+    try:
+        with context.strategy_scope(strategy):
+            group = list(_batches(strategy, [batch], None))
+            if what == "train":
+                steps.train(group, tracked[0], tracked[1:])
+            else:
+                for b in group:
+                    steps.test(b, tracked[0], tracked[1:])
+    finally:
+        steps.set_training(was)
+        steps.close()
+    from stratagem.train.loop import _logs
+    from stratagem.train.metrics import sync_metrics
+
+    sync_metrics(strategy, tracked)
+    return _logs(tracked), tracked
+
+
 def _check_fit(
     strategy: Strategy, optimizer: Any, loss_fn: Any, epochs: int, initial_epoch: int, lr_scheduler: Any, interval: str
 ) -> None:

@@ -5,6 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+
+def log_value(value: Any) -> Any:
+    """One log's value: a float, or a float64 array for a metric with one value per class
+    (Keras's ``F1Score(average=None)``, ``Precision(thresholds=[...])``), as Keras logs them."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    array = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value, dtype=np.float64)
+    return float(array) if array.size == 1 else array
+
 
 class History:
     """What ``fit`` returns: ``history[name]`` is the list of a log's per-epoch values.
@@ -25,7 +36,7 @@ class History:
                 self.history[key] = [float("nan")] * len(self.epoch)
         self.epoch.append(int(epoch))
         for key, values in self.history.items():
-            values.append(float(logs.get(key, float("nan"))))
+            values.append(log_value(logs.get(key, float("nan"))))
 
     def update_last(self, logs: dict[str, float]) -> None:
         """Merge ``logs`` into the last epoch's entry (logs a callback added at epoch end)."""
@@ -34,13 +45,14 @@ class History:
         n = len(self.epoch)
         for key, value in logs.items():
             values = self.history.setdefault(key, [float("nan")] * n)
-            values[-1] = float(value)
+            values[-1] = log_value(value)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": {k: list(v) for k, v in self.history.items()}, "epoch": list(self.epoch)}
+        plain = {k: [x.tolist() if isinstance(x, np.ndarray) else x for x in v] for k, v in self.history.items()}
+        return {"history": plain, "epoch": list(self.epoch)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history = {str(k): [float(x) for x in v] for k, v in state["history"].items()}
+        self.history = {str(k): [log_value(x) for x in v] for k, v in state["history"].items()}
         self.epoch = [int(e) for e in state["epoch"]]
 
     def __getitem__(self, key: str) -> list[float]:

@@ -21,7 +21,11 @@ import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+
+from stratagem.comm.errors import ReplicaMismatchError
 from stratagem.core.batches import place, to_tensors
+from stratagem.core.first_facts import FirstFacts
 from stratagem.data import INFINITE_CARDINALITY, Dataset, shards_by_files
 from stratagem.distribute.strategy import Strategy
 
@@ -62,11 +66,22 @@ def distributed(strategy: Strategy, data: Any) -> Any:
 
 
 def check_finite(data: Any, steps: int | None, what: str, steps_name: str) -> None:
-    """An infinite stratagem Dataset needs a step count (Keras raises the same)."""
-    if steps is None and isinstance(data, Dataset) and data.cardinality() == INFINITE_CARDINALITY:
+    """An infinite dataset needs a step count (Keras raises the same): a stratagem Dataset, or a
+    distributed one (``experimental_distribute_dataset`` / ``distribute_datasets_from_function``)
+    over one, that says its cardinality is infinite."""
+    if steps is not None:
+        return
+    if isinstance(data, Dataset):
+        kind = "an infinite dataset"
+    elif is_distributed(data) and callable(getattr(data, "cardinality", None)):
+        kind = f"a distributed dataset ({type(data).__name__}) over an infinite dataset"
+    else:
+        return
+    if data.cardinality() == INFINITE_CARDINALITY:
         raise ValueError(
-            f"{what} is an infinite dataset (e.g. .repeat() without a count) and {steps_name} is "
-            f"not set; pass {steps_name}=N or make the dataset finite"
+            f"{what} is {kind} (e.g. .repeat() without a count) and {steps_name} is not set, so "
+            f"the first epoch would never end; pass {steps_name}=N or make the dataset finite "
+            "(.repeat(count) or no repeat)"
         )
 
 
@@ -78,7 +93,7 @@ class WholeBatches:
 
     resumable = False
 
-    def __init__(self, data: Any, strategy: Strategy) -> None:
+    def __init__(self, data: Any, strategy: Strategy, optimizer: Any = None) -> None:
         if is_distributed(data):
             raise TypeError(
                 "FailureOptions(on_failure='continue') reads the global batches itself, so that the "
@@ -87,6 +102,7 @@ class WholeBatches:
             )
         self.data = data
         self.strategy = strategy
+        self.optimizer = optimizer
         self._checked = False
 
     def iterator(self, epoch: int | None = None, seed: int | None = None) -> Iterator[Any]:
@@ -99,7 +115,7 @@ class WholeBatches:
             batch = place(to_tensors(batch), device)
             if not self._checked:
                 self._checked = True
-                _check_same_batch(self.strategy.extended.world, batch)
+                _check_same_batch(self.strategy.extended.world, batch, optimizer_facts(self.optimizer))
             yield batch
 
 
@@ -112,28 +128,72 @@ def _take(it: Iterator[Any], n: int) -> list[Any]:
     return list(itertools.islice(it, n))
 
 
-def _check_same_batch(comm: Any, batch: Any) -> None:
-    """A clear error unless every replica read the same first global batch."""
-    comm.check_same_values(
-        "fit's first global batch",
-        batch,
-        "the dataset gave different first global batches on different replicas; with "
-        "FailureOptions(on_failure='continue') every replica reads the same global batches: seed "
-        "any shuffling (e.g. DataLoader(..., generator=torch.Generator().manual_seed(0)))",
+def _check_same_batch(comm: Any, batch: Any, facts: FirstFacts | None = None) -> None:
+    """A clear error unless every replica read the same first global batch (and, in the same
+    check, has the same ``facts``: the optimizer's settings)."""
+    digest = torch.tensor([facts.digest() if facts is not None else 0], dtype=torch.int64)
+    try:
+        comm.check_same_values(
+            "fit's first global batch",
+            (batch, digest),
+            "the dataset gave different first global batches on different replicas; with "
+            "FailureOptions(on_failure='continue') every replica reads the same global batches: seed "
+            "any shuffling (e.g. DataLoader(..., generator=torch.Generator().manual_seed(0)))",
+        )
+    except ReplicaMismatchError:
+        if facts is not None:  # the settings differ? say which (every replica is here)
+            problem = facts.mismatch(comm.all_gather_object(dict(facts.values)))
+            if problem is not None:
+                raise ReplicaMismatchError(problem) from None
+        raise
+
+
+def optimizer_facts(optimizer: Any) -> FirstFacts | None:
+    """The hyperparameters of every param group of ``optimizer`` (lr, betas, weight_decay,
+    momentum, ...: everything but the parameters), as the first batch's vote compares them: a
+    learning rate that differs per replica would let the replicas drift apart without a word."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list):
+        return None
+    values = {"param groups": str(len(groups))}
+    for i, group in enumerate(groups):
+        for key, value in group.items():
+            if key != "params":
+                values[f"param group {i} {key}"] = _setting(value)
+    return FirstFacts(
+        f"the optimizer's settings ({type(optimizer).__name__})",
+        values,
+        "build the optimizer with the same settings on every replica (a learning rate computed from "
+        "the rank or read from a per-worker config makes the replicas train apart); to scale it by the "
+        "number of replicas, use strategy.num_replicas_in_sync, which every replica shares",
     )
+
+
+def _setting(value: Any) -> str:
+    """A hyperparameter as comparable text (a tensor learning rate by its value)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().tolist()
+    if isinstance(value, tuple):
+        return repr(tuple(v.item() if isinstance(v, torch.Tensor) else v for v in value))
+    return repr(value)
 
 
 class GlobalBatches:
     """Epochs of this replica's batches from ``data`` (via ``strategy``) with a saveable position.
-    ``whole``: every replica gets the whole global batches (``WholeBatches``)."""
+    ``whole``: every replica gets the whole global batches (``WholeBatches``). ``optimizer``: its
+    hyperparameters are compared across replicas with each pass's first batch (``agree_first``)."""
 
-    def __init__(self, strategy: Strategy, data: Any, steps_per_epoch: int | None, *, whole: bool = False) -> None:
+    def __init__(
+        self, strategy: Strategy, data: Any, steps_per_epoch: int | None, *, whole: bool = False,
+        optimizer: Any = None,
+    ) -> None:  # fmt: skip
         check_iterable(data, "data")
         if steps_per_epoch is not None and steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be a positive number of steps or None, got {steps_per_epoch}")
         check_finite(data, steps_per_epoch, "data", "steps_per_epoch")
         self.data = data
-        self.dist = WholeBatches(data, strategy) if whole else distributed(strategy, data)
+        self.optimizer = optimizer
+        self.dist = WholeBatches(data, strategy, optimizer) if whole else distributed(strategy, data)
         self.steps_per_epoch = steps_per_epoch
         self.resumable = bool(self.dist.resumable)
         # whether a job with another number of replicas can take over this position by replaying
@@ -157,6 +217,9 @@ class GlobalBatches:
         self._pass += 1
         self._consumed = 0
         self._it = self.dist.iterator(epoch=self._pass)
+        agree = getattr(self._it, "agree_first", None)  # a distributed dataset's iterator
+        if agree is not None:
+            agree(optimizer_facts(self.optimizer))
 
     def begin_epoch(self) -> None:
         """Start an epoch: a fresh pass, or (with steps_per_epoch) go on with the current one."""

@@ -48,7 +48,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from stratagem.core.sample_weights import weigh
 from stratagem.distribute.strategy import Execution
 from stratagem.train import optimizers as optimizers_mod
 from stratagem.train.callback import Callback
@@ -145,10 +144,9 @@ class _OutputLossMetric(Metric):
         self.key, self.loss = key, loss
 
     def batch_totals(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
-        losses = per_example_loss(self.loss, y_pred[self.key], y_true[self.key]).detach().to(torch.float64)
         if isinstance(sample_weight, (Mapping, tuple, list)):
             sample_weight = sample_weight[self.key]
-        losses = weigh(losses, sample_weight)
+        losses = per_example_loss(self.loss, y_pred[self.key], y_true[self.key], sample_weight).detach().to(torch.float64)
         total = losses.sum()  # sum(w * l) over the batch's examples, and their count
         return torch.stack((total, total.new_full((), float(losses.shape[0]))))
 
@@ -403,6 +401,7 @@ class Model(ModelAPI, nn.Module):
         return [state["loss_tracker"], state["compile_metrics"]]
 
     def reset_metrics(self) -> None:
+        """Reset ``self.metrics`` (Keras's: fit and evaluate do at their start)."""
         for m in self.metrics:
             m.reset_state()
 
@@ -438,7 +437,7 @@ class Model(ModelAPI, nn.Module):
         compiled = self._compiled("compute_loss")
         if compiled.loss is None:
             raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
-        losses = weigh(per_example_loss(compiled.loss, y_pred, y).float(), sample_weight)
+        losses = per_example_loss(compiled.loss, y_pred, y, sample_weight=sample_weight).float()
         return losses.sum() / max(int(losses.shape[0]), 1)
 
     def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> dict[str, Any]:
@@ -701,6 +700,44 @@ class Model(ModelAPI, nn.Module):
         if batch_size is not None:
             raise ValueError("predict: batch_size is for array inputs; a dataset already yields batches")
         return predict_fn(self, x, steps=steps)
+
+    # --- one batch (Keras's *_on_batch) ---------------------------------------------------------
+    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None, class_weight: dict[int, float] | None = None,
+                       return_dict: bool = False) -> Any:
+        """One update on this global batch (Keras's ``train_on_batch``): the batch's loss, or
+        ``[loss, *metrics]`` (``return_dict``: a dict); the metrics are reset first, as Keras 3's."""
+        return self._on_batch("train", x, y, sample_weight, class_weight, return_dict)
+
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False) -> Any:
+        """The loss and metrics on this global batch (Keras's ``test_on_batch``)."""
+        return self._on_batch("test", x, y, sample_weight, None, return_dict)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """The model's outputs for this global batch (Keras's ``predict_on_batch``)."""
+        from stratagem.train.fit import on_batch
+
+        outputs, _ = on_batch(self, None, None, _tensor(x) if _is_array(x) else x, "predict")
+        return outputs
+
+    def _on_batch(self, what: str, x: Any, y: Any, sample_weight: Any, class_weight: Any, return_dict: bool) -> Any:
+        from stratagem.train.fit import on_batch
+        from stratagem.train.overrides import StepLogs, keras_order
+
+        compiled = self._compiled(f"{what}_on_batch")
+        apply_trainable(self)
+        batch = _array_data(x, y, sample_weight, f"{what}_on_batch") if _is_array(x) else x
+        self.reset_metrics()  # Keras 3 resets the metrics before each *_on_batch call
+        logs, tracked = on_batch(self, compiled.optimizer, compiled.loss, batch, what, metrics=copy.deepcopy(compiled.metrics),
+                                 weighted_metrics=copy.deepcopy(compiled.weighted_metrics), class_weight=class_weight)
+        if return_dict:
+            return logs
+        if isinstance(tracked[0], StepLogs):
+            values = keras_order(self, logs)
+        else:
+            from stratagem.train.fit import _in_keras_order
+
+            values = _in_keras_order(logs, tracked)
+        return values[0] if len(values) == 1 else values
 
     # --- saving ---------------------------------------------------------------------------------
     def save_weights(self, filepath: str | os.PathLike[str], overwrite: bool = True) -> None:

@@ -18,7 +18,7 @@ from stratagem.distribute import context
 from stratagem.distribute.strategy import Strategy
 from stratagem.train.callback import Callback, CallbackList, FitState, Logs
 from stratagem.train.failover import FitFailover
-from stratagem.train.history import History
+from stratagem.train.history import History, log_value
 from stratagem.train.inputs import GlobalBatches, distributed
 from stratagem.train.metrics import Metric, sync_metrics
 from stratagem.train.progress import Progress, resolve_mode
@@ -129,9 +129,9 @@ def _logs(metrics: Sequence[Metric], prefix: str = "") -> Logs:
     for m in metrics:
         value = m.result()
         if isinstance(value, Mapping):  # a metric whose result is a dict logs each entry (Keras)
-            logs.update({prefix + str(k): float(v) for k, v in value.items()})
+            logs.update({prefix + str(k): log_value(v) for k, v in value.items()})
         else:
-            logs[prefix + m.name] = float(value)
+            logs[prefix + m.name] = log_value(value)
     return dict(sorted(logs.items()))  # Keras 3's logs come in sorted order (its history, its bar)
 
 

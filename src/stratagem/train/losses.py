@@ -40,6 +40,7 @@ from torch import nn
 
 from stratagem.core import tree
 from stratagem.core.eager import eager_only
+from stratagem.core.sample_weights import weigh
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -151,8 +152,67 @@ def _check_mean(loss_fn: LossFn, outputs: Any, y: Any, loss: torch.Tensor, n: in
         )
 
 
-def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
-    """One loss per example of this replica's batch, shape ``[batch]``."""
+def check_shapes(loss_fn: LossFn, outputs: Any, y: Any) -> None:
+    """A torch loss given outputs and targets that broadcast to a shape neither has (``[B, 1]``
+    against ``[B]`` gives ``[B, B]``: every output compared with every target, a silently wrong
+    loss that torch only warns about) is an error naming both shapes. Keras's losses match such
+    shapes themselves (``_same_rank``); a torch loss is given them as they are."""
+    if not (isinstance(outputs, torch.Tensor) and isinstance(y, torch.Tensor)) or outputs.shape == y.shape:
+        return
+    try:
+        both = torch.broadcast_shapes(outputs.shape, y.shape)
+    except RuntimeError:  # cannot broadcast: the loss itself says so (or needs them so, e.g. class ids)
+        return
+    if both == outputs.shape or both == y.shape or both.numel() <= max(outputs.numel(), y.numel()):
+        return
+    name = type(loss_fn).__name__ if isinstance(loss_fn, nn.Module) else getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    o, t = list(outputs.shape), list(y.shape)
+    if outputs.dim() == y.dim() + 1 and outputs.shape[-1] == 1:
+        fix = "give the targets the outputs' shape (y.unsqueeze(-1)) or squeeze the outputs (outputs.squeeze(-1))"
+    elif y.dim() == outputs.dim() + 1 and y.shape[-1] == 1:
+        fix = "give the outputs the targets' shape (outputs.unsqueeze(-1)) or squeeze the targets (y.squeeze(-1))"
+    else:
+        fix = "make the outputs and the targets the same shape"
+    raise ValueError(
+        f"loss_fn {name} got outputs of shape {o} and targets of shape {t}: torch broadcasts them "
+        f"to {list(both)}, comparing every output with every target (a wrong loss, trained on "
+        f"without an error); {fix}. Keras's losses (stratagem.losses.MeanSquaredError(), "
+        "loss='mse') match such shapes as Keras does"
+    )
+
+
+def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any, sample_weight: Any = None) -> torch.Tensor:
+    """One loss per example of this replica's batch, shape ``[batch]``; with ``sample_weight``,
+    weighted as Keras weighs them: one weight per example (``(N,)``, ``(N, 1)``), or one per
+    element of a loss that keeps more axes (``(N, T)`` for a sequence's per-step losses: each
+    example's loss is then the mean over its elements of ``w * loss``, so the batch's mean is
+    Keras's ``sum(w * loss) / (N * T)``); any other shape an error naming both."""
+    loss = _per_element_loss(loss_fn, outputs, y)
+    if sample_weight is not None:
+        return _weighted(loss, sample_weight)
+    return loss.flatten(1).mean(dim=1) if loss.dim() > 1 else loss
+
+
+def _weighted(loss: torch.Tensor, sample_weight: Any) -> torch.Tensor:
+    n = int(loss.shape[0])
+    w = torch.as_tensor(sample_weight, device=loss.device)
+    loss = loss.float()
+    if loss.dim() > 1 and w.dim() > 1 and w.shape[0] == n:
+        if w.dim() == loss.dim() + 1 and w.shape[-1] == 1:
+            w = w.squeeze(-1)  # (N, T, 1) weights against (N, T) losses, as Keras squeezes them
+        if tuple(w.shape) == tuple(loss.shape):
+            return (loss * w.to(loss.dtype)).flatten(1).mean(dim=1)
+        if not all(d == 1 for d in w.shape[1:]):
+            raise ValueError(
+                f"sample_weight has shape {tuple(w.shape)} but the loss has shape {tuple(loss.shape)} (one value per "
+                f"element): give one weight per example, ({n},), or one per element, {tuple(loss.shape)}"
+            )
+    per = loss.flatten(1).mean(dim=1) if loss.dim() > 1 else loss
+    return weigh(per, w)
+
+
+def _per_element_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
+    """The loss of each example, ``[batch]``, or of each element, ``[batch, ...]``."""
     n = batch_size(y, outputs)
     if n == 0:
         return _zero_connected(outputs, 0)
@@ -167,7 +227,8 @@ def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
                 f"{type(loss_fn).__name__}.call returned a loss of shape {tuple(loss.shape)} for a batch of {n} "
                 "examples; return one loss per example (or per element, [batch, ...])"
             )
-        return loss.flatten(1).mean(dim=1) if loss.dim() > 1 else loss
+        return loss
+    check_shapes(loss_fn, outputs, y)
     loss = _unreduced(loss_fn)(outputs, y)
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss_fn returned {type(loss).__name__}; it must return a tensor")
@@ -179,7 +240,7 @@ def per_example_loss(loss_fn: LossFn, outputs: Any, y: Any) -> torch.Tensor:
             f"loss_fn returned a loss of shape {tuple(loss.shape)} for a batch of {n} examples; "
             "return one loss per example (reduction='none') or their mean (a scalar)"
         )
-    return loss.flatten(1).mean(dim=1) if loss.dim() > 1 else loss
+    return loss
 
 
 # --- Keras's loss classes: call(y_true, y_pred), reduction, from_logits ----------------------------
@@ -434,7 +495,9 @@ def binary_crossentropy(
     if from_logits:
         values = torch.nn.functional.binary_cross_entropy_with_logits(y_pred, y_true, reduction="none")
     else:
-        values = torch.nn.functional.binary_cross_entropy(y_pred.clamp(EPSILON, 1.0 - EPSILON), y_true, reduction="none")
+        # Keras's formula, which also takes labels outside [0, 1] (a GAN's noisy labels; torch's refuses them)
+        p = y_pred.clamp(EPSILON, 1.0 - EPSILON)
+        values = -(y_true * torch.log(p) + (1.0 - y_true) * torch.log(1.0 - p))
     return values.mean(dim=axis)
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from stratagem.core.batches import batch_size_of
 from stratagem.distribute import current
-from stratagem.distribute.strategy import Execution, Strategy
+from stratagem.distribute.strategy import Execution, StateLayout, Strategy
 from stratagem.train.metrics import Metric
 from stratagem.train.steps import DataParallelSteps
 
@@ -162,15 +162,15 @@ class KerasSteps(DataParallelSteps):
     """``DataParallelSteps`` that call the model's own steps where it overrides them."""
 
     def __init__(self, strategy: Strategy, model: nn.Module, *args: Any, **kwargs: Any) -> None:
-        from stratagem.distribute.engines.data_parallel import DataParallelExtended
-
         super().__init__(strategy, model, *args, **kwargs)
         self.own_train = overridden(model, "train_step")
         self.own_test = overridden(model, "test_step")
         self.own_predict = overridden(model, "predict_step")
         self._share: _ShareOfBatch | None = None
         if self.own_train and self.optimizer is not None:
-            if not isinstance(strategy.extended, DataParallelExtended):
+            # a whole model on every process, its gradients reduced parameter by parameter: the
+            # share of each can be weighed (sharded parameters are reduced by FSDP's own hooks)
+            if strategy.extended.state_layout is not StateLayout.MIRRORED:
                 raise ValueError(
                     f"{type(model).__name__} overrides train_step, which fit runs under the default, OneDevice, "
                     f"Mirrored, MultiWorkerMirrored and TPU strategies; under {type(strategy).__name__} the "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO
+from typing import IO, Any
 
 from stratagem.train.callback import Callback, Logs
 
@@ -31,7 +31,9 @@ def resolve_mode(verbose: int | str, stream: IO[str] | None = None) -> str | Non
     raise ValueError(f"verbose must be 'auto', 0, 1 or 2 (as in Keras); got {verbose!r}")
 
 
-def _fmt_value(v: float) -> str:
+def _fmt_value(v: Any) -> str:
+    if not isinstance(v, (int, float)):  # one value per class
+        return "[" + ", ".join(_fmt_value(float(x)) for x in v) + "]"
     return f"{v:.4f}" if abs(v) >= 1e-3 or v == 0 else f"{v:.4e}"
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from stratagem.core import tree
 from stratagem.core.batches import batch_size_of
-from stratagem.core.sample_weights import per_example
+from stratagem.core.sample_weights import per_example, weigh
 from stratagem.distribute import current
 from stratagem.distribute.determinism import op_determinism
 from stratagem.distribute.loss import compute_average_loss
@@ -198,15 +198,16 @@ class DataParallelSteps:
             params = [q for g in optimizer.param_groups for q in g["params"]]
             self.pieces = PieceRunner(strategy, model, params, mode)
         #: the forward pass and loss, compiled once for fit's whole run when jit_compile
-        self._forward: Callable[[Any, Any, bool], tuple[Any, torch.Tensor]] = self._forward_and_loss
+        self._forward: Callable[..., tuple[Any, torch.Tensor]] = self._forward_and_loss
         if self.options.jit_compile:
             from stratagem.distribute.function import function
 
             self._forward = function(self._forward_and_loss, jit_compile=True)
 
-    def _forward_and_loss(self, x: Any, y: Any, fused: bool) -> tuple[Any, torch.Tensor]:
+    def _forward_and_loss(self, x: Any, y: Any, fused: bool, sw: Any = None) -> tuple[Any, torch.Tensor]:
         """The model's predictions on ``x`` and its loss: the mean over the batch (``fused``: the
-        loss module's own mean) or per-example losses (the model's own when ``loss_fn`` is None)."""
+        loss module's own mean) or per-example losses (the model's own when ``loss_fn`` is None),
+        weighted by ``sw`` (per example, or per element of a sequence's losses)."""
         loss_fn = self.loss_fn
         with self.policy.autocast(self.device):
             outputs = call_model(self.model, x)
@@ -215,9 +216,9 @@ class DataParallelSteps:
                 check_shapes(loss_fn, preds, y)  # type: ignore[arg-type]
                 part = loss_fn(preds, y).float()  # type: ignore[misc]
             elif loss_fn is None:  # the model's own loss (a mapping's "loss")
-                part = model_loss(outputs, examples_in(x))
+                part = weigh(model_loss(outputs, examples_in(x)), sw)
             else:
-                part = per_example_loss(loss_fn, preds, y).float()
+                part = per_example_loss(loss_fn, preds, y, sample_weight=sw).float()
         return preds, part
 
     def set_training(self, mode: bool) -> None:
@@ -256,14 +257,14 @@ class DataParallelSteps:
 
         def micro_step(x: Any, y: Any, sw: Any, total: int | None) -> None:
             n = y.shape[0] if fused and total and sw is None and type(y) is torch.Tensor and y.dim() else 0
-            preds, part = forward(x, y, bool(n))
             if n:  # sum / total == mean * (n / total)
-                mean = part
+                preds, mean = forward(x, y, True)
                 loss = mean if total == n else mean * (n / (total or n))
                 record.add_mean_loss(mean, n)
             else:
-                sw = options.weights_for(y, per_example(sw, part.shape[0], part))
-                losses = part if sw is None else part * sw
+                if options.class_weight is not None:  # the class weights times the examples'
+                    sw = options.weights_for(y, per_example(sw, _examples(y) or 0))
+                preds, losses = forward(x, y, False, sw)
                 loss = compute_average_loss(losses, global_batch_size=total)
                 record.add_losses(losses)
             if loss.requires_grad:  # nothing trainable (model.trainable = False): Keras goes on, as here
@@ -374,10 +375,9 @@ class DataParallelSteps:
                 if loss_fn is None:
                     losses = model_loss(outputs, examples_in(x))
                 else:
-                    losses = per_example_loss(loss_fn, preds, y).float()
-                sw = per_example(sw, losses.shape[0], losses)
-                if sw is not None:
-                    losses = losses * sw
+                    losses = per_example_loss(loss_fn, preds, y, sample_weight=sw).float()
+                if loss_fn is None:
+                    losses = weigh(losses, sw)
                 loss_metric.update_state(losses)
                 _update(metrics, y, preds, sw)
 

@@ -103,6 +103,12 @@ class DeviceFeed:
                     t.record_stream(current)  # the allocator must not reuse it before compute ends
         return batch
 
+    def agree_first(self, facts: Any) -> None:
+        """The distributed iterator it feeds from compares ``facts`` in its first vote."""
+        agree = getattr(self.source, "agree_first", None)
+        if agree is not None:
+            agree(facts)
+
     def state_dict(self) -> dict[str, Any]:
         """The position before the next batch not yet handed over."""
         if self._queue:
@@ -138,6 +144,10 @@ class DeviceFedDataset:
     def element_spec(self) -> Any:
         """The distributed dataset's per-replica spec (tf's ``element_spec``)."""
         return self.inner.element_spec
+
+    def cardinality(self) -> int:
+        """The distributed dataset's batches per pass (its ``cardinality()``)."""
+        return int(self.inner.cardinality())
 
     def __iter__(self) -> DeviceFeed:
         return DeviceFeed(iter(self.inner), self.device, self.depth, self.place)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from stratagem.comm import Communicator
@@ -22,6 +23,8 @@ from stratagem.comm.errors import ReplicaMismatchError
 from stratagem.core import tree
 from stratagem.core.batches import batch_size_of, place, slice_batch, split_sizes, to_tensors
 from stratagem.core.eager import eager_only
+from stratagem.core.first_facts import FirstFacts
+from stratagem.data.functions import MapFunctionError
 from stratagem.data.iterator import Optional, get_next, get_next_as_optional
 
 
@@ -79,6 +82,29 @@ class _Agreement:
         return most, -least, sig_max == -sig_min
 
 
+def _facts_error(comm: Communicator, facts: FirstFacts | None) -> None:
+    """After a vote that disagreed: raise on every replica if ``facts`` differ (one gather, on the
+    failure path only; every replica takes it, as every one saw the same vote)."""
+    everyone = comm.all_gather_object(dict(facts.values) if facts is not None else None)
+    if facts is None or any(e is None for e in everyone):
+        return
+    problem = facts.mismatch(everyone)
+    if problem is not None:
+        raise ReplicaMismatchError(problem)
+
+
+def _floatx(x: Any) -> Any:
+    """A numpy float array as float32 (fit casts Keras's array inputs so: floatx), else as is."""
+    if isinstance(x, np.ndarray) and x.dtype.kind == "f" and x.dtype != np.float32:
+        return x.astype(np.float32)
+    return x
+
+
+def _tensors(batch: Any) -> Any:
+    """A batch's numpy arrays and lists of numbers as tensors, numpy floats as float32."""
+    return to_tensors(tree.map_structure(_floatx, batch))
+
+
 def _as_is(batch: Any, device: torch.device | None) -> Any:
     """``batch`` itself when it is a tuple or list of tensors with one batch size, already on
     ``device`` (nothing to convert, check or move); else None."""
@@ -100,7 +126,7 @@ def _local(batch: Any, device: torch.device | None) -> Any:
     same = _as_is(batch, device)
     if same is not None:
         return same
-    batch = to_tensors(batch)
+    batch = _tensors(batch)
     batch_size_of(batch)  # every leaf a tensor with one batch size, or a clear error
     return place(batch, device)
 
@@ -119,6 +145,14 @@ def _read(source: Iterator[Any], n: int, convert: Callable[[Any], Any]) -> list[
             break
         out.append(convert(batch))
     return out
+
+
+def _cardinality(dataset: Any) -> int:
+    """The number of batches ``dataset`` gives when it says (a stratagem Dataset's
+    ``cardinality()``: ``INFINITE_CARDINALITY`` for ``repeat()``), else ``UNKNOWN_CARDINALITY``."""
+    from stratagem.data.dataset import UNKNOWN_CARDINALITY, Dataset
+
+    return dataset.cardinality() if isinstance(dataset, Dataset) else UNKNOWN_CARDINALITY
 
 
 def _dataset_spec(dataset: Any) -> Any:
@@ -180,10 +214,39 @@ def _with_spec(it: Any, owner: Any) -> Any:
     return it
 
 
+def check_batches(dataset: Any, what: str = "experimental_distribute_dataset") -> None:
+    """A clear error for whole arrays given where an iterable of global batches is expected:
+    ``(x, y)`` of tensors would be read as two batches, ``x`` then ``y``."""
+    if isinstance(dataset, (torch.Tensor, np.ndarray)):
+        raise TypeError(
+            f"{what} got one whole {type(dataset).__name__} of shape {tuple(dataset.shape)}; it takes "
+            "an iterable of global batches (each row would be read as a batch). Batch it first: "
+            "Dataset.from_tensor_slices(x).batch(global_batch_size)"
+        )
+    if not isinstance(dataset, (tuple, list)) or not dataset or hasattr(dataset, "_fields"):
+        return
+    arrays = [d for d in dataset if isinstance(d, (torch.Tensor, np.ndarray)) and d.ndim > 0]
+    if len(arrays) != len(dataset):
+        return
+    shapes = [tuple(a.shape) for a in arrays]
+    # a tuple of arrays is (x, y[, w]); a list of arrays is a list of batches of x, unless they
+    # are arrays of different kinds over the same rows (one leading size, other ranks): [x, y]
+    if isinstance(dataset, list) and (len({s[0] for s in shapes}) != 1 or len({len(s) for s in shapes}) == 1):
+        return
+    names = "(x, y)" if len(arrays) == 2 else "(x, y, sample_weight)" if len(arrays) == 3 else "(x, ...)"
+    raise TypeError(
+        f"{what} got a {type(dataset).__name__} of {len(arrays)} whole arrays (shapes "
+        f"{', '.join(str(list(s)) for s in shapes)}); it takes an iterable of global batches, so "
+        f"each array would be read as one batch. Make a dataset of their rows and batch it: "
+        f"Dataset.from_tensor_slices({names}).batch(global_batch_size)"
+    )
+
+
 class DistributedDataset:
     """Global batches from ``dataset``; each replica iterates over its slices of them."""
 
     def __init__(self, dataset: Iterable[Any], comm: Communicator, device: torch.device | None) -> None:
+        check_batches(dataset)
         self.dataset = dataset
         self.comm = comm
         self.device = device
@@ -192,6 +255,11 @@ class DistributedDataset:
     def element_spec(self) -> Any:
         """One replica's share of the dataset's spec (tf's per-replica element_spec)."""
         return _per_replica_spec(_dataset_spec(self.dataset), self.comm.world_size)
+
+    def cardinality(self) -> int:
+        """The global batches of one pass (``INFINITE_CARDINALITY`` for a ``repeat()``ed
+        dataset, ``UNKNOWN_CARDINALITY`` when the dataset does not say)."""
+        return _cardinality(self.dataset)
 
     @property
     def resumable(self) -> bool:
@@ -226,9 +294,15 @@ class DistributedIterator(_IteratorApi):
         self.vote = _Agreement(comm)
         self._checked = False
         self._step = 0  # global batches taken (named in errors)
+        self.first_facts: FirstFacts | None = None  # compared in the first vote too (agree_first)
 
     def __iter__(self) -> DistributedIterator:
         return self
+
+    def agree_first(self, facts: FirstFacts | None) -> None:
+        """Compare ``facts`` across replicas in the first batch's vote too (fit: the
+        optimizer's settings); a difference is a ReplicaMismatchError naming it."""
+        self.first_facts = facts
 
     def state_dict(self) -> dict[str, Any]:
         """The position of the underlying iterator (a stratagem.data iterator can resume)."""
@@ -261,17 +335,22 @@ class DistributedIterator(_IteratorApi):
         """This replica's slices of up to ``n`` next global batches (fewer at the end, none
         after it), agreed on in one vote for all of them: fit takes an execution's batches so,
         one collective per execution instead of one per batch (``next()`` is ``next_batches(1)``)."""
-        first = self._step
+        start = self._step
         if self.comm.world_size == 1:  # nothing to split or agree on
             batches = _read(self.source, n, lambda b: _local(b, self.device))
             self._step += len(batches)
             return batches
-        batches = _read(self.source, n, to_tensors)
+        batches = _read(self.source, n, _tensors)
         self._step += len(batches)
         signature = _group_signature(batches)
-        if not self._checked and batches:  # the first global batch's bytes too, in the same vote
+        first = not self._checked
+        if first and batches:  # the first global batch's bytes too, in the same vote
             signature = zlib.crc32(f"{signature}:{value_digest(batches[0])}".encode()) & 0x7FFFFFFF
+        if first and self.first_facts is not None:  # and the settings every replica must share
+            signature = zlib.crc32(f"{signature}:{self.first_facts.digest()}".encode()) & 0x7FFFFFFF
         most, least, same = self.vote.counts(len(batches), signature)
+        if not same and first:
+            _facts_error(self.comm, self.first_facts)
         if most == 0:
             return []
         if least < most:
@@ -292,7 +371,7 @@ class DistributedIterator(_IteratorApi):
                 )
             listing = "; ".join(f"replica {r}: {s[i]}" for r, s in enumerate(sigs))
             raise RuntimeError(
-                f"global batch {first + i} has different structures, shapes or dtypes on "
+                f"global batch {start + i} has different structures, shapes or dtypes on "
                 f"different replicas ({listing}); experimental_distribute_dataset expects every "
                 "replica to see the same global batches: build the dataset alike on every worker "
                 "(same files, same seed)"
@@ -328,6 +407,11 @@ class PerReplicaDatasets:
     def element_spec(self) -> Any:
         """The spec of this replica's dataset (what ``dataset_fn`` built)."""
         return _dataset_spec(self.dataset)
+
+    def cardinality(self) -> int:
+        """The batches of one pass of this replica's dataset (``INFINITE_CARDINALITY``,
+        ``UNKNOWN_CARDINALITY`` as a stratagem Dataset says)."""
+        return _cardinality(self.dataset)
 
     @property
     def resumable(self) -> bool:
@@ -366,6 +450,11 @@ class ShardedDataset:
         """The spec of this replica's share (its rebatched, auto-sharded dataset)."""
         return _dataset_spec(self.dataset)
 
+    def cardinality(self) -> int:
+        """The batches of one pass of this replica's share (``INFINITE_CARDINALITY`` for a
+        ``repeat()``ed dataset)."""
+        return _cardinality(self.dataset)
+
     @property
     def resumable(self) -> bool:
         return hasattr(self.dataset, "iterator_from_state")
@@ -375,31 +464,48 @@ class ShardedDataset:
 
     def iterator(self, epoch: int | None = None, seed: int | None = None) -> PerReplicaIterator:
         return _with_spec(PerReplicaIterator(
-            _source(self.dataset, epoch, seed), self.comm, self.device, stop_when_uneven=self.drop_remainder
+            _source(self.dataset, epoch, seed), self.comm, self.device, stop_when_uneven=self.drop_remainder,
+            renumber=self._renumber,
         ), self)
 
     def iterator_from_state(self, state: dict[str, Any]) -> PerReplicaIterator:
         return _with_spec(PerReplicaIterator(
-            _restored(self.dataset, state), self.comm, self.device, stop_when_uneven=self.drop_remainder
+            _restored(self.dataset, state), self.comm, self.device, stop_when_uneven=self.drop_remainder,
+            renumber=self._renumber,
         ), self)
+
+    def _renumber(self, error: MapFunctionError) -> MapFunctionError | None:
+        """A map error in this replica's share, numbering the element within the whole dataset."""
+        from stratagem.data.dataset import Dataset
+        from stratagem.data.sharding import renumbered
+
+        return renumbered(self.dataset, error) if isinstance(self.dataset, Dataset) else None
 
 
 class PerReplicaIterator(_IteratorApi):
     """Yields this replica's batches; once its pipeline ends while others go on, zero-size ones."""
 
     def __init__(
-        self, source: Iterator[Any], comm: Communicator, device: torch.device | None, *, stop_when_uneven: bool = False
-    ) -> None:
+        self, source: Iterator[Any], comm: Communicator, device: torch.device | None, *, stop_when_uneven: bool = False,
+        renumber: Callable[[MapFunctionError], MapFunctionError | None] | None = None,
+    ) -> None:  # fmt: skip
         self.source = source
+        self.renumber = renumber  # a map error numbered within the dataset, not this share
         self.comm = comm
         self.device = device
         self.vote = _Agreement(comm)
         self.stop_when_uneven = stop_when_uneven
         self._empty: Any = None
         self._stopped = False  # stop_when_uneven: a replica's pipeline ended, so all did
+        self._voted = False  # the first vote also compares first_facts
+        self.first_facts: FirstFacts | None = None
 
     def __iter__(self) -> PerReplicaIterator:
         return self
+
+    def agree_first(self, facts: FirstFacts | None) -> None:
+        """Compare ``facts`` across replicas in the first vote (see ``DistributedIterator``)."""
+        self.first_facts = facts
 
     def state_dict(self) -> dict[str, Any]:
         """The position of this replica's pipeline (a stratagem.data iterator can resume)."""
@@ -426,8 +532,18 @@ class PerReplicaIterator(_IteratorApi):
             return _read(self.source, n, lambda b: _local(b, self.device))
         if self._stopped:
             return []
-        batches = _read(self.source, n, self._convert)
-        most, least, _ = self.vote.counts(len(batches))
+        try:
+            batches = _read(self.source, n, self._convert)
+        except MapFunctionError as e:
+            better = self.renumber(e) if self.renumber is not None else None
+            if better is None:
+                raise
+            raise better from e.__cause__
+        facts = self.first_facts if not self._voted else None
+        most, least, same = self.vote.counts(len(batches), facts.digest() if facts is not None else 0)
+        if not self._voted and not same:
+            _facts_error(self.comm, facts)
+        self._voted = True
         if self.stop_when_uneven and least < most:
             self._stopped = True
             most = least
@@ -439,7 +555,7 @@ class PerReplicaIterator(_IteratorApi):
         return [place(b, self.device) for b in batches[:most]]
 
     def _convert(self, batch: Any) -> Any:
-        batch = to_tensors(batch)
+        batch = _tensors(batch)
         batch_size_of(batch)
         if self._empty is None:
             self._empty = slice_batch(batch, 0, 0)

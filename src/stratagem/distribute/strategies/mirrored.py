@@ -7,6 +7,7 @@ launcher made. CPU replicas use gloo, CUDA replicas NCCL.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import final
 
@@ -43,7 +44,9 @@ class MirroredStrategy(Strategy):
         bucket_cap_mb: float = 25.0,
         failure: FailureOptions | None = None,
     ) -> None:
-        started = start("MirroredStrategy", devices, timeout=timeout, replicas=num_replicas, failure=failure)
+        _check_arguments(num_replicas, timeout, bucket_cap_mb)
+        replicas = None if num_replicas is None else int(num_replicas)
+        started = start("MirroredStrategy", devices, timeout=float(timeout), replicas=replicas, failure=failure)
         spec, device, comm = started.spec, started.device, started.comm
         self.cluster_spec = spec
         self.device = device
@@ -62,3 +65,24 @@ class MirroredStrategy(Strategy):
                 local_replicas=range(first := spec.rank - spec.local_rank, first + spec.local_world_size),
             )
         )
+
+
+def _check_arguments(num_replicas: object, timeout: object, bucket_cap_mb: object) -> None:
+    """Clear errors for arguments of the wrong kind (``num_replicas="2"``), before anything starts."""
+    if num_replicas is not None and (isinstance(num_replicas, bool) or not isinstance(num_replicas, numbers.Integral)):
+        whole = isinstance(num_replicas, (str, float)) and _whole(num_replicas)
+        hint = f"; use num_replicas={int(float(num_replicas))}" if whole else ""  # type: ignore[arg-type]
+        raise TypeError(
+            f"MirroredStrategy(num_replicas=...) takes a whole number of replicas (an int >= 1) or None, "
+            f"got {num_replicas!r} ({type(num_replicas).__name__}){hint}"
+        )
+    for name, value in (("timeout", timeout), ("bucket_cap_mb", bucket_cap_mb)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
+            raise ValueError(f"MirroredStrategy({name}=...) takes a number > 0, got {value!r} ({type(value).__name__})")
+
+
+def _whole(value: str | float) -> bool:
+    try:
+        return float(value).is_integer() and float(value) >= 1
+    except ValueError:
+        return False

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import os
 import re
 from collections.abc import Callable
@@ -118,6 +119,7 @@ class Checkpoint:
         prefix = Path(file_prefix)
         if not prefix.name:
             raise ValueError(f"save({os.fspath(file_prefix)!r}): give a file prefix such as 'dir/ckpt'")
+        check_directory(prefix.parent, f"Checkpoint.save({os.fspath(file_prefix)!r})")
         number = int(self._save_counter) + 1
         target = prefix.with_name(f"{prefix.name}-{number}")
         # written as a manager's dir/ckpt-<n> (collective; the chief writes, and counts the save),
@@ -284,6 +286,7 @@ class CheckpointManager:
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        check_directory(Path(directory), "CheckpointManager")
         models = {
             name: obj
             for name, obj in checkpoint.objects.items()
@@ -308,6 +311,9 @@ class CheckpointManager:
         self._comm = chosen.extended.world
         self._layout = chosen.extended.state_layout
         self._on_file_written: Callable[[str], None] | None = None  # tests: fail mid-write
+        # checkpoints restore_or_initialize found broken and skipped: not ``latest`` (until a
+        # save writes that step again)
+        self._skipped: set[str] = set()
 
     # --- ownership ----------------------------------------------------------------------------
     def _own_directory(self) -> None:
@@ -341,14 +347,16 @@ class CheckpointManager:
 
     @property
     def checkpoints(self) -> list[str]:
-        """Committed checkpoints, oldest first (not verified)."""
-        return [str(p) for _, p in self._listing()]
+        """Committed checkpoints, oldest first (not verified; those ``restore_or_initialize``
+        found broken and skipped are left out)."""
+        return [str(p) for _, p in self._listing() if str(p) not in self._skipped]
 
     @property
     def latest(self) -> str | None:
-        """The newest committed checkpoint (not verified; ``restore_or_initialize`` verifies)."""
-        items = self._listing()
-        return str(items[-1][1]) if items else None
+        """The newest committed checkpoint (not verified; ``restore_or_initialize`` verifies):
+        after ``restore_or_initialize`` skipped a broken newer one, the one it restored."""
+        items = self.checkpoints
+        return items[-1] if items else None
 
     @property
     def latest_checkpoint(self) -> str | None:
@@ -371,12 +379,12 @@ class CheckpointManager:
             step = self.checkpoint.objects.get("step")
         if step is None:  # TensorFlow's checkpoint_number=None: the checkpoint's save_counter
             step = int(self.checkpoint.save_counter) + 1
-        step_int = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
-        path = self._save(step_int)
+        path = self._save(checked_step(step))
         self.checkpoint.save_counter.add_(1)  # as TensorFlow: every save counts
         return path
 
     def _save(self, step_int: int) -> str:
+        self._skipped.discard(str(self.directory / f"ckpt-{step_int}"))  # written anew
         self._prepare_optimizers()
         if self._comm.rank != 0:
             # TensorFlow's other workers write a copy in their directory, which its tutorials
@@ -471,6 +479,7 @@ class CheckpointManager:
         checkpoint that verifies (skipping corrupt ones with a warning); None, leaving the
         objects as they are, when there is none."""
         chosen = ""
+        skipped: list[str] = []
         problem: tuple[str, str] = ("", "")
         if self._comm.rank == 0:
             try:
@@ -482,16 +491,59 @@ class CheckpointManager:
                     verify(p)
                 except CheckpointCorruptError as e:
                     warn_user(f"skipping checkpoint {p}: {e}", stacklevel=2)
+                    skipped.append(str(p))
                     continue
                 chosen = str(p)
                 break
         self._agree(problem)
-        chosen = self._comm.broadcast_object(chosen, 0)
+        chosen, skipped = self._comm.broadcast_object((chosen, skipped), 0)
+        self._skipped.update(skipped)  # ``latest`` names what is restored, not a broken newer one
         if not chosen:
             return None
         self._load(Path(chosen))
         self._comm.barrier()
         return chosen
+
+
+def checked_step(step: Any) -> int:
+    """A checkpoint's step as an int: a non-negative whole number (an int, a numpy integer, an
+    integer tensor of one element), else a ValueError/TypeError saying what was given. A
+    negative step would be written as ``ckpt--1``, which no restore finds; ``2.5`` would be
+    written as ``ckpt-2``."""
+    value = step
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.dtype.is_floating_point or step.dtype.is_complex or step.dtype == torch.bool:
+            raise TypeError(
+                f"a checkpoint step must be a non-negative int; got a {step.dtype} tensor of shape "
+                f"{tuple(step.shape)}: keep the step in an integer tensor (torch.tensor(0)) or pass an int"
+            )
+        value = step.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        hint = f" (pass int({value!r}) if that is the step you mean)" if isinstance(value, float) and value.is_integer() else ""
+        raise TypeError(
+            f"a checkpoint step must be a non-negative int, got {value!r} ({type(value).__name__}){hint}; "
+            "checkpoints are named ckpt-<step> and restored newest step first"
+        )
+    if value < 0:
+        raise ValueError(
+            f"a checkpoint step must be a non-negative int, got {value}: it would be written as "
+            f"ckpt-{value}, which restore_or_initialize never finds; count steps from 0"
+        )
+    return int(value)
+
+
+def check_directory(path: Path, what: str) -> None:
+    """A clear error when ``path`` (a checkpoint directory, created when missing) is a file or
+    lies inside one."""
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                where = f"{path} is a file" if p == path else f"{path} lies inside {p}, which is a file"
+                raise ValueError(
+                    f"{what}: the checkpoint directory {where}, not a directory; give a directory "
+                    "path (it is created when missing) or move the file away"
+                )
+            return
 
 
 def _resolve(path: str | os.PathLike[str]) -> Path:
