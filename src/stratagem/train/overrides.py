@@ -17,6 +17,7 @@ itself summed across replicas) stay as they are.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -209,8 +210,6 @@ class KerasSteps(DataParallelSteps):
         local = [_examples(b) for b in group]
         totals = self._counts(local) if share is not None else local
         step: Callable[[Any], Any] = model.train_step  # type: ignore[assignment]
-        import time
-
         t0 = time.perf_counter()
 
         def execution() -> None:
