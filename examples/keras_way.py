@@ -15,5 +15,5 @@ with strategy.scope():
 history = model.fit(x, y, batch_size=64, epochs=5, validation_split=0.2, verbose=0)
 loss, acc = model.evaluate(x, y, batch_size=128, verbose=0)   # [loss, accuracy], as Keras returns
 probs = model.predict(x[:3], verbose=0)                        # shape (3, 10)
-model.save("digits_model")                                     # weights + compile arguments
+model.save("digits_model.keras")                               # one file: config, weights, optimizer
 sg.print(f"val_accuracy {history.history['val_accuracy'][-1]:.3f} accuracy {acc:.3f} predict {tuple(probs.shape)}")

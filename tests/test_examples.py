@@ -45,4 +45,8 @@ def test_keras_way_runs(tmp_path):
     m = re.fullmatch(r"val_accuracy (\d\.\d{3}) accuracy (\d\.\d{3}) predict \(3, 10\)", r.stdout.strip())
     assert m is not None, r.stdout  # printed once (by the chief), not once per replica
     assert float(m.group(2)) > 0.8  # 5 epochs of Adam on the digits (parity: tests/train/test_keras_model.py)
-    assert (tmp_path / "digits_model" / "config.json").exists()
+    import zipfile
+
+    saved = tmp_path / "digits_model.keras"  # one file, and what load_model reads back
+    assert "config.json" in zipfile.ZipFile(saved).namelist()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["digits_model.keras"]
