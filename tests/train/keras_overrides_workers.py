@@ -227,3 +227,17 @@ def save_load_program(strategy: Any, directory: str) -> dict[str, Any]:
 
 def mirrored_save_load(directory: str) -> dict[str, Any]:
     return save_load_program(sg.MirroredStrategy("cpu"), directory)
+
+
+def sharded_override_refused() -> str:
+    """Under ShardedStrategy an own train_step is refused on every replica, naming why."""
+    strategy = sg.ShardedStrategy()
+    x, y, _ = data(64)
+    with strategy.scope():
+        model = CustomModel(nn.Linear(32, 8), nn.ReLU(), nn.Linear(8, 1))
+        model.compile(optimizer="adam", loss="mse")
+    try:
+        model.fit(x, y, epochs=1, verbose=0)
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -287,3 +287,10 @@ def test_per_element_sample_weights_of_a_sequence_as_keras():
     _close(sm.evaluate(x, y, sample_weight=sw, verbose=0), km.evaluate(x, y, sample_weight=sw, verbose=0))
     with pytest.raises(ValueError, match=r"sample_weight has shape \(32, 3\) but the loss has shape \(32, 5\)"):
         sm.fit(x, y, sample_weight=np.ones((n, 3), "float32"), epochs=1, verbose=0)
+
+
+def test_an_override_is_refused_where_the_strategy_cannot_run_it():
+    from keras_overrides_workers import sharded_override_refused
+
+    for r in run_workers(sharded_override_refused, 2, timeout=240):
+        assert "overrides train_step" in r.value and "ShardedStrategy" in r.value, r.value
