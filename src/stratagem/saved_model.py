@@ -11,7 +11,39 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LoadedModel", "load", "save"]
+__all__ = ["LoadOptions", "LoadedModel", "SaveOptions", "load", "save"]
+
+
+class _IOOptions:
+    """TensorFlow's ``SaveOptions`` / ``LoadOptions``: ``experimental_io_device`` is where the
+    files are read and written. A stratagem process always reads and writes on its own host, so
+    ``"/job:localhost"`` (TF's distribution tutorial's) is what happens anyway; another device is
+    an error naming it."""
+
+    def __init__(self, experimental_io_device: str | None = None, **other: Any) -> None:
+        if other:
+            raise TypeError(f"{type(self).__name__}: {sorted(other)} have no meaning here; only experimental_io_device is taken")
+        device = experimental_io_device
+        if device is not None and not str(device).startswith("/job:localhost"):
+            raise ValueError(
+                f"{type(self).__name__}(experimental_io_device={device!r}): stratagem reads and writes on the host of "
+                "the process that calls it; use '/job:localhost' or leave it unset"
+            )
+        self.experimental_io_device = device
+
+
+class SaveOptions(_IOOptions):
+    """``tf.saved_model.SaveOptions(experimental_io_device="/job:localhost")``."""
+
+
+class LoadOptions(_IOOptions):
+    """``tf.saved_model.LoadOptions(experimental_io_device="/job:localhost")``."""
+
+
+def check_options(options: Any, kind: type, what: str) -> None:
+    """``options`` must be None or a ``kind`` (its meaning is checked when it is made)."""
+    if options is not None and not isinstance(options, kind):
+        raise TypeError(f"{what}(options=...) takes stratagem.saved_model.{kind.__name__}; got {type(options).__name__}")
 
 
 def save(
@@ -33,8 +65,7 @@ def save(
     those by signature name; default: zeros of the shape ``model.build`` was given), the batch
     dimension left dynamic unless ``dynamic_batch=False``. Under a strategy every replica calls it;
     the chief writes."""
-    if options is not None:
-        raise ValueError("saved_model.save(options=...) is not offered: torch.export has no SaveOptions")
+    check_options(options, SaveOptions, "saved_model.save")
     from stratagem.train.export import save_model
 
     save_model(obj, export_dir, signatures, sample_input, dynamic_batch)
@@ -101,8 +132,7 @@ def load(export_dir: str | os.PathLike[str], tags: Any = None, options: Any = No
     """Load what ``save`` (or ``model.export``) wrote (TensorFlow's ``tf.saved_model.load``): the
     programs run without the model's code, on the device they were exported on."""
     del tags  # TensorFlow's MetaGraph tags; a saved_model here has one graph per endpoint
-    if options is not None:
-        raise ValueError("saved_model.load(options=...) is not offered: torch.export has no LoadOptions")
+    check_options(options, LoadOptions, "saved_model.load")
     from stratagem.train.export import FORMAT, MANIFEST
 
     path = Path(export_dir)

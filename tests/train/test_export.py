@@ -105,8 +105,12 @@ def test_saved_model_save_with_signatures_and_a_single_output(tmp_path):
     torch.testing.assert_close(e.signatures["embed"](x)["output_0"], want_embed)
     torch.testing.assert_close(s.serve(x), want_seq)
     torch.testing.assert_close(s.signatures["serving_default"](x.numpy())["output_0"], want_seq)  # numpy in
-    with pytest.raises(ValueError, match=r"options=\.\.\.\) is not offered"):
+    with pytest.raises(TypeError, match=r"options=\.\.\.\) takes stratagem.saved_model.SaveOptions"):
         sg.saved_model.save(seq, tmp_path / "x", options=object(), sample_input=x)
+    local = sg.saved_model.SaveOptions(experimental_io_device="/job:localhost")  # TF's tutorial's
+    sg.saved_model.save(seq, tmp_path / "io", options=local, sample_input=x)
+    loaded = sg.saved_model.load(tmp_path / "io", options=sg.saved_model.LoadOptions(experimental_io_device="/job:localhost"))
+    torch.testing.assert_close(loaded.serve(x), want_seq)
     with pytest.raises(FileNotFoundError, match="is not a saved model"):
         sg.saved_model.load(tmp_path)
 

@@ -238,7 +238,13 @@ def test_load_model_names_what_is_missing(tmp_path):
         sg.load_model(tmp_path / "local.keras")
     again = sg.load_model(tmp_path / "local.keras", model=Local())
     assert torch.equal(again.lin.weight, m.lin.weight)
-    with pytest.raises(ValueError, match="options"):
+    # TF's distribution tutorial's options: IO on this host, which is where it happens anyway
+    m.save(tmp_path / "io.keras", options=sg.saved_model.SaveOptions(experimental_io_device="/job:localhost"))
+    sg.load_model(tmp_path / "io.keras", model=Local(),
+                  options=sg.saved_model.LoadOptions(experimental_io_device="/job:localhost"))
+    with pytest.raises(ValueError, match="experimental_io_device='/job:worker/task:1'"):
+        sg.saved_model.SaveOptions(experimental_io_device="/job:worker/task:1")
+    with pytest.raises(TypeError, match="options"):
         m.save(tmp_path / "x.keras", options=object())
 
 

@@ -762,11 +762,9 @@ class Model(ModelAPI, nn.Module):
         pickle); another path a directory of the same. The architecture is its class (rebuilt from
         ``register_keras_serializable``'s or the module's ``get_config()``), or pass ``model=`` to
         ``load_model``. Call it on every replica (the chief writes)."""
-        if options is not None:
-            raise ValueError(
-                "save(options=...) takes TensorFlow's SaveOptions, which have no meaning for a stratagem "
-                "file (no devices or functions are saved); leave options unset"
-            )
+        from stratagem.saved_model import SaveOptions, check_options
+
+        check_options(options, SaveOptions, "save")  # experimental_io_device: this host, as always
         path = Path(filepath)
         if path.exists() and not overwrite:
             raise FileExistsError(f"save: {path} exists and overwrite=False")
@@ -1004,12 +1002,16 @@ def keras_model(module: nn.Module) -> Model:
 
 
 def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None, compile: bool = True,
-               custom_objects: Mapping[str, Any] | None = None) -> Model:
+               custom_objects: Mapping[str, Any] | None = None, options: Any = None) -> Model:
     """Keras's ``load_model`` for a model saved by ``Model.save`` (a ``.keras`` file or a
     directory): the model rebuilt from its registered class or ``get_config()`` (or ``model=``,
     built in code), its weights loaded, compiled again with the saved arguments, and the
     optimizer's state restored, so ``fit`` continues exactly as the saved model would have.
-    ``custom_objects``: ``{name: class}`` for classes saved under a registered name."""
+    ``custom_objects``: ``{name: class}`` for classes saved under a registered name; ``options``:
+    ``stratagem.saved_model.LoadOptions`` (TF's; reads happen on this host)."""
+    from stratagem.saved_model import LoadOptions, check_options
+
+    check_options(options, LoadOptions, "load_model")
     path = Path(filepath)
     with _opened(path) as directory:
         config_file = directory / _CONFIG
