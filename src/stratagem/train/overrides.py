@@ -174,7 +174,7 @@ class KerasSteps(DataParallelSteps):
             if strategy.extended.state_layout is not StateLayout.MIRRORED:
                 raise ValueError(
                     f"{type(model).__name__} overrides train_step, which fit runs under the default, OneDevice, "
-                    f"Mirrored, MultiWorkerMirrored and TPU strategies; under {type(strategy).__name__} the "
+                    f"Mirrored and MultiWorkerMirrored strategies; under {type(strategy).__name__} the "
                     "gradients are reduced by its own engine, which does not weigh an override's loss by each "
                     "replica's share yet. Use fit's built-in step (compile(loss=...)), or MirroredStrategy"
                 )
