@@ -4,6 +4,8 @@ checkpoint, and in the deterministic mode ends bit for bit where the run without
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from failover_workers import fit_through_failure
 
@@ -102,7 +104,8 @@ def test_losing_the_store_host_is_todays_clear_error():
     results = run_workers(fit_through_failure, 3, args=(3, {0: 4}), timeout=150, check=False)
     for r in results[1:]:
         assert r.returncode == 1
-        assert "WorkerFailedError: all_gather failed because worker 0 failed" in r.stderr
+        # the deterministic mode's exchange: an all-to-all, then an all-gather (comm/blocks.py)
+        assert re.search(r"WorkerFailedError: (all_to_all|all_gather) failed because worker 0 failed", r.stderr), r.stderr[-2000:]
         assert "Traceback" not in r.stderr and "training goes on" not in r.stderr, r.stderr[-2000:]
 
 
@@ -135,7 +138,7 @@ def test_a_lost_replica_started_again_comes_back_from_a_live_peer(tmp_path):
     for r in results.values():
         assert (r["hash"], r["loss"], r["replicas"]) == (want["hash"], want["loss"], 3)
     lines = done.stderr.strip().splitlines()
-    assert lines[0].startswith("stratagem: replica 2 lost (all_gather failed because worker 2 failed")
+    assert re.match(r"stratagem: replica 2 lost \((all_to_all|all_gather) failed because worker 2 failed", lines[0]), lines[0]
     assert lines[1:] == ["stratagem: replica 2 came back; training goes on with 3 replicas"]
 
 

@@ -99,6 +99,22 @@ class Communicator(abc.ABC):
         order); returns an object with ``wait()``."""
 
     @abc.abstractmethod
+    def all_to_all_async(
+        self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+    ) -> Any:
+        """Start sending ``send``'s elements (contiguous, taken flat in rank order: ``send_splits[r]``
+        of them to member ``r``) and receiving each member ``r``'s part for this one,
+        ``recv_splits[r]`` elements, into ``recv`` (contiguous, flat, in rank order); returns an
+        object with ``wait()``."""
+
+    @abc.abstractmethod
+    def all_to_all(
+        self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+    ) -> None:
+        """``all_to_all_async`` waited for (given up on, like the other blocking collectives, once
+        a peer is known lost)."""
+
+    @abc.abstractmethod
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Overwrite ``tensor`` with the one on ``src``."""
 
@@ -265,6 +281,17 @@ class LocalCommunicator(Communicator):
         out[0].copy_(tensor)
         return _Done()
 
+    def all_to_all_async(
+        self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+    ) -> Any:
+        self.all_to_all(send, recv, send_splits, recv_splits)
+        return _Done()
+
+    def all_to_all(
+        self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+    ) -> None:
+        recv.view(-1).copy_(send.reshape(-1)[: recv.numel()])
+
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
         return None
 
@@ -418,6 +445,25 @@ class ProcessGroupCommunicator(Communicator):
         with self._guard("all_gather"):
             work = dist.all_gather(out, tensor, group=self.group, async_op=True)
         return _GuardedWork(work, self, "all_gather")
+
+    def _start_all_to_all(
+        self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+    ) -> Any:
+        return dist.all_to_all_single(recv.view(-1), send.view(-1), list(recv_splits), list(send_splits), group=self.group,
+                                      async_op=True)  # fmt: skip
+
+    def all_to_all_async(
+        self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+    ) -> Any:
+        with self._guard("all_to_all"):
+            work = self._start_all_to_all(send, recv, send_splits, recv_splits)
+        return _GuardedWork(work, self, "all_to_all")
+
+    def all_to_all(
+        self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+    ) -> None:
+        with self._guard("all_to_all"):
+            self._wait(self._start_all_to_all(send, recv, send_splits, recv_splits), "all_to_all")
 
     def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]

@@ -9,12 +9,14 @@ holding pieces ``[a, b)`` sums the largest aligned blocks inside its range (``bl
 the tree. Floating-point addition of the same operands in the same order gives the same bits, so
 every node, and the root, is the same for every split of ``[0, n)``.
 
-Pure: it adds whatever supports ``+`` (tensors, floats) and imports nothing.
+Pure: it adds whatever supports ``+`` (tensors, floats), or what a caller's ``add`` adds, and
+imports nothing from the package.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -41,7 +43,7 @@ def blocks(lo: int, hi: int) -> list[Block]:
     return out
 
 
-def _node(lo: int, hi: int, n: int, known: Mapping[Block, Any]) -> Any:
+def _node(lo: int, hi: int, n: int, known: Mapping[Block, Any], add: Callable[[Any, Any], Any] = operator.add) -> Any:
     """The value of node ``[lo, hi)`` from ``known`` values of nodes (pieces are ``[i, i + 1)``);
     None when the node lies wholly past ``n``."""
     if lo >= n:
@@ -51,17 +53,35 @@ def _node(lo: int, hi: int, n: int, known: Mapping[Block, Any]) -> Any:
     if hi - lo == 1:
         raise KeyError(f"piece {lo} of {n} is in no known block")
     mid = (lo + hi) // 2
-    left, right = _node(lo, mid, n, known), _node(mid, hi, n, known)
-    return left if right is None else left + right
+    left, right = _node(lo, mid, n, known, add), _node(mid, hi, n, known, add)
+    return left if right is None else add(left, right)
 
 
 def block_sums(pieces: Mapping[int, T], lo: int, hi: int, n: int) -> dict[Block, T]:
     """The sums of ``blocks(lo, hi)`` from the values of pieces ``lo .. hi - 1`` (each summed by
     the tree's order), to send to the other replicas."""
+    return {b: left if right is None else left + right for b, (left, right) in block_halves(pieces, lo, hi, n).items()}  # type: ignore[operator]
+
+
+def block_halves(
+    pieces: Mapping[int, T], lo: int, hi: int, n: int, add: Callable[[T, T], T] = operator.add
+) -> dict[Block, tuple[T, T | None]]:
+    """For each of ``blocks(lo, hi)``, the values of its two halves, left and right, whose sum
+    (left + right) is the block's; a block of one piece is that piece's value and None. For a
+    caller that adds the last two operands where it wants the sum (``comm/blocks.py``: into its
+    send buffer). ``add(left, right)`` makes the nodes below (an in-place add into the left
+    operand, for a caller that owns the pieces' values: the same sums)."""
     if hi > n:
         raise ValueError(f"block_sums: pieces [{lo}, {hi}) run past n = {n}")
     known = {(i, i + 1): pieces[i] for i in range(lo, hi)}
-    return {b: _node(b[0], b[1], n, known) for b in blocks(lo, hi)}
+    out: dict[Block, tuple[T, T | None]] = {}
+    for a, b in blocks(lo, hi):
+        if b - a == 1:
+            out[(a, b)] = (pieces[a], None)
+        else:  # a block inside [lo, hi) lies before n: both halves hold pieces
+            mid = (a + b) // 2
+            out[(a, b)] = (_node(a, mid, n, known, add), _node(mid, b, n, known, add))
+    return out
 
 
 def combine(known: Mapping[Block, T], n: int) -> T:

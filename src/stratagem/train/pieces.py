@@ -3,9 +3,10 @@
 Each ``piece_size``-row piece of a replica's batch runs forward and backward alone (the gradient
 reducer off, its random numbers from a generator set by the update and the piece's index in the
 global batch), its gradient is taken, and the pieces of the whole global batch are summed in
-``core/canonical.py``'s tree: this replica's blocks locally, then every replica's blocks gathered
-and the tree finished alike everywhere. The result has the same bits on one process and on any
-number of replicas (docs/design/DETERMINISM.md).
+``core/canonical.py``'s tree: this replica's blocks locally, then each replica finishes the tree
+on its slice of the gradient from every replica's blocks of that slice, and the finished slices
+are gathered (``comm/blocks.py``). The result has the same bits on one process and on any number
+of replicas (docs/design/DETERMINISM.md).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from stratagem.comm.blocks import (
     Grads,
     OverlappedExchange,
     agreed_seed,
-    exchange_blocks,
     generator_at,
+    reduce_blocks,
 )
 from stratagem.core.batches import batch_size_of, slice_batch, split_sizes
-from stratagem.core.canonical import block_sums, combine
+from stratagem.core.canonical import block_sums
 from stratagem.distribute import current
 from stratagem.distribute.determinism import OpDeterminism
 from stratagem.distribute.strategy import Execution, StateLayout, Strategy
@@ -158,10 +159,9 @@ class PieceRunner:
             mine = pieces[first] if last > first else Grads(torch.zeros_like(q) for q in self.params)
             grads = list(world.all_reduce(list(mine), "sum", check=False))
         elif exchange is not None:
-            grads = exchange.finish(ranges)
+            grads = exchange.finish()
         else:
-            known = block_sums(pieces, first, last, n)
-            grads = list(combine(exchange_blocks(world, known, ranges, self.params), n))
+            grads = reduce_blocks(world, block_sums(pieces, first, last, n), ranges, self.params, n)
         for param, g in zip(self.params, grads):
             param.grad = g.to(param.device)
         if commit is not None:

@@ -11,12 +11,12 @@ the global batch. A hook on each trainable mirrored parameter takes the piece's 
 arrives (before it is added to ``.grad``); at the end of that backward pass the parameter's
 ``.grad`` is put back as it was before it (so in every piece but the last, clipping and the
 optimizer see no gradient: a step is a no-op for torch's optimizers), and at the end of the last
-piece's backward the replicas exchange their block sums and ``.grad`` becomes what it was plus
-the tree's root: the clipping and the optimizer step that follow see the whole global batch's
-gradient. What the step returns is combined over the pieces: numbers and 0-d tensors are summed
-(``compute_average_loss(..., global_batch_size)`` per piece adds up to the replica's), tensors of
-the piece's rows are concatenated. ``compute_average_loss`` without a batch size counts the global
-batch, not the piece.
+piece's backward the replicas finish the tree from their block sums (``comm/blocks.py``) and
+``.grad`` becomes what it was plus the tree's root: the clipping and the optimizer step that
+follow see the whole global batch's gradient. What the step returns is combined over the pieces:
+numbers and 0-d tensors are summed (``compute_average_loss(..., global_batch_size)`` per piece
+adds up to the replica's), tensors of the piece's rows are concatenated. ``compute_average_loss``
+without a batch size counts the global batch, not the piece.
 
 Refused: an optimizer whose ``step`` acts without gradients (the first pieces would step it),
 a learning-rate scheduler stepped inside the step (it would step once per piece): step them
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from stratagem.comm.blocks import Grads, agreed_seed, exchange_blocks, generator_at
+from stratagem.comm.blocks import Grads, agreed_seed, generator_at, reduce_blocks
 from stratagem.core import tree
-from stratagem.core.canonical import block_sums, combine
+from stratagem.core.canonical import block_sums
 from stratagem.distribute import determinism
 from stratagem.distribute.context import pieces_of_global_batch
 from stratagem.distribute.determinism import OpDeterminism
@@ -109,8 +109,8 @@ class PiecewiseRun:
                     for q, b in zip(params, c.before):
                         q.grad = b
                     return
-                known = exchange_blocks(self.comm, block_sums(taken, first, first + local, n), ranges, params)
-                for q, b, g in zip(params, c.before, combine(known, n)):
+                root = reduce_blocks(self.comm, block_sums(taken, first, first + local, n), ranges, params, n)
+                for q, b, g in zip(params, c.before, root):
                     q.grad = g if b is None else b + g
 
             catcher.at_end = at_end
