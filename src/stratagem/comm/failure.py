@@ -1,15 +1,21 @@
-"""Failure detection: heartbeats and failure records in the job's store, and a watchdog.
+"""Failure detection: a process's monitor, built of its heartbeat, the job's verdict and the watchdog.
 
 Every process of a job runs one ``FailureMonitor`` thread with its own connection to the
-rendezvous store. It bumps a heartbeat counter, and watches its peers: a failure record
-(written by a rank whose program raised, with its traceback), a local peer whose process is
-gone, a remote peer whose heartbeat stopped for ``dead_after_seconds``, or a store that stopped
-answering (rank 0, which hosts it, is gone). ``probe`` explains a failed collective with what the
-monitor knows, so ``WorkerFailedError`` names the rank. A gloo collective cannot be interrupted
-from another thread: when a failure is known and the main thread has not raised within
-``grace_seconds``, the watchdog prints the error and ends the process with exit code 1.
+rendezvous store. Each beat it makes two store calls whatever the job's size: its own beat (one
+key carrying its state: running, or how it ended), and one read of the job's verdict. One process,
+the watcher (the store's host, else the lowest rank; ``verdict.py``), reads every beat in one
+``multi_get`` and publishes that verdict: its own pass count (every rank takes the watcher for
+silent when it stops changing), the number of failure records, the ranks that ended. A rank that
+raised writes a record with its traceback; a rank that finds a peer on its own host gone or
+stopped (its pid), or the watcher silent, writes a verdict record; the watcher writes one for a
+rank whose beat stopped for ``dead_after_seconds``; a store that stops answering names its host.
+``probe`` explains a failed collective with what the monitor knows, so ``WorkerFailedError``
+names the rank. A gloo collective cannot be interrupted from another thread: when a failure is
+known and the main thread has not raised within ``grace_seconds``, the watchdog prints the error
+and ends the process with exit code 1 (``watchdog.py``).
 
 Tracebacks are printed once: the rank that raised prints its own; the others print one line.
+Costs (docs/SCALE.md): 2N + 8 store calls a second for the job (1 s beats); start-up about 6 calls a rank.
 """
 
 from __future__ import annotations
@@ -17,8 +23,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import itertools
-import json
 import multiprocessing
 import os
 import re
@@ -28,78 +32,77 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
 
-from stratagem.cluster.launch import children
 from stratagem.cluster.stopping import explain_stops_with, mark_reported, record_followed
-from stratagem.comm.errors import (
-    CollectiveError,
-    CollectiveTimeoutError,
-    WorkerFailedError,
-    looks_like_peer_loss,
+from stratagem.comm.errors import CollectiveError, WorkerFailedError, looks_like_peer_loss
+from stratagem.comm.heartbeat import (
+    ABORTED,
+    DONE,
+    ENDED,
+    FAILED,
+    RELEASED,
+    Heartbeat,
+    Keys,
+    Peer,
+    host_identity,
+    local_peers,
+    peer_record,
+    publish_self,
+    read_all,
+    read_directory,
+    write_directory,
 )
 from stratagem.comm.interfaces import route_source
+from stratagem.comm.verdict import (
+    FailureProbe,
+    Verdict,
+    VerdictReader,
+    Watcher,
+    backend_text,
+    classify_failure,
+    collectives_explained,
+    deputy_of,
+    launcher_probe,
+    publish_record,
+    read_records,
+    watcher_of,
+)
+from stratagem.comm.watchdog import (
+    ABORT_EXIT_CODE,
+    RESET_WAIT_S,
+    abort_due_in,
+    giving_up_allowed,
+    in_collective,
+    waiting_can_give_up,
+)
 from stratagem.core.procs import pid_alive, pid_stopped
 
-#: exit code of a process the watchdog stops because a peer failed while it was blocked.
-ABORT_EXIT_CODE = 1
-#: how long a process blocked in a collective, once a peer's failure is known, is given for the
-#: collective to fail on its own (a reset from the peer, raised as WorkerFailedError) before the
-#: watchdog stops it: a peer's connections can stay open after it failed (its process lives on
-#: while it reports, and torch does not always close a destroyed gloo group's connections)
-RESET_WAIT_S = 0.3
+__all__ = [
+    "ABORT_EXIT_CODE",
+    "RESET_WAIT_S",
+    "Failure",
+    "FailureMonitor",
+    "FailureOptions",
+    "FailureProbe",
+    "backend_text",
+    "classify_failure",
+    "collectives_explained",
+    "giving_up_allowed",
+    "host_identity",
+    "in_collective",
+    "job_probe",
+    "launcher_probe",
+    "waiting_can_give_up",
+]
+
 #: a store call's error that says the store's process is gone (not merely silent)
 _RESET = re.compile(r"reset by peer|broken pipe|connection refused|\beof\b|connection was likely closed", re.I)
-
-#: the collectives this process is inside now (any thread), entered at what time
-_in_collectives: dict[int, float] = {}
-_in_collectives_lock = threading.Lock()
-_collective_ids = itertools.count()
-
-
-@contextlib.contextmanager
-def in_collective() -> Iterator[None]:
-    """Marks a collective (or send/recv) under way: once a peer is known to have failed, a
-    process waiting in one is stopped after one heartbeat, not after the grace meant for a
-    process still computing (which can raise the error itself at its next collective)."""
-    with _in_collectives_lock:
-        key = next(_collective_ids)
-        _in_collectives[key] = time.monotonic()
-    try:
-        yield
-    finally:
-        with _in_collectives_lock:
-            _in_collectives.pop(key, None)
-
-
-#: how many waits that may give up (``ProcessGroupCommunicator._wait``) are under way
-_giving_up = [0]
-
-
-@contextlib.contextmanager
-def giving_up_allowed() -> Iterator[None]:
-    """Marks a wait that gives up by itself once a peer is known lost."""
-    _giving_up[0] += 1
-    try:
-        yield
-    finally:
-        _giving_up[0] -= 1
-
-
-def waiting_can_give_up() -> bool:
-    """Whether the collective under way gives up by itself on a lost peer (the watchdog then
-    need not stop the process)."""
-    return _giving_up[0] > 0
-
-
-def _waiting_in_collective_since() -> float | None:
-    with _in_collectives_lock:
-        return min(_in_collectives.values(), default=None)
 
 
 @dataclass(frozen=True)
@@ -162,31 +165,6 @@ class Failure:
     silent: bool = False
 
 
-def _namespace_id(kind: str) -> str:
-    try:
-        return os.readlink(f"/proc/self/ns/{kind}")
-    except OSError:
-        return ""
-
-
-def host_identity() -> str:
-    """What tells this process's host apart from another's: the kernel's boot id and this
-    process's pid and network namespaces, not the hostname alone (two machines, or two network
-    namespaces of one, can share a hostname). Processes with equal identities can see each
-    other's pids; others cannot, and are watched by their heartbeats only."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return "|".join([socket.gethostname(), boot, _namespace_id("pid"), _namespace_id("net")])
-
-
-def _peer_record(raw: Any) -> tuple[str, int, str]:
-    info = json.loads(raw)
-    return str(info["host"]), int(info["pid"]), str(info.get("address", ""))
-
-
 def _local_address(host: str, port: int) -> str:
     """The address this machine reaches ``host`` from ("" if it cannot tell)."""
     try:
@@ -234,11 +212,22 @@ class FailureMonitor:
         self._closing = False
         self._ended = False
         self._store: Any = None
+        self._keys = Keys(prefix)
+        self._heartbeat: Heartbeat | None = None
+        self._reader: VerdictReader | None = None
+        #: this process's watcher of the job (only on the rank that watches)
+        self._watcher: Watcher | None = None
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._peers: dict[int, tuple[str, int, str]] = {}  # rank -> (host identity, pid, address)
-        self._beats: dict[int, tuple[int, float]] = {}
+        #: rank -> (host identity, pid, address): the ranks of this host, the store's host and the
+        #: watcher (every rank, on the watcher)
+        self._peers: dict[int, Peer] = {}
+        #: the ranks at the store's address (from the watcher's directory)
+        self._near: list[int] = []
+        #: the directory is not written yet (on the watcher: a rank's record is missing) or not
+        #: read yet (elsewhere): looked for again each beat until it is
+        self._directory_pending = False
         self._finished: set[int] = set()
         self._store_errors = 0
         #: the store host ended its program and this process said it need not wait for it any
@@ -267,16 +256,8 @@ class FailureMonitor:
         #: failure records up to this index are about members that left (read no more: a rank
         #: that left may come back, and its old record must not count against it)
         self._records_from = 0
-
-    # --- store helpers ------------------------------------------------------------------------
-    def _key(self, *parts: object) -> str:
-        return self.prefix + "/".join(str(p) for p in parts)
-
-    def _has(self, key: str) -> bool:
-        return bool(self._store.check([key]))
-
-    def _add(self, key: str, n: int) -> int:
-        return int(self._store.add(key, n))
+        #: ranks some failure record names (the watcher does not publish a verdict on them again)
+        self._recorded: set[int] = set()
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> FailureMonitor:
@@ -286,9 +267,11 @@ class FailureMonitor:
             timeout=datetime.timedelta(seconds=self._store_timeout),
             wait_for_workers=False,
         )
-        self._store.set(self._key("pid", self.rank), json.dumps(
-            {"host": self._host, "pid": os.getpid(), "address": self._address}))
-        self._add(self._key("hb", self.rank), 1)
+        me = (self._host, os.getpid(), self._address)
+        self._heartbeat = Heartbeat(self._store, self._keys, self.rank)
+        self._reader = VerdictReader(self._store, self._keys, self.options.dead_after_seconds)
+        publish_self(self._store, self._keys, self.rank, me, self._heartbeat)
+        self._peers[self.rank] = me
         if self.store_host_rank is not None and self.store_host_rank != self.rank:
             self._peer_blocking(self.store_host_rank)
         self._learn_peers()
@@ -310,16 +293,14 @@ class FailureMonitor:
             return
         if not self._ended:
             self._closing = True
-            try:
+            with contextlib.suppress(Exception):  # the store may be gone at exit
                 with self._lock:
                     if not self._released:
-                        self._store.set(self._key("end", self.rank), "done")
-            except Exception:  # noqa: BLE001 - the store may be gone at exit
-                pass
+                        self._say(DONE)
             if self.rank == self.store_host_rank:
                 # a peer still running is waited for until it ends, or says it has seen that this
                 # process ended (it then stops using the store), or ``shutdown_wait`` runs out
-                self._wait_for_peers(self._let_go, self.shutdown_wait)
+                self._wait_for_peers(lambda: self._finished.__contains__, self.shutdown_wait)
             self._ended = True
         self._halt()
 
@@ -365,28 +346,27 @@ class FailureMonitor:
                 return p, f"its process (pid {pid}) ended while the job ran (killed, crashed or raised)"
         return None
 
-    def _let_go(self, p: int) -> bool:
-        return p in self._finished or self._has(self._key("released", p))
-
     def _release(self) -> None:
         """The store host ended: say so to it (this process's last store call) and stop using the
         store, so the host need not wait for this process's end and this process never calls a
         store that is gone."""
         try:
-            self._add(self._key("released", self.rank), 1)
+            self._say(RELEASED)
         finally:
             self._released = True
             self._store_errors = 2
 
-    def _wait_for_peers(self, satisfied: Any, limit: float) -> None:
+    def _wait_for_peers(self, looks: Callable[[], Callable[[int], bool]], limit: float) -> None:
+        """Wait until every live peer is ``looks()`` satisfied (a look: one call or two)."""
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             try:
                 with self._lock:
                     self._scan_ends()
+                    satisfied = looks()
                     pending = [
-                        p for p in range(self.world_size)
-                        if p != self.rank and p not in self.left and not satisfied(p) and self._alive(p)
+                        p for p in self._members()
+                        if p != self.rank and not satisfied(p) and self._alive(p)
                     ]
             except Exception:  # noqa: BLE001
                 return
@@ -394,16 +374,122 @@ class FailureMonitor:
                 return
             time.sleep(0.1)
 
+    # --- the store's keys -------------------------------------------------------------------------
+    def _members(self) -> list[int]:
+        return [p for p in range(self.world_size) if p not in self.left]
+
+    def _watcher_rank(self) -> int:
+        return watcher_of(self._members(), self.store_host_rank)
+
+    def _say(self, state: str) -> None:
+        """This process's state, in its beat (and, on the watcher, in the verdict at once)."""
+        assert self._heartbeat is not None
+        self._heartbeat.beat(state)
+        if self._watcher is not None:
+            self._publish_verdict()
+
+    def _publish_verdict(self) -> Verdict:
+        assert self._watcher is not None and self._heartbeat is not None
+        verdict = self._watcher.publish()
+        if self._heartbeat.state in ENDED:  # the watcher's own end, with the others'
+            verdict = Verdict(verdict.seq, verdict.by, verdict.nfail, tuple(sorted({*verdict.ended, self.rank})))
+            self._store.set(self._keys.verdict, verdict.encode())
+        return verdict
+
+    def _learn_peers(self) -> None:
+        """At start: the watcher reads every record (one wait, one ``multi_get``) and writes the
+        directory; every other rank waits for the directory and reads its own host's list (which
+        peers it can watch by their pids) and the watcher's record. Which peer runs where must be
+        known before a fault, since a host cut off from the store can read nothing afterwards."""
+        watcher = self._watcher_rank()
+        if watcher == self.rank:
+            self._become_watcher()
+            return
+        directory = read_directory(self._store, self._keys, self._store_timeout)
+        self._directory_pending = directory is None
+        if directory is not None:
+            self._near = [int(r) for r in directory.get("near", ())]
+        with contextlib.suppress(Exception):  # a peer gone, or the store unreachable: the beats decide
+            self._learn_local()
+            if watcher not in self._peers:
+                self._peer_blocking(watcher)
+
+    def _look_for_directory(self) -> None:
+        """A rank that started before the directory was written: it reads it once it is (and its
+        host's list again, now whole); the watcher writes it once every record is in."""
+        if self._watcher is not None:
+            if all(p in self._peers for p in self._members()):
+                write_directory(self._store, self._keys, self._peers, self.master_addr)
+                self._directory_pending = False
+            return
+        if not self._store.check([self._keys.directory]):
+            return
+        directory = read_directory(self._store, self._keys, self._store_timeout)
+        if directory is not None:
+            self._near = [int(r) for r in directory.get("near", ())]
+            self._learn_local()
+            self._directory_pending = False
+
+    def _become_watcher(self) -> None:
+        others = [p for p in self._members() if p != self.rank]
+        self._watcher = Watcher(self._store, self._keys, self.rank, self.options.dead_after_seconds)
+        self._peers.update(read_all(self._store, self._keys, others, self._store_timeout))
+        self._directory_pending = True
+        self._look_for_directory()
+        self._publish_verdict()
+
+    def _learn_local(self) -> None:
+        """The ranks on this host and their pids (one read of this host's list)."""
+        raw = self._store.get(self._keys.host(self._host))
+        for r, pid in local_peers(raw).items():
+            if r != self.rank:
+                self._peers[r] = (self._host, pid, self._address)
+
+    def _peer_blocking(self, p: int) -> None:
+        self._peers[p] = peer_record(self._store.get(self._keys.pid(p)))  # waits (store timeout)
+
+    def _scan_ends(self) -> Verdict | None:
+        """One look at the job's state: on the watcher, every beat (one call) and a verdict
+        published; elsewhere, the verdict read (one call). Returns the verdict."""
+        now = time.monotonic()
+        verdict: Verdict | None
+        if self._watcher is not None:
+            self._watch_pass(now)
+            verdict = self._publish_verdict()
+        else:
+            assert self._reader is not None
+            verdict = self._reader.read(now)
+        if verdict is not None:
+            self._finished.update(r for r in verdict.ended if r != self.rank)
+        return verdict
+
+    def _watch_pass(self, now: float) -> None:
+        """The watcher's look at every beat; a verdict record on each rank newly silent."""
+        w = self._watcher
+        assert w is not None
+        members = [p for p in self._members() if p != self.rank]
+        for p in members:
+            if p not in self._peers and self._store.check([self._keys.pid(p)]):  # late at start-up
+                self._peers[p] = peer_record(self._store.get(self._keys.pid(p)))
+        w.read([p for p in members if p in self._peers], now)
+        self._finished.update(w.book.ended())
+        if self._closing or self.failure is not None:
+            return
+        for p in w.newly_silent(now, self._finished | self.left | self._recorded):
+            self._publish(Failure(p, self._silence_why(self._peers.get(p)), silent=True))
+
     # --- watching -----------------------------------------------------------------------------
     def _loop(self) -> None:
-        interval = self.options.heartbeat_seconds
+        # the watcher looks twice a beat, so that a silence is seen within half a beat of
+        # ``dead_after_seconds`` (one hop more than each rank's own look used to take)
+        interval = self.options.heartbeat_seconds / (2 if self._watcher is not None else 1)
         last = time.monotonic()
         while not self._stop.wait(interval):
             now = time.monotonic()
             if now - last > 2 * interval + 1.0:
                 # this process was stopped (Ctrl-Z) or starved: its peers' silence was not
                 # watched meanwhile, so their clocks start again (a peer resumed with it is fine)
-                self._beats.clear()
+                self._forget_clocks()
             last = now
             if self._store_errors >= 2:  # the store is gone: nothing more to read or write
                 pass
@@ -418,6 +504,11 @@ class FailureMonitor:
             if due is not None and due < interval and not self._stop.wait(max(due, 0.0) + 0.01):
                 self._abort_when_due()  # due before the next beat: act then, not a beat later
 
+    def _forget_clocks(self) -> None:
+        if self._watcher is not None:
+            self._watcher.forget()
+        if self._reader is not None:
+            self._reader.forget()
     def _watch_stalls(self) -> None:
         """A second thread: notices the watcher stuck in a store call (the store's host cannot
         be reached), and ends this process the way the watcher would have."""
@@ -475,8 +566,10 @@ class FailureMonitor:
         first other rank at the store's address (on the host that is cut off)."""
         if self.store_host_rank is not None:
             return self.store_host_rank, "it hosts at"
-        near = sorted(r for r, (_, _, address) in self._peers.items()
-                      if address == self.master_addr and r != self.rank)
+        near = sorted(r for r in self._near if r != self.rank and r not in self.left)
+        if not near:
+            near = sorted(r for r, (_, _, address) in self._peers.items()
+                          if address == self.master_addr and r != self.rank)
         if near:
             return near[0], f"on worker {near[0]}'s host, at"
         return None, "at"
@@ -491,26 +584,16 @@ class FailureMonitor:
         stand)."""
         if self.failure is None or self._closing or self._reported:
             return None
-        if self._continues_after(self.failure) and (
-            not self.failure.silent or _waiting_in_collective_since() is None or waiting_can_give_up()
-        ):
-            # the main thread's collective fails (a reset; or, for a silent peer, its wait gives up
-            # by itself), and the survivors go on without it. A silent peer while the main thread
-            # waits where it cannot give up: stopped as without "continue"
-            return None
         now = time.monotonic()
         probing = self._probe_since
-        if probing is not None and now - probing < self._probe_bound():
-            return self._probe_bound() - (now - probing)  # the main thread is about to raise itself
-        # a silent peer was already waited for (dead_after_seconds): no collective with it can
-        # finish, so there is nothing to give the main thread time for
-        grace = 0.0 if self.failure.silent else self.options.grace_seconds
-        if _waiting_in_collective_since() is not None:
-            # blocked in a collective: it cannot finish with a failed peer, and no error may come
-            # (the peer's connections open): a moment for a reset to arrive and be raised, then
-            # the process is stopped
-            grace = min(grace, RESET_WAIT_S)
-        return grace - (now - self._failure_at)
+        return abort_due_in(
+            silent=self.failure.silent,
+            continues=self._continues_after(self.failure),
+            failure_age=now - self._failure_at,
+            grace=self.options.grace_seconds,
+            probing_for=None if probing is None else now - probing,
+            probe_bound=self._probe_bound(),
+        )
 
     def _continues_after(self, failure: Failure) -> bool:
         """Whether the job goes on without the failed rank (``on_failure="continue"``): any rank
@@ -556,23 +639,28 @@ class FailureMonitor:
 
     def _failed_ranks(self) -> set[int]:
         """Every rank a failure record names (its own, or another rank's verdict on it)."""
-        out = set()
-        for i in range(self._records_from + 1, self._add(self._key("nfail"), 0) + 1):
-            key = self._key("fail", i)
-            if self._has(key):
-                out.add(int(json.loads(self._store.get(key))["rank"]))
-        return out
+        count = int(self._store.add(self._keys.nfail, 0))
+        return {int(rec["rank"]) for rec in read_records(self._store, self._keys, self._records_from, count)}
 
     def continue_without(self, ranks: Iterable[int]) -> None:
         """The survivors went on without ``ranks``: stop watching them, forget the failure (and
-        the records so far: they are about ranks that left)."""
+        the records so far: they are about ranks that left). The lowest survivor watches when the
+        watcher was among them."""
         ranks = set(ranks)
         with self._lock:
             self.left.update(ranks)
             self.failure = None
             self._reported = False
             with contextlib.suppress(Exception):
-                self._records_from = self._add(self._key("nfail"), 0)
+                self._records_from = int(self._store.add(self._keys.nfail, 0))
+                self._recorded.clear()
+            if self._watcher is not None:
+                self._watcher.forget(ranks)
+            elif self._watcher_rank() == self.rank:
+                with contextlib.suppress(Exception):
+                    self._become_watcher()
+            elif self._reader is not None:
+                self._reader.forget()
             # a stopped process on this host that was left out is ended (as the watchdog ends it
             # without "continue"): continued later, it would only find the job gone on without it
             stopped = self._stopped_peer
@@ -584,12 +672,17 @@ class FailureMonitor:
 
     def admit(self, ranks: Iterable[int]) -> None:
         """``ranks`` came back (new processes in their places): watch them again, from scratch."""
+        ranks = set(ranks)
         with self._lock:
             for p in ranks:
                 self.left.discard(p)
                 self._peers.pop(p, None)
-                self._beats.pop(p, None)
                 self._finished.discard(p)
+            if self._watcher is not None:
+                self._watcher.forget(ranks)  # its pass reads their records again
+            else:
+                with contextlib.suppress(Exception):
+                    self._learn_local()
 
     def _probe_bound(self) -> float:
         """How long explaining a failed collective may take before it counts as stuck."""
@@ -624,14 +717,16 @@ class FailureMonitor:
         self._call_since = time.monotonic()  # waiting for the lock counts: a holder may be stuck
         try:
             with self._lock:
-                self._add(self._key("hb", self.rank), 1)
+                assert self._heartbeat is not None
+                self._heartbeat.beat()
+                if self._directory_pending:
+                    self._look_for_directory()
+                verdict = self._scan_ends()
                 if not self._closing and self.failure is None:
-                    self._detect()
-                elif self.store_host_rank is not None and self.store_host_rank != self.rank:
-                    self._scan_ends()
+                    self._detect(verdict)
                 self._store_errors = 0
                 self._call_since = None
-                if self._host_ended():
+                if self._host_ended() and self.rank != self.store_host_rank:
                     self._release()
         except Exception as e:  # noqa: BLE001 - a store that stopped answering
             self._call_since = None
@@ -661,110 +756,85 @@ class FailureMonitor:
                 return
             try:
                 with self._lock:
-                    self._add(self._key("seen", failure.rank), 1)
+                    self._store.add(self._keys.seen(failure.rank), 1)
             except Exception:  # noqa: BLE001
                 pass
 
-    def _scan_ends(self) -> None:
-        for p in range(self.world_size):
-            if p != self.rank and p not in self._finished and self._has(self._key("end", p)):
-                self._finished.add(p)
-
-    def _peer(self, p: int) -> tuple[str, int, str] | None:
-        if p not in self._peers:
-            key = self._key("pid", p)
-            if not self._has(key):
-                return None
-            self._peers[p] = _peer_record(self._store.get(key))
-        return self._peers[p]
-
-    def _learn_peers(self) -> None:
-        """Read every peer's record once at start (each publishes its own right after the process
-        group formed, so this waits moments): which peer runs where must be known before a fault,
-        since a host cut off from the store can read nothing afterwards. Without it, a cut early
-        in training (before the first heartbeat read the records) left a rank unable to name the
-        peer on the store's host ("a peer worker failed"). A peer that does not publish within the
-        store timeout (it died meanwhile) is looked up by the heartbeat later, as before."""
-        others = [self._key("pid", p) for p in range(self.world_size) if p != self.rank]
-        if not others:
-            return
-        try:
-            self._store.wait(others, datetime.timedelta(seconds=self._store_timeout))
-            for p in range(self.world_size):
-                if p != self.rank and p not in self._peers:
-                    self._peer_blocking(p)  # published (the wait returned): one read
-        except Exception:  # noqa: BLE001 - a peer gone, or the store unreachable: the heartbeat decides
-            pass
-
-    def _peer_blocking(self, p: int) -> None:
-        self._peers[p] = _peer_record(self._store.get(self._key("pid", p)))  # waits (store timeout)
-
     def _alive(self, p: int) -> bool:
-        peer = self._peer(p)
+        """Whether ``p`` looks alive: its pid on this host, the watcher's book (on the watcher),
+        the verdict changing (``p`` the watcher). The watcher's verdict records name the others."""
+        peer = self._peers.get(p)
         if peer is not None and peer[0] == self._host and not pid_alive(peer[1]):
             return False
-        beat = self._add(self._key("hb", p), 0)
-        last = self._beats.get(p)
-        now = time.monotonic()
-        if last is None or last[0] != beat:
-            self._beats[p] = (beat, now)
-            return True
-        return now - last[1] < self.options.dead_after_seconds
+        if self._watcher is not None:
+            return self._watcher.book.age(p, time.monotonic()) < self.options.dead_after_seconds
+        if p == self._watcher_rank() and self._reader is not None:
+            return not self._reader.watcher_silent(time.monotonic())
+        return True
 
-    def _recorded_failure(self) -> Failure | None:
-        count = self._add(self._key("nfail"), 0)
-        for i in range(self._records_from + 1, count + 1):
-            key = self._key("fail", i)
-            if not self._has(key):
-                continue
-            rec = json.loads(self._store.get(key))
-            if rec["rank"] == self.rank or rec["rank"] in self.left:
+    def _recorded_failure(self, count: int) -> Failure | None:
+        found = None
+        for rec in read_records(self._store, self._keys, self._records_from, count):
+            r = int(rec["rank"])
+            self._recorded.add(r)
+            if found is not None or r == self.rank or r in self.left:
                 continue
             if "why" in rec:  # another rank's verdict on a peer that fell silent, died or stopped
-                return Failure(int(rec["rank"]), f"{rec['why']} (seen by worker {rec['by']})", silent=bool(rec["silent"]))
-            return Failure(int(rec["rank"]), f"it raised {rec['summary']} (its traceback is in its output)")
-        return None
+                found = Failure(r, f"{rec['why']} (seen by worker {rec['by']})", silent=bool(rec["silent"]))
+            else:
+                found = Failure(r, f"it raised {rec['summary']} (its traceback is in its output)")
+        return found
 
     def _publish(self, found: Failure) -> None:
         """Tell every rank what this one found (holding the lock): each reads it at its next
-        beat, rather than waiting out the same silence on its own clock, which restarts when its
-        watcher was starved on a loaded machine."""
-        rec = json.dumps({"rank": found.rank, "why": found.why, "silent": found.silent, "by": self.rank})
-        n = self._add(self._key("nfail"), 1)
-        self._store.set(self._key("fail", n), rec)
+        beat, through the verdict's count of records, rather than waiting out the same silence
+        on its own clock, which restarts when its watcher was starved on a loaded machine."""
+        publish_record(self._store, self._keys,
+                       {"rank": found.rank, "why": found.why, "silent": found.silent, "by": self.rank})
+        if found.rank is not None:
+            self._recorded.add(found.rank)
         if found.silent:
             self._published_silent = found.rank
 
-    def _detect(self) -> Failure | None:
-        """One look at the store and the peers (holding the lock); records what it finds."""
-        found = self._recorded_failure()
+    def _detect(self, verdict: Verdict | None, direct: bool = False) -> Failure | None:
+        """One look at the verdict and this host's peers (holding the lock); records what it
+        finds. ``direct``: the count of records is read from the store too (explaining a failed
+        collective: a record written since the watcher's last pass counts)."""
+        count = verdict.nfail if verdict is not None else 0
+        if direct:
+            count = max(count, int(self._store.add(self._keys.nfail, 0)))
+        found = self._recorded_failure(count)
         if found is None:
-            self._scan_ends()
-            for p in range(self.world_size):
-                if p == self.rank or p in self._finished or p in self.left:
-                    continue
-                peer = self._peer(p)
-                if peer is not None and peer[0] == self._host and not pid_alive(peer[1]):
-                    found = Failure(p, f"its process (pid {peer[1]}) is gone: killed or crashed")
-                    break
-                if peer is not None and peer[0] == self._host and pid_stopped(peer[1]):
-                    found = Failure(p, f"its process (pid {peer[1]}) is stopped (SIGSTOP): no "
-                                       "collective with it can finish; it is ended", silent=True)
-                    self._stopped_peer = peer[1]
-                    break
-                if not self._alive(p):
-                    if peer is not None and peer[0] == self._host and not pid_alive(peer[1]):
-                        # it died between the look above and _alive's own: gone, not silent
-                        found = Failure(p, f"its process (pid {peer[1]}) is gone: killed or crashed")
-                    else:
-                        found = Failure(p, self._silence_why(peer), silent=True)
-                    break
-            if found is not None and found.rank is not None:
+            found = self._local_failure()
+            deputy = True
+            if found is None and self._watcher is None and self._watcher_silent():
+                w = self._watcher_rank()
+                found = Failure(w, self._silence_why(self._peers.get(w)), silent=True)
+                deputy = deputy_of(self._members(), w) == self.rank  # one record, not one a rank
+            if found is not None and found.rank is not None and deputy:
                 with contextlib.suppress(Exception):  # the store may be going: the verdict stands here
                     self._publish(found)
         if found is not None:
             self._set_failure(found)
         return found
+
+    def _watcher_silent(self) -> bool:
+        w = self._watcher_rank()
+        return (self._reader is not None and w != self.rank and w not in self._finished
+                and self._reader.watcher_silent(time.monotonic()))
+
+    def _local_failure(self) -> Failure | None:
+        """A peer on this host whose process is gone or stopped (its pid; no store call)."""
+        for p, (host, pid, _) in sorted(self._peers.items()):
+            if p == self.rank or p in self._finished or p in self.left or host != self._host:
+                continue
+            if not pid_alive(pid):
+                return Failure(p, f"its process (pid {pid}) is gone: killed or crashed")
+            if pid_stopped(pid):
+                self._stopped_peer = pid
+                return Failure(p, f"its process (pid {pid}) is stopped (SIGSTOP): no "
+                                  "collective with it can finish; it is ended", silent=True)
+        return None
 
     def _silence_why(self, peer: tuple[str, int, str] | None) -> str:
         quiet = f"it sent no heartbeat for {self.options.dead_after_seconds:.0f}s"
@@ -798,7 +868,7 @@ class FailureMonitor:
             # that a cut-off host never answers (its stall watcher then sets the failure)
             if self._lock.acquire(timeout=0.2):
                 try:
-                    self._detect()
+                    self._detect(self._scan_ends(), direct=True)
                 except Exception as e:  # noqa: BLE001
                     self._set_failure(self._store_gone(e))
                 finally:
@@ -833,7 +903,7 @@ class FailureMonitor:
         try:
             with self._lock:
                 if not self._released:
-                    self._store.set(self._key("end", self.rank), state)
+                    self._say(state)
         except Exception:  # noqa: BLE001
             pass
         finally:
@@ -851,7 +921,7 @@ class FailureMonitor:
         sys.stderr.flush()
         record_followed(f"WorkerFailedError: {err}", err.rank)
         self._let_the_verdict_spread()
-        self._mark("aborted")
+        self._mark(ABORTED)
         for child in multiprocessing.active_children():
             child.terminate()
         if self._stopped_peer is not None and pid_stopped(self._stopped_peer):
@@ -875,7 +945,7 @@ class FailureMonitor:
             if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return
             try:
-                if self._add(self._key("seen", failed), 0) >= want:
+                if int(self._store.add(self._keys.seen(failed), 0)) >= want:
                     return
             except Exception:  # noqa: BLE001 - the store is going: nothing more to wait for
                 return
@@ -886,14 +956,15 @@ class FailureMonitor:
     def record_exception(self, exc: BaseException, tb_text: str) -> None:
         """Publish that this rank failed with ``exc`` (its traceback), once."""
         summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
-        rec = json.dumps({"rank": self.rank, "summary": summary, "traceback": tb_text[-20000:]})
+        rec = {"rank": self.rank, "summary": summary, "traceback": tb_text[-20000:]}
         self._call_since = time.monotonic()  # watched: a store cut off must not hold the exit
         try:
             with self._lock:
                 if self._released:  # the store host has ended: nobody is left to read the record
                     return
-                n = self._add(self._key("nfail"), 1)
-                self._store.set(self._key("fail", n), rec)
+                publish_record(self._store, self._keys, rec)
+                if self._watcher is not None:  # the others read it in the verdict at once
+                    self._publish_verdict()
         finally:
             self._call_since = None
 
@@ -914,7 +985,7 @@ class FailureMonitor:
                 sys.stderr.flush()
                 record_followed(f"{etype.__name__}: {value}",
                                 follows if follows is not None else getattr(value, "rank", None))
-                self._mark("aborted")
+                self._mark(ABORTED)
                 if self._store_errors >= 2 and self._call_since is not None:
                     # the watcher is stuck in a store call that a cut-off host never answers:
                     # joining it at exit (``_halt``) would hold this failed process for seconds
@@ -931,7 +1002,7 @@ class FailureMonitor:
                 else:
                     self._prev_hook(etype, value, tb)
                 self.record_exception(value, text)
-                self._mark("failed")
+                self._mark(FAILED)
                 # a peer blocked in a collective with this rank fails now (its connection closed)
                 # and raises WorkerFailedError naming this rank, rather than waiting for its
                 # watchdog's grace while this process finalizes (seconds on a busy machine)
@@ -948,28 +1019,12 @@ class FailureMonitor:
             self._ended = True
             self._stop.set()
 
-    def _saw_failure(self, p: int) -> bool:
-        return p in self._finished or self._add(self._key("seen", self.rank), 0) >= sum(
-            1 for q in range(self.world_size) if q != self.rank
-        )
-
-
-# --- explaining a failed collective ----------------------------------------------------------------
-#: Explains a failed collective: returns (failed rank or None, human explanation or "").
-FailureProbe = Callable[[BaseException], tuple[int | None, str]]
-
-
-def launcher_probe(exc: BaseException) -> tuple[int | None, str]:
-    """Which replica failed, as far as the self-launcher of this process knows (a child's exit)."""
-    kids = children()
-    if kids is not None:
-        deadline = time.monotonic() + 2.0
-        while kids.failed is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if kids.failed is not None:
-            rank, code = kids.failed
-            return rank, f"it exited with code {code}"
-    return None, ""
+    def _saw_failure(self) -> Callable[[int], bool]:
+        """Whether peer ``p`` has seen this rank's failure: it ended, or every peer has (one
+        counter, read once a look)."""
+        everyone = int(self._store.add(self._keys.seen(self.rank), 0)) >= sum(
+            1 for q in range(self.world_size) if q != self.rank)
+        return lambda p: everyone or p in self._finished
 
 
 def job_probe(monitor: FailureMonitor | None) -> FailureProbe:
@@ -980,55 +1035,3 @@ def job_probe(monitor: FailureMonitor | None) -> FailureProbe:
         return (rank, why) if rank is not None else launcher_probe(exc)
 
     return probe
-
-
-#: a C++ source location torch's backends put before their messages: ``[/path/pair.cc:553] ``
-_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|cu|h|hpp):\d+\]\s*")
-
-
-def backend_text(text: str) -> str:
-    """The first line of a backend's error without its source location and advice boilerplate
-    (gloo: "This is typically caused by ... GLHF!"): what happened, in a few words."""
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    first = _SOURCE_PREFIX.sub("", first)
-    cut = first.find(" This is typically caused")
-    if cut > 0:
-        first = first[:cut]
-    return first.rstrip(" .")
-
-
-@contextlib.contextmanager
-def collectives_explained(comm: Any, op: str) -> Iterator[None]:
-    """Collectives made by code that does not go through a Communicator (FSDP2's, DTensor's):
-    a backend error saying a peer went away becomes the ``WorkerFailedError`` naming it (one
-    line on this rank, as for the job's own collectives); any other error passes unchanged."""
-    try:
-        yield
-    except (RuntimeError, dist.DistError) as e:
-        if isinstance(e, CollectiveError) or not looks_like_peer_loss(str(e)):
-            raise
-        raise classify_failure(e, getattr(comm, "probe", None), op) from e
-
-
-def classify_failure(exc: BaseException, probe: FailureProbe | None, op: str) -> CollectiveError:
-    """Turn a torch.distributed error into a CollectiveError that says what happened."""
-    rank, why = (None, "")
-    if probe is not None:
-        try:
-            rank, why = probe(exc)
-        except Exception:  # noqa: BLE001 - explaining must never hide the original error
-            rank, why = (None, "")
-    text = backend_text(str(exc)) or type(exc).__name__
-    lowered = str(exc).lower()
-    who = f"worker {rank}" if rank is not None else "a peer worker"
-    if rank is None and ("timed out" in lowered or "timeout" in lowered):
-        return CollectiveTimeoutError(
-            f"{op} timed out waiting for the other workers ({text}); a worker is stuck or the "
-            "timeout is too short for this step (raise `timeout=`)"
-        )
-    if rank is None and not looks_like_peer_loss(lowered):
-        # nothing says a peer failed: this rank's own call went wrong (e.g. a tensor on a
-        # device the backend does not serve); say so rather than blame another worker
-        return CollectiveError(f"{op} failed on this worker: {type(exc).__name__}: {text}")
-    detail = f": {why}" if why else ""
-    return WorkerFailedError(f"{op} failed because {who} failed{detail} ({text})", rank=rank)
