@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     )
     from stratagem.distribute.bootstrap import (
         ClusterConfigurationError,
+        CommunicationImplementation,
         CommunicationOptions,
         connect_to_cluster,
         initialize_system,
@@ -109,6 +110,7 @@ __all__ = [
     "ClusterConfigurationError",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "CommunicationImplementation",
     "CommunicationOptions",
     "DeviceMesh",
     "FailureOptions",
@@ -225,6 +227,7 @@ _DEFINED_IN: dict[str, str] = {
     "strategy_of": "stratagem.distribute",
     "strategy_on_mesh": "stratagem.distribute",
     "ClusterConfigurationError": "stratagem.distribute.bootstrap",
+    "CommunicationImplementation": "stratagem.distribute.bootstrap",
     "CommunicationOptions": "stratagem.distribute.bootstrap",
     "connect_to_cluster": "stratagem.distribute.bootstrap",
     "initialize_system": "stratagem.distribute.bootstrap",

@@ -11,39 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem.train.export import LoadOptions, SaveOptions, check_options
+
 __all__ = ["LoadOptions", "LoadedModel", "SaveOptions", "load", "save"]
-
-
-class _IOOptions:
-    """TensorFlow's ``SaveOptions`` / ``LoadOptions``: ``experimental_io_device`` is where the
-    files are read and written. A stratagem process always reads and writes on its own host, so
-    ``"/job:localhost"`` (TF's distribution tutorial's) is what happens anyway; another device is
-    an error naming it."""
-
-    def __init__(self, experimental_io_device: str | None = None, **other: Any) -> None:
-        if other:
-            raise TypeError(f"{type(self).__name__}: {sorted(other)} have no meaning here; only experimental_io_device is taken")
-        device = experimental_io_device
-        if device is not None and not str(device).startswith("/job:localhost"):
-            raise ValueError(
-                f"{type(self).__name__}(experimental_io_device={device!r}): stratagem reads and writes on the host of "
-                "the process that calls it; use '/job:localhost' or leave it unset"
-            )
-        self.experimental_io_device = device
-
-
-class SaveOptions(_IOOptions):
-    """``tf.saved_model.SaveOptions(experimental_io_device="/job:localhost")``."""
-
-
-class LoadOptions(_IOOptions):
-    """``tf.saved_model.LoadOptions(experimental_io_device="/job:localhost")``."""
-
-
-def check_options(options: Any, kind: type, what: str) -> None:
-    """``options`` must be None or a ``kind`` (its meaning is checked when it is made)."""
-    if options is not None and not isinstance(options, kind):
-        raise TypeError(f"{what}(options=...) takes stratagem.saved_model.{kind.__name__}; got {type(options).__name__}")
 
 
 def save(

@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import torch
+
 # tf's device specification: optional /job:, /replica:, /task: parts, then the device, as
 # "/device:GPU:0", "/gpu:0" or "GPU:0" (tf.DeviceSpec.from_string)
 _TF_PART = re.compile(r"^(job|replica|task|device):(.*)$")
@@ -30,7 +32,7 @@ def torch_device_name(name: str, *, what: str = "device") -> str:
     alone stays ``"cuda"`` (the current GPU); other kinds (TPU, XLA) are an error naming the
     strategy that runs them."""
     text = str(name).strip()
-    device = text
+    device = text[len("device:"):] if text.lower().startswith("device:") else text  # "device:GPU:0"
     if "/" in text:
         parts = [p for p in text.split("/") if p]
         device = ""
@@ -63,6 +65,29 @@ def torch_device_name(name: str, *, what: str = "device") -> str:
     if kind in ("tpu", "xla", "xla_gpu", "xla_cpu", "tpu_system"):
         raise ValueError(f"{what}: unknown device {name!r} here: XLA/TPU devices run under sg.TPUStrategy")
     raise ValueError(f"{what}: unknown device {name!r}; {_USE}")
+
+
+#: torch device kinds a strategy's one device may also be (torch's names, passed to torch as they are)
+_OTHER_TORCH = ("mps", "xpu", "meta", "hpu", "mtia", "privateuseone")
+
+
+def to_torch_device(device: object, *, what: str = "device") -> torch.device:
+    """The one reading of a device a user gives: a ``torch.device``; torch's names (``"cpu"``,
+    ``"cuda:1"``, ``"mps"``); TensorFlow's (``"CPU:0"``, ``"/cpu:0"``, ``"GPU:0"``,
+    ``"/device:GPU:1"``, ``"/job:localhost/replica:0/task:0/device:CPU:0"``). ``cpu:0`` and
+    TensorFlow's ``CPU:0`` are torch's ``cpu``. Anything else is a ValueError naming what was
+    received and the names understood."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"{what}: a device is a string or a torch.device, got {device!r} ({type(device).__name__}); {_USE}")
+    kind = device.strip().split(":", 1)[0].lower()
+    if kind in _OTHER_TORCH:
+        try:
+            return torch.device(device.strip())
+        except RuntimeError as e:
+            raise ValueError(f"{what}: cannot read the device {device!r} ({e}); {_USE}") from None
+    return torch.device(torch_device_name(device, what=what))
 
 
 _USE = (

@@ -762,7 +762,7 @@ class Model(ModelAPI, nn.Module):
         pickle); another path a directory of the same. The architecture is its class (rebuilt from
         ``register_keras_serializable``'s or the module's ``get_config()``), or pass ``model=`` to
         ``load_model``. Call it on every replica (the chief writes)."""
-        from stratagem.saved_model import SaveOptions, check_options
+        from stratagem.train.export import SaveOptions, check_options
 
         check_options(options, SaveOptions, "save")  # experimental_io_device: this host, as always
         path = Path(filepath)
@@ -1009,7 +1009,7 @@ def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None,
     optimizer's state restored, so ``fit`` continues exactly as the saved model would have.
     ``custom_objects``: ``{name: class}`` for classes saved under a registered name; ``options``:
     ``stratagem.saved_model.LoadOptions`` (TF's; reads happen on this host)."""
-    from stratagem.saved_model import LoadOptions, check_options
+    from stratagem.train.export import LoadOptions, check_options
 
     check_options(options, LoadOptions, "load_model")
     path = Path(filepath)

@@ -44,7 +44,12 @@ from stratagem.distribute.engines.ps_client import (
 )
 from stratagem.distribute.engines.ps_pickle import dumps, loads
 from stratagem.distribute.engines.ps_plan import Partitioner, VariablePlan, plan_variables
-from stratagem.distribute.engines.ps_store import OptimizerSpec, open_store
+from stratagem.distribute.engines.ps_store import (
+    OptimizerSpec,
+    class_payload,
+    importable,
+    open_store,
+)
 from stratagem.distribute.engines.ps_watch import ClusterWatch, Loss
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.strategy import Execution, StrategyExtended
@@ -99,7 +104,10 @@ class WorkerOptimizer:
 def optimizer_spec(opt: torch.optim.Optimizer) -> list[tuple[OptimizerSpec, list[int]]]:
     """Each parameter group of ``opt``: how to rebuild it on a ps task, and its variables."""
     cls = type(opt)
-    out = []
+    # a class made at run time (sg.optimizers' Keras optimizers) travels by value
+    plain = importable(cls)
+    payload = b"" if plain else class_payload(opt)
+    out: list[tuple[OptimizerSpec, list[int]]] = []
     for group in opt.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor)}
         vids = []
@@ -112,7 +120,7 @@ def optimizer_spec(opt: torch.optim.Optimizer) -> list[tuple[OptimizerSpec, list
                     "optimizer inside the scope so their variables live on the ps tasks"
                 )
             vids.append(info[1])
-        out.append(((cls.__module__, cls.__qualname__, hyper), vids))
+        out.append(((cls.__module__, cls.__qualname__, hyper) if plain else ("", payload, hyper), vids))
     return out
 
 

@@ -12,8 +12,45 @@ from typing import Any
 
 import torch
 
-#: how an optimizer is rebuilt on a ps task: (module, qualname, hyperparameters of its group)
-OptimizerSpec = tuple[str, str, dict[str, Any]]
+#: how an optimizer is rebuilt on a ps task: (module, qualname, hyperparameters of its group);
+#: a class a ps task cannot import by name (one made at run time, as ``sg.optimizers``' Keras
+#: classes are) travels as ``("", payload, hyper)``, the payload the class itself (pickled by
+#: value), its ``defaults`` and the instance's own attributes (``class_payload``)
+OptimizerSpec = tuple[str, str | bytes, dict[str, Any]]
+
+#: attributes every torch optimizer has (not sent: the ps task makes its own), and those an LR
+#: scheduler on the coordinator adds (its wrapper of ``step``)
+_TORCH_FIELDS = frozenset(vars(torch.optim.SGD([torch.zeros(1)], lr=0.1))) | {"step", "_opt_called"}
+
+
+def importable(cls: type) -> bool:
+    """Whether a ps task finds ``cls`` by its module and qualname."""
+    try:
+        return _optimizer_class(cls.__module__, cls.__qualname__) is cls
+    except (ImportError, AttributeError):
+        return False
+
+
+def class_payload(opt: torch.optim.Optimizer) -> bytes:
+    """``opt``'s class (by value), defaults and own attributes (e.g. a Keras optimizer's
+    learning-rate schedule and epsilon), for a ps task to make the same optimizer."""
+    from stratagem.distribute.engines.ps_pickle import dumps
+
+    extras = {k: v for k, v in vars(opt).items() if k not in _TORCH_FIELDS}
+    return dumps((type(opt), dict(opt.defaults), extras), lambda o: None)
+
+
+def _from_payload(payload: bytes, param: torch.Tensor) -> torch.optim.Optimizer:
+    """The optimizer ``class_payload`` describes, over ``param``: made as torch's ``__init__``
+    makes any optimizer (its class's constructor may take what only the coordinator had), then
+    given the coordinator's attributes."""
+    import pickle
+
+    cls, defaults, extras = pickle.loads(payload)
+    opt = cls.__new__(cls)
+    torch.optim.Optimizer.__init__(opt, [param], defaults)
+    opt.__dict__.update(extras)
+    return opt  # type: ignore[no-any-return]
 
 
 def _optimizer_class(module: str, qualname: str) -> type[torch.optim.Optimizer]:
@@ -31,6 +68,10 @@ class ParameterStore:
         self._values: dict[str, torch.Tensor] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._optimizers: dict[tuple[str, str], torch.optim.Optimizer] = {}
+        #: the hyperparameters last pushed for each optimizer: only what the coordinator changed
+        #: since is set again (a counter the optimizer keeps in its group, as Keras's
+        #: ``iterations``, goes on here)
+        self._pushed: dict[tuple[str, str], dict[str, Any]] = {}
         self._guard = threading.Lock()
         self.bytes_in = 0
         self.bytes_out = 0
@@ -100,7 +141,11 @@ class ParameterStore:
     def _step(self, opt_key: str, spec: OptimizerSpec, key: str, grad: torch.Tensor) -> None:
         with self._locks[key]:
             opt = self._optimizer(opt_key, spec, key)
-            opt.param_groups[0].update(spec[2])  # a schedule on the coordinator may change them
+            last = self._pushed[(opt_key, key)]
+            # a schedule on the coordinator may change them
+            changed = {k: v for k, v in spec[2].items() if k not in last or not _same(last[k], v)}
+            opt.param_groups[0].update(changed)
+            last.update(changed)
             param = opt.param_groups[0]["params"][0]
             param.grad = grad.to(param.dtype)
             with torch.sparse.check_sparse_tensor_invariants(enable=False):  # said, not implied: no warning
@@ -115,12 +160,16 @@ class ParameterStore:
             module, qualname, hyper = spec
             param = torch.nn.Parameter(self._values[key], requires_grad=True)
             self._values[key] = param
-            cls = _optimizer_class(module, qualname)
-            # what the constructor takes; the rest (an LR scheduler's initial_lr, keys a user
-            # added to the group) is set on the group as the coordinator has it
-            opt = cls([param], **_constructor_kwargs(cls, hyper))
+            if isinstance(qualname, bytes):
+                opt = _from_payload(qualname, param)
+            else:
+                cls = _optimizer_class(module, qualname)
+                # what the constructor takes; the rest (an LR scheduler's initial_lr, keys a user
+                # added to the group) is set on the group as the coordinator has it
+                opt = cls([param], **_constructor_kwargs(cls, hyper))
             opt.param_groups[0].update(hyper)
             self._optimizers[(opt_key, key)] = opt
+            self._pushed[(opt_key, key)] = dict(hyper)
         return opt
 
     # --- optimizer state (checkpoints) ------------------------------------------------------
@@ -149,6 +198,13 @@ class ParameterStore:
 
     def ping(self) -> str:
         return self.task
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare: taken as changed
+        return False
 
 
 def _constructor_kwargs(cls: type, hyper: dict[str, Any]) -> dict[str, Any]:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import final
 
+import torch
+
 from stratagem.cluster.resolvers import ClusterResolver, detect
 from stratagem.comm.failure import FailureOptions
 from stratagem.distribute.bootstrap import (
+    CommunicationImplementation,
     CommunicationOptions,
     check_agreement,
     connect_to_cluster,
@@ -25,7 +28,7 @@ from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.reduce_op import ReduceOp
 from stratagem.distribute.strategy import Strategy
 
-__all__ = ["CommunicationOptions", "MultiWorkerMirroredStrategy"]
+__all__ = ["CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy"]
 
 
 @final
@@ -33,8 +36,10 @@ class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over every process of a cluster (one replica per process).
 
     ``cluster_resolver`` defaults to ``cluster_resolver.detect()`` (TF_CONFIG, torchrun, Slurm,
-    else a job of one process). ``communication_options`` bounds every collective and sets the
-    gradient bucket size. ``gradient_reduction`` as in MirroredStrategy (SUM: scale the loss with
+    else a job of one process). ``communication_options`` (TF's ``CommunicationOptions``) picks the
+    backend (``implementation``: AUTO, NCCL: GPU replicas on nccl, RING: CPU replicas on gloo),
+    bounds every collective (``timeout_seconds``) and sets the gradient bucket size
+    (``bytes_per_pack``). ``gradient_reduction`` as in MirroredStrategy (SUM: scale the loss with
     ``compute_average_loss``). Workers started with different options stop here with an error
     naming the worker. ``devices``: None (a GPU per process when the machine has one for each,
     else the CPU), ``"cpu"`` or ``"cuda"``.
@@ -58,7 +63,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         options = communication_options or CommunicationOptions()
         if failure is not None:  # the same as CommunicationOptions(failure=...)
             options = dataclasses.replace(options, failure=failure)
-        device = default_device(spec, devices)
+        device = default_device(spec, options.devices(devices, torch.cuda.device_count(), "MultiWorkerMirroredStrategy"))
         comm = connect_to_cluster(resolver, options, device=device)
         op = ReduceOp.of(gradient_reduction)
         config = {"strategy": "MultiWorkerMirroredStrategy", "gradient_reduction": op.value,
@@ -74,7 +79,8 @@ class MultiWorkerMirroredStrategy(Strategy):
                 comm,
                 device,
                 gradient_op=op.value,
-                bucket_bytes=int(options.bucket_cap_mb * 1024 * 1024),
+                first_bucket_bytes=options.first_bucket_bytes,
+                bucket_bytes=options.bucket_bytes,
                 name="MultiWorkerMirroredStrategy",
                 failure=options.failure,
             )

@@ -7,24 +7,20 @@ from typing import final
 import torch
 
 from stratagem.comm import LocalCommunicator
-from stratagem.distribute.devices import torch_device_name
+from stratagem.distribute.devices import to_torch_device
 from stratagem.distribute.engines.data_parallel import DataParallelExtended
 from stratagem.distribute.strategy import Strategy
 
 
 @final
 class OneDeviceStrategy(Strategy):
-    """One replica on ``device``: torch's names ("cpu", "cuda:0") or TensorFlow's ("/cpu:0",
-    "/gpu:0", "/device:GPU:1"). The single-device baseline of every parity test."""
+    """One replica on ``device``: torch's names ("cpu", "cuda:0") or TensorFlow's ("CPU:0",
+    "/cpu:0", "GPU:0", "/device:GPU:1", "/job:localhost/replica:0/task:0/device:CPU:0").
+    The single-device baseline of every parity test."""
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         what = f"OneDeviceStrategy({str(device)!r})"
-        if isinstance(device, torch.device):
-            dev = device
-        elif str(device).startswith("/") or str(device).lower().startswith(("gpu", "device:")):
-            dev = torch.device(torch_device_name(device, what=what))  # TensorFlow's names
-        else:
-            dev = torch.device(device)  # torch's: "cpu", "cuda:1", "mps", ...
+        dev = to_torch_device(device, what=what)  # torch's names or TensorFlow's ("CPU:0", "/gpu:0")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"{what}: asks for a GPU, but CUDA is not available on this machine (it has no GPU); use '/cpu:0' or 'cpu'")
         if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
