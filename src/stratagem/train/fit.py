@@ -37,7 +37,7 @@ from stratagem.distribute import context, current, ownership
 from stratagem.distribute.mixed_precision import Policy
 from stratagem.distribute.strategy import Strategy
 from stratagem.train import loss_names
-from stratagem.train.callback import Callback, Logs
+from stratagem.train.callback import Callback, CallbackList, Logs
 from stratagem.train.history import History
 from stratagem.train.inputs import check_finite, check_iterable
 from stratagem.train.loop import (  # noqa: F401  (the cadence's names, read here as before they moved)
@@ -413,10 +413,20 @@ def evaluate(
     return values[0] if len(values) == 1 else values
 
 
+def _callback_list(model: Any, strategy: Strategy, callbacks: Sequence[Callback]) -> CallbackList | None:
+    """Keras's callbacks for evaluate / predict (their test / predict hooks), or None without any."""
+    if not callbacks:
+        return None
+    from stratagem.train.callback import FitState
+
+    state = FitState(model, None, strategy, History({}), {}, is_chief=bool(strategy.extended.should_log))
+    return CallbackList(list(callbacks), state)
+
+
 def evaluate_logs(
     model: Model, loss_fn: LossFn | str | None, data: Iterable[Any] | Any, *, metrics: Any = (),
     weighted_metrics: Any = (), batch_size: int | None = None, steps: int | None = None,
-    strategy: Strategy | None = None,
+    strategy: Strategy | None = None, callbacks: Sequence[Callback] = (),
 ) -> tuple[Logs, list[float]]:
     """``evaluate``'s logs, and its values in Keras's order (``Model.evaluate`` uses both)."""
     strategy = _strategy(model, None, strategy, "evaluate")
@@ -434,7 +444,7 @@ def evaluate_logs(
     test_steps.set_training(False)
     try:
         with context.strategy_scope(strategy):
-            logs = _run_test(strategy, test_steps, data, tracked, None, steps)
+            logs = _run_test(strategy, test_steps, data, tracked, _callback_list(model, strategy, callbacks), steps)
     finally:
         test_steps.set_training(was_training)
         test_steps.close()
@@ -450,6 +460,7 @@ def predict(
     batch_size: int | None = None,
     steps: int | None = None,
     strategy: Strategy | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> Any:
     """The model's outputs for every example of ``data``, in input order, on every replica.
 
@@ -469,10 +480,19 @@ def predict(
     was_training = predict_steps.module.training
     predict_steps.set_training(False)
     parts: list[Any] = []
+    cblist = _callback_list(model, strategy, callbacks)
     try:
         with context.strategy_scope(strategy):
-            for batch in _batches(strategy, data, steps):
+            if cblist is not None:
+                cblist.call("on_predict_begin", None)
+            for i, batch in enumerate(_batches(strategy, data, steps)):
+                if cblist is not None:
+                    cblist.call("on_predict_batch_begin", i, None)
                 parts.append(predict_steps.predict(batch))
+                if cblist is not None:
+                    cblist.call("on_predict_batch_end", i, {"outputs": parts[-1]})
+            if cblist is not None:
+                cblist.call("on_predict_end", None)
     finally:
         predict_steps.set_training(was_training)
         predict_steps.close()

@@ -14,7 +14,7 @@ def log_value(value: Any) -> Any:
     if isinstance(value, (int, float)):
         return float(value)
     array = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value, dtype=np.float64)
-    return float(array) if array.size == 1 else array
+    return float(array.reshape(-1)[0]) if array.size == 1 else array
 
 
 class History:

@@ -662,8 +662,6 @@ class Model(ModelAPI, nn.Module):
         metrics, else ``[loss, *metrics]`` in ``metrics_names`` order; ``return_dict=True`` a dict."""
         compiled = self._compiled("evaluate")
         del verbose
-        if callbacks:
-            raise ValueError("evaluate(callbacks=...) is not offered; evaluate takes no callbacks in stratagem")
         apply_trainable(self)
         if _is_array(x):
             data: Any = _ArrayEpochs(_array_data(x, y, sample_weight, "evaluate"), _check_batch_size(batch_size, "evaluate"), False, 0)
@@ -675,7 +673,7 @@ class Model(ModelAPI, nn.Module):
             data = x
         logs, values = evaluate_logs(
             self, compiled.loss, data, metrics=copy.deepcopy(compiled.metrics),
-            weighted_metrics=copy.deepcopy(compiled.weighted_metrics), steps=steps,
+            weighted_metrics=copy.deepcopy(compiled.weighted_metrics), steps=steps, callbacks=list(callbacks or []),
         )
         self._keras()["metrics_names"] = list(logs)
         if return_dict:
@@ -692,14 +690,13 @@ class Model(ModelAPI, nn.Module):
     ) -> Any:
         """The model's outputs for every sample of ``x`` (Keras's ``predict``), in order."""
         del verbose
-        if callbacks:
-            raise ValueError("predict(callbacks=...) is not offered; predict takes no callbacks in stratagem")
         if _is_array(x):
             record_input(self, _tensor(x))
-            return predict_fn(self, _tensor(x), batch_size=_check_batch_size(batch_size, "predict"), steps=steps)
+            return predict_fn(self, _tensor(x), batch_size=_check_batch_size(batch_size, "predict"), steps=steps,
+                              callbacks=list(callbacks or []))
         if batch_size is not None:
             raise ValueError("predict: batch_size is for array inputs; a dataset already yields batches")
-        return predict_fn(self, x, steps=steps)
+        return predict_fn(self, x, steps=steps, callbacks=list(callbacks or []))
 
     # --- one batch (Keras's *_on_batch) ---------------------------------------------------------
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None, class_weight: dict[int, float] | None = None,

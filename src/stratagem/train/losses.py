@@ -31,6 +31,7 @@ nothing is nan), but its (empty) outputs stay in the graph so gradients are stil
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -152,6 +153,19 @@ def _check_mean(loss_fn: LossFn, outputs: Any, y: Any, loss: torch.Tensor, n: in
         )
 
 
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape ``a`` and ``b`` broadcast to, None when they do not (plain Python: no tensor op,
+    so a compiled step traces it without a graph break or a fake-tensor error)."""
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else 1
+        z = b[-i] if i <= len(b) else 1
+        if x != z and x != 1 and z != 1:
+            return None
+        out.append(z if x == 1 else x)
+    return tuple(reversed(out))
+
+
 def check_shapes(loss_fn: LossFn, outputs: Any, y: Any) -> None:
     """A torch loss given outputs and targets that broadcast to a shape neither has (``[B, 1]``
     against ``[B]`` gives ``[B, B]``: every output compared with every target, a silently wrong
@@ -159,11 +173,11 @@ def check_shapes(loss_fn: LossFn, outputs: Any, y: Any) -> None:
     shapes themselves (``_same_rank``); a torch loss is given them as they are."""
     if not (isinstance(outputs, torch.Tensor) and isinstance(y, torch.Tensor)) or outputs.shape == y.shape:
         return
-    try:
-        both = torch.broadcast_shapes(outputs.shape, y.shape)
-    except RuntimeError:  # cannot broadcast: the loss itself says so (or needs them so, e.g. class ids)
+    both = _broadcast(tuple(outputs.shape), tuple(y.shape))
+    if both is None:  # cannot broadcast: the loss itself says so (or needs them so, e.g. class ids)
         return
-    if both == outputs.shape or both == y.shape or both.numel() <= max(outputs.numel(), y.numel()):
+    numel = math.prod(both)
+    if both == tuple(outputs.shape) or both == tuple(y.shape) or numel <= max(outputs.numel(), y.numel()):
         return
     name = type(loss_fn).__name__ if isinstance(loss_fn, nn.Module) else getattr(loss_fn, "__name__", type(loss_fn).__name__)
     o, t = list(outputs.shape), list(y.shape)

@@ -219,10 +219,25 @@ class _KerasSteps:
 
     @property
     def learning_rate(self) -> float:
-        """The rate the next update uses (Keras's ``optimizer.learning_rate``)."""
+        """The rate the next update uses (Keras's ``optimizer.learning_rate``); assign a number to
+        change it (Keras's ``optimizer.learning_rate = 0.01``, as a callback's scheduler does)."""
         if self._schedule is not None:
             return float(self._schedule(self.iterations))
         return float(self.param_groups[0]["lr"])
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        if self._schedule is not None:
+            raise TypeError(
+                "This optimizer was created with a `LearningRateSchedule` object as its `learning_rate` "
+                "constructor argument, hence its learning rate is not settable. If you need the learning "
+                "rate to be settable, you should instantiate the optimizer with a float `learning_rate` argument."
+            )
+        lr = float(value)
+        if lr < 0:
+            raise ValueError(f"learning_rate must be >= 0, got {value!r}")
+        for group in self.param_groups:
+            group["lr"] = lr
 
     def _before_step(self) -> None:
         if self._schedule is not None:
