@@ -1022,8 +1022,9 @@ def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None,
             model = _rebuild(saved, path, custom_objects)
         keras = keras_model(model)
         weights = directory / _WEIGHTS
-        keras.load_weights(weights)
         spec = saved.get("compile")
+        if not (compile and spec is not None and saved.get("optimizer_state")):
+            keras.load_weights(weights)  # else read once below, with the optimizer's state
         if compile and spec is not None:
             unsaved = [k for k in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights") if _unsaved(spec.get(k))]
             if unsaved:
@@ -1041,10 +1042,10 @@ def load_model(filepath: str | os.PathLike[str], model: nn.Module | None = None,
                               weighted_metrics=args["weighted_metrics"] or None,
                               loss_weights=args["loss_weights"], steps_per_execution=spec.get("steps_per_execution", 1),
                               jit_compile=spec.get("jit_compile", "auto"))
-            if saved.get("optimizer_state") and keras.optimizer is not None:
+            if saved.get("optimizer_state"):
                 from stratagem.train.checkpoint import Checkpoint
 
-                # the weights again with the optimizer's state: one checkpoint, restored whole
+                # the weights with the optimizer's state: one checkpoint, read once
                 Checkpoint(model=keras, optimizer=keras.optimizer).restore(weights)
     return keras
 
