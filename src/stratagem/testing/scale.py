@@ -89,16 +89,29 @@ class SimRank:
     failure_at: float | None = None
     records_from: int = 0
     left: set[int] = field(default_factory=set)
+    #: held by a beat and by ``go_on_without`` (as the monitor's lock is): a beat is never half
+    #: before and half after the survivors went on
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def tick(self, now: float, watcher: int, deputy: int) -> None:
         """One beat of a rank that is not the watcher: its beat, the verdict, a judgement."""
-        if self.state in ("killed", "stopped") or self.rank == watcher:
-            return
-        try:
-            self.heartbeat.beat()
-            self.judge(self.reader.read(now), now, watcher, deputy)
-        except TimeoutError:
-            pass  # cut off: nothing reaches the store
+        with self.lock:
+            if self.state in ("killed", "stopped") or self.rank == watcher:
+                return
+            try:
+                self.heartbeat.beat()
+                self.judge(self.reader.read(now), now, watcher, deputy)
+            except TimeoutError:
+                pass  # cut off: nothing reaches the store
+
+    def go_on(self, rank: int, records_from: int) -> None:
+        """What ``FailureMonitor.continue_without`` does on a rank that is not the new watcher:
+        ``rank`` left, the records so far are read no more, the verdict's clock starts again."""
+        with self.lock:
+            self.left.add(rank)
+            self.records_from = records_from
+            self.failure = self.failure_at = None
+            self.reader.forget()
 
     def judge(self, verdict: Verdict | None, now: float, watcher: int, deputy: int) -> None:
         """What the verdict says (the records it counts; the watcher's silence), as
@@ -272,8 +285,8 @@ class _Job:
         next_at = time.monotonic()
         while not self.stop.is_set():
             w = self.watcher
-            sim = self.ranks[self.watcher_rank]
-            if w is not None and sim.state == "run":
+            sim = self.ranks[w.rank] if w is not None else None
+            if w is not None and sim is not None and sim.state == "run":
                 now = time.monotonic()
                 sim.heartbeat.beat()
                 self.beats[0] += 1
@@ -309,9 +322,7 @@ class _Job:
         self.left.add(rank)
         count = int(self.ranks[self.live()[0].rank].store.add(self.keys.nfail, 0))
         for sim in self.live():
-            sim.left.add(rank)
-            sim.records_from = count
-            sim.failure = sim.failure_at = None
+            sim.go_on(rank, count)
         if rank == self.watcher_rank:
             self.watcher_rank = watcher_of([s.rank for s in self.live()], None)
             sim = self.ranks[self.watcher_rank]
