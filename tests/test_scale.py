@@ -58,7 +58,7 @@ def test_the_book_names_a_rank_silent_only_once_its_beat_stopped_for_dead_after(
 
 
 def test_the_verdict_prints_compactly_and_reads_back():
-    v = Verdict(seq=7, by=0, nfail=1, ended=(3,))
+    v = Verdict(seq=7, by=0, nfail=1, ended=(3, 4), done=(3,))
     assert Verdict.decode(v.encode()) == v
 
 

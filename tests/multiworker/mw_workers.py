@@ -36,6 +36,8 @@ def _train_until(strategy, fail_rank: int, how: str, fail_at: int = 3) -> None:
                 raise ZeroDivisionError("boom on purpose")
             elif how == "hang":
                 time.sleep(3600)
+            elif how == "return":  # its program ends normally while the others still train
+                return
         x = torch.randn(8, 4)
 
         def step_fn(x):
@@ -51,6 +53,12 @@ def fail_worker(fail_rank: int, how: str) -> str:
     strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST, devices="cpu")
     _train_until(strategy, fail_rank, how)
     return "unreachable"
+
+
+def end_early_worker(end_rank: int) -> str:
+    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST, devices="cpu")
+    _train_until(strategy, end_rank, "return")
+    return "ended"
 
 
 def bootstrap_worker(config_rank1: dict, fake_torch_rank1: str | None) -> str:

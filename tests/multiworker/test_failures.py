@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from mw_workers import fail_worker
+from mw_workers import end_early_worker, fail_worker
 
 from stratagem.testing import run_workers
 
@@ -38,3 +38,22 @@ def test_survivor_raises_worker_failed_naming_rank(fail_rank, how):
     if how == "raise":
         assert "ZeroDivisionError: boom on purpose" in err  # the cause, named on the survivor
         assert failed.stderr.count("Traceback (most recent call last)") == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,end_rank", [(2, 1), (3, 2), (3, 0)], ids=["2-last", "3-last", "3-store-host"])
+def test_a_replica_that_returns_mid_training_is_named_as_ended_by_every_other(world, end_rank):
+    """Issue 53: a replica whose program ends normally (it returned, or sys.exit(0)) while the
+    others still train is named by each of them, within the one-host bound, as having ended (not
+    "failed"; never a healthy peer)."""
+    results = run_workers(end_early_worker, world, args=(end_rank,), timeout=90, check=False)
+    ended = results[end_rank]
+    assert ended.returncode == 0 and ended.value == "ended", ended.stderr[-2000:]
+    for r in results:
+        if r.rank == end_rank:
+            continue
+        assert r.returncode not in (0, None), r.stderr[-2000:]
+        assert (f"failed because worker {end_rank} ended its program normally (it returned or exited "
+                "with code 0)") in r.stderr, r.stderr[-3000:]
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert r.seconds - ended.seconds < 2.0 + 3.0, (r.seconds, ended.seconds)  # the bound, and slack

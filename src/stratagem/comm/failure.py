@@ -45,6 +45,7 @@ from stratagem.comm.heartbeat import (
     ABORTED,
     DONE,
     ENDED,
+    ENDED_NORMALLY,
     FAILED,
     RELEASED,
     Heartbeat,
@@ -60,6 +61,7 @@ from stratagem.comm.heartbeat import (
 )
 from stratagem.comm.interfaces import route_source
 from stratagem.comm.verdict import (
+    ENDED_WHY,
     FailureProbe,
     Verdict,
     VerdictReader,
@@ -229,6 +231,8 @@ class FailureMonitor:
         #: read yet (elsewhere): looked for again each beat until it is
         self._directory_pending = False
         self._finished: set[int] = set()
+        #: those of them whose program ended normally (returned; not raised or aborted)
+        self._ended_normally: set[int] = set()
         self._store_errors = 0
         #: the store host ended its program and this process said it need not wait for it any
         #: more: the store may be gone at any moment, so this process makes no more store calls
@@ -392,7 +396,9 @@ class FailureMonitor:
         assert self._watcher is not None and self._heartbeat is not None
         verdict = self._watcher.publish()
         if self._heartbeat.state in ENDED:  # the watcher's own end, with the others'
-            verdict = Verdict(verdict.seq, verdict.by, verdict.nfail, tuple(sorted({*verdict.ended, self.rank})))
+            done = {*verdict.done, self.rank} if self._heartbeat.state in ENDED_NORMALLY else set(verdict.done)
+            verdict = Verdict(verdict.seq, verdict.by, verdict.nfail, tuple(sorted({*verdict.ended, self.rank})),
+                              tuple(sorted(done)))
             self._store.set(self._keys.verdict, verdict.encode())
         return verdict
 
@@ -461,6 +467,7 @@ class FailureMonitor:
             verdict = self._reader.read(now)
         if verdict is not None:
             self._finished.update(r for r in verdict.ended if r != self.rank)
+            self._ended_normally.update(r for r in verdict.done if r != self.rank)
         return verdict
 
     def _watch_pass(self, now: float) -> None:
@@ -473,6 +480,7 @@ class FailureMonitor:
                 self._peers[p] = peer_record(self._store.get(self._keys.pid(p)))
         w.read([p for p in members if p in self._peers], now)
         self._finished.update(w.book.ended())
+        self._ended_normally.update(w.book.ended_normally())
         if self._closing or self.failure is not None:
             return
         for p in w.newly_silent(now, self._finished | self.left | self._recorded):
@@ -678,6 +686,7 @@ class FailureMonitor:
                 self.left.discard(p)
                 self._peers.pop(p, None)
                 self._finished.discard(p)
+                self._ended_normally.discard(p)
             if self._watcher is not None:
                 self._watcher.forget(ranks)  # its pass reads their records again
             else:
@@ -875,6 +884,9 @@ class FailureMonitor:
                     self._lock.release()
             if self.failure is not None:
                 break
+            ended = sorted(self._ended_normally - self.left - {self.rank})
+            if ended:  # a peer returned while this rank was still in a collective with it
+                return ended[0], ENDED_WHY
             now = time.monotonic()
             if self.world_size == 2 and peer_lost and now >= fallback_at:
                 self._set_failure(Failure(1 - self.rank, "its connection closed"))
@@ -883,9 +895,9 @@ class FailureMonitor:
                 break
             time.sleep(0.2)
         if self.failure is None:
-            ended = sorted(self._finished)
-            if ended and not timed_out:
-                return ended[0], "its program had already ended (this collective was never joined)"
+            ended = sorted(self._ended_normally - self.left - {self.rank})
+            if ended:
+                return ended[0], ENDED_WHY
             return None, ""
         return self.failure.rank, self.failure.why
 

@@ -15,6 +15,9 @@ from typing import Any
 RUNNING, DONE, FAILED, ABORTED, RELEASED = "run", "done", "failed", "aborted", "released"
 #: states after which a process makes no more beats (it is not silent, it ended)
 ENDED = frozenset({DONE, FAILED, ABORTED, RELEASED})
+#: states of a program that ended normally (it returned or exited with 0; ``RELEASED``: it ended
+#: after the store's host did), as against one that raised or was aborted
+ENDED_NORMALLY = frozenset({DONE, RELEASED})
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class BeatBook:
 
     def ended(self) -> list[int]:
         return sorted(r for r, s in self.states.items() if s in ENDED)
+
+    def ended_normally(self) -> list[int]:
+        return sorted(r for r, s in self.states.items() if s in ENDED_NORMALLY)
 
     def silent(self, now: float, dead_after: float, skip: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """The ranks still running whose beat has not changed for ``dead_after`` seconds."""

@@ -25,20 +25,24 @@ from stratagem.comm.heartbeat import BeatBook, Keys
 @dataclass(frozen=True)
 class Verdict:
     """What the watcher published: its pass count (``seq``: that it is alive), who it is, how many
-    failure records the job has (``nfail``), and the ranks whose programs ended."""
+    failure records the job has (``nfail``), the ranks whose programs ended, and which of them
+    ended normally (``done``: returned or exited with 0, not raised or aborted)."""
 
     seq: int
     by: int
     nfail: int
     ended: tuple[int, ...] = ()
+    done: tuple[int, ...] = ()
 
     def encode(self) -> str:
-        return json.dumps({"seq": self.seq, "by": self.by, "nfail": self.nfail, "ended": list(self.ended)})
+        return json.dumps({"seq": self.seq, "by": self.by, "nfail": self.nfail, "ended": list(self.ended),
+                           "done": list(self.done)})
 
     @staticmethod
     def decode(raw: bytes | str) -> Verdict:
         d = json.loads(raw)
-        return Verdict(int(d["seq"]), int(d["by"]), int(d["nfail"]), tuple(int(r) for r in d.get("ended", ())))
+        return Verdict(int(d["seq"]), int(d["by"]), int(d["nfail"]), tuple(int(r) for r in d.get("ended", ())),
+                       tuple(int(r) for r in d.get("done", ())))
 
 
 def watcher_of(members: list[int] | set[int], store_host_rank: int | None) -> int:
@@ -100,7 +104,7 @@ class Watcher:
     def publish(self, nfail: int | None = None) -> Verdict:
         self.seq += 1
         count = int(self.store.add(self.keys.nfail, 0)) if nfail is None else nfail
-        verdict = Verdict(self.seq, self.rank, count, tuple(self.book.ended()))
+        verdict = Verdict(self.seq, self.rank, count, tuple(self.book.ended()), tuple(self.book.ended_normally()))
         self.store.set(self.keys.verdict, verdict.encode())
         return verdict
 
@@ -139,6 +143,9 @@ class VerdictReader:
 
 
 # --- explaining a failed collective ----------------------------------------------------------------
+#: what a probe says of a peer whose program ended normally while this rank was still in a
+#: collective with it (``classify_failure`` words the error for it)
+ENDED_WHY = "its program ended normally (it returned or exited with code 0)"
 #: Explains a failed collective: returns (failed rank or None, human explanation or "").
 FailureProbe = Callable[[BaseException], tuple[int | None, str]]
 
@@ -204,5 +211,11 @@ def classify_failure(exc: BaseException, probe: FailureProbe | None, op: str) ->
         # nothing says a peer failed: this rank's own call went wrong (e.g. a tensor on a
         # device the backend does not serve); say so rather than blame another worker
         return CollectiveError(f"{op} failed on this worker: {type(exc).__name__}: {text}")
+    if why == ENDED_WHY:
+        return WorkerFailedError(
+            f"{op} failed because {who} ended its program normally (it returned or exited with code 0) "
+            "while this worker was still in a collective with it, which it never joined. Every replica "
+            "must run the same steps and collectives "
+            f"(strategy.run, strategy.reduce, fit's epochs and steps) ({text})", rank=rank)
     detail = f": {why}" if why else ""
     return WorkerFailedError(f"{op} failed because {who} failed{detail} ({text})", rank=rank)
