@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from stratagem.cluster.spawn import LaunchError, LaunchTimeoutError, launch
     from stratagem.comm import (
         CollectiveError,
+        CollectiveMismatchError,
         CollectiveTimeoutError,
         ReplicaMismatchError,
         WorkerFailedError,
@@ -109,6 +110,7 @@ __all__ = [
     "CheckpointManager",
     "ClusterConfigurationError",
     "CollectiveError",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommunicationImplementation",
     "CommunicationOptions",
@@ -193,6 +195,7 @@ _DEFINED_IN: dict[str, str] = {
     "LaunchTimeoutError": "stratagem.cluster.spawn",
     "launch": "stratagem.cluster.spawn",
     "CollectiveError": "stratagem.comm",
+    "CollectiveMismatchError": "stratagem.comm",
     "CollectiveTimeoutError": "stratagem.comm",
     "ReplicaMismatchError": "stratagem.comm",
     "WorkerFailedError": "stratagem.comm",

@@ -61,6 +61,37 @@ def end_early_worker(end_rank: int) -> str:
     return "ended"
 
 
+def uneven_collectives_worker(kind: str) -> str:
+    """Replicas that make different collectives (issue 53): ``chief-reduce`` is the tutorial-style
+    mistake ``if is_chief: strategy.reduce(...)``; ``extra-all-reduce`` is one more all-reduce on
+    rank 1 only (an all-gather, where the others all-reduce the step's gradients)."""
+    import stratagem as sg
+
+    strategy = MultiWorkerMirroredStrategy(TorchrunClusterResolver(), FAST, devices="cpu")
+    with strategy.scope():
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = strategy.extended.replica_id
+
+    def step_fn(x):
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    for step in range(1000):
+        loss = strategy.run(step_fn, args=(torch.randn(8, 4),))
+        if step == 3:
+            print(f"MISTAKE {time.time():.3f}", flush=True)
+            if kind == "chief-reduce" and sg.is_chief():
+                strategy.reduce("SUM", loss, axis=None)
+            elif kind == "extra-all-gather" and rank == 1:
+                strategy.extended.comm.all_gather_tensor(torch.zeros(3))
+        time.sleep(0.02)
+    return "unreachable"
+
+
 def bootstrap_worker(config_rank1: dict, fake_torch_rank1: str | None) -> str:
     resolver = TorchrunClusterResolver()
     connect_to_cluster(resolver, FAST, device="cpu")

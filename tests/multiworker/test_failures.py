@@ -4,9 +4,10 @@ it, within a bounded time, with a non-zero exit; only the failing rank prints a 
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
-from mw_workers import end_early_worker, fail_worker
+from mw_workers import end_early_worker, fail_worker, uneven_collectives_worker
 
 from stratagem.testing import run_workers
 
@@ -57,3 +58,23 @@ def test_a_replica_that_returns_mid_training_is_named_as_ended_by_every_other(wo
                 "with code 0)") in r.stderr, r.stderr[-3000:]
         assert "Traceback" not in r.stderr, r.stderr[-3000:]
         assert r.seconds - ended.seconds < 2.0 + 3.0, (r.seconds, ended.seconds)  # the bound, and slack
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,kind", [(2, "chief-reduce"), (3, "extra-all-gather")])
+def test_replicas_in_different_collectives_are_told_so_in_seconds_not_at_the_timeout(world, kind):
+    """Issue 53: different collectives on different replicas were a 121 s stall ending in "a
+    worker is stuck or the timeout is too short"; each replica's collective position rides in its
+    heartbeat, and the watcher finds the first disagreement within a few beats (0.5 s here)."""
+    started = time.time()
+    results = run_workers(uneven_collectives_worker, world, args=(kind,), timeout=90, check=False)
+    for r in results:
+        assert r.returncode not in (0, None), r.stderr[-2000:]
+        # said by the watchdog of a blocked replica, or by a collective that failed meanwhile
+        assert re.search(r"CollectiveMismatchError: (\w+ failed: )?the replicas are waiting in different "
+                         r"collectives \(collective #\d+ of the job: ", r.stderr), r.stderr[-3000:]
+        assert "must make the same collectives in the same order" in r.stderr
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        mistake = float(re.search(r"MISTAKE (\d+\.\d+)", r.stdout).group(1))
+        # the mistake, then every replica ended: within the one-host bound and a loaded machine's slack
+        assert started < mistake and started + r.seconds - mistake < 2.0 + 4.0, (started, r.seconds, mistake)

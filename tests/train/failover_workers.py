@@ -6,6 +6,7 @@ import hashlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -40,12 +41,33 @@ def _die_at(model: nn.Module, call: int, how: str) -> None:
     model.register_forward_pre_hook(hook)
 
 
+class _DieInCallback(sg.callbacks.Callback):
+    """This replica dies in a user callback's ``hook`` at its ``call``-th call (between steps,
+    where a Keras-style logger runs)."""
+
+    def __init__(self, hook: str, call: int, how: str) -> None:
+        super().__init__()
+        self.calls = 0
+        self.call, self.how = call, how
+        setattr(self, hook, self._maybe_die)
+
+    def _maybe_die(self, *_: Any, **__: Any) -> None:
+        self.calls += 1
+        if self.calls == self.call:
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"replica {os.environ.get('RANK')} fails on purpose in a callback")
+
+
 def fit_through_failure(replicas: int, victims: dict[int, int], how: str = "kill",
                         deterministic: bool = True, epochs: int = 2, restarts: int = 0,
-                        pause: float = 0.0, kind: str = "mirrored") -> dict[str, Any]:  # fmt: skip
+                        pause: float = 0.0, kind: str = "mirrored", where: str = "forward",
+                        validate: bool = False) -> dict[str, Any]:  # fmt: skip
     """fit (AdamW, clipping, dropout) on ``replicas``; each replica of ``victims`` dies at the
-    forward pass its value counts (a piece of some step: mid-step). Returns the parameters'
-    SHA-256, the epochs' losses and how many replicas were left."""
+    forward pass its value counts (a piece of some step: mid-step), at that call of a callback's
+    hook (``where`` the hook's name), or, with ``where="clock"``, by SIGKILL that many
+    milliseconds after fit began (a wall-clock moment: wherever the process is then). Returns the
+    parameters' SHA-256, the epochs' losses, how many replicas were left and fit's seconds."""
     options = sg.FailureOptions(on_failure="continue", max_restarts=restarts)
     if replicas == 1:
         strategy = None
@@ -61,15 +83,29 @@ def fit_through_failure(replicas: int, victims: dict[int, int], how: str = "kill
                               nn.Linear(32, 5))  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     rank = int(os.environ.get("RANK", "0"))
+    callbacks: list[Any] = []
     if rank in victims:
-        _die_at(model, victims[rank], how)
+        if where == "forward":
+            _die_at(model, victims[rank], how)
+        elif where == "clock":
+            pass  # armed below, as fit begins
+        else:  # a callback's hook: on_train_batch_end, on_train_batch_begin, on_epoch_end...
+            callbacks.append(_DieInCallback(where, victims[rank], how))
     if pause:  # slower steps: a replica started again has time to come back mid-training
         model.register_forward_pre_hook(lambda *_: time.sleep(pause))
+    if rank in victims and where == "clock":
+        timer = threading.Timer(victims[rank] / 1000, os.kill, args=(os.getpid(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+    began = time.perf_counter()
     try:
         history = sg.fit(model, opt, nn.CrossEntropyLoss(), _data(), epochs=epochs, global_clipnorm=0.5,
-                         strategy=strategy, verbose=0)  # fmt: skip
+                         strategy=strategy, verbose=0, callbacks=callbacks,
+                         validation_data=_data()[:2] if validate else None)  # fmt: skip
     finally:
         sg.experimental.disable_op_determinism()  # a process-wide switch: never left on
+    seconds = time.perf_counter() - began
     digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in model.parameters()))
     left = strategy.num_replicas_in_sync if strategy is not None else 1
-    return {"hash": digest.hexdigest(), "loss": [float(v) for v in history.history["loss"]], "replicas": left}
+    return {"hash": digest.hexdigest(), "loss": [float(v) for v in history.history["loss"]], "replicas": left,
+            "seconds": seconds}  # fmt: skip

@@ -10,6 +10,7 @@ from stratagem.comm.communicator import (
 )
 from stratagem.comm.errors import (
     CollectiveError,
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     ReplicaMismatchError,
     WorkerFailedError,
@@ -17,6 +18,7 @@ from stratagem.comm.errors import (
 
 __all__ = [
     "CollectiveError",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "Communicator",
     "LocalCommunicator",

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from stratagem.comm.errors import CollectiveError, ReplicaMismatchError, WorkerFailedError
 from stratagem.comm.failure import FailureProbe, classify_failure, giving_up_allowed, in_collective
+from stratagem.comm.sequence import CollectiveLog, describe
 from stratagem.core import tree
 from stratagem.core.eager import eager_only
 
@@ -375,6 +376,9 @@ class ProcessGroupCommunicator(Communicator):
         self.world_size = dist.get_world_size(group)
         self.global_ranks = list(ranks) if ranks is not None else list(range(self.world_size))
         self.probe = probe
+        #: the collectives over this group, numbered (``comm.sequence``: the failure monitor
+        #: tells replicas waiting in different ones apart)
+        self.log = CollectiveLog()
         _live_groups.add(self)
 
     @classmethod
@@ -386,6 +390,7 @@ class ProcessGroupCommunicator(Communicator):
         self.device = torch.device(device)
         self.rank, self.world_size, self.global_ranks = 0, 1, [0]
         self.probe = probe
+        self.log = CollectiveLog()
         _live_groups.add(self)
         return self
 
@@ -396,18 +401,27 @@ class ProcessGroupCommunicator(Communicator):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_ranks = list(range(self.world_size))
+        self.log.reset()  # every member numbers its collectives over the new group afresh
         # every member checks each call site again (a member new to the job has checked none)
         self.__dict__.pop("_checked_sites", None)
 
     @contextlib.contextmanager
-    def _guard(self, op: str) -> Iterator[None]:
+    def _guard(self, op: str, what: str | None = None, seq: int | None = None) -> Iterator[None]:
+        """A collective's call: its backend error explained, and (``what``: a collective every
+        member makes) numbered in ``log`` and marked as waited in (``seq``: one already numbered,
+        started asynchronously)."""
         try:
-            with in_collective():
+            with in_collective(), self._numbered(what, seq):
                 yield
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, CollectiveError):
                 raise
             raise classify_failure(e, self.probe, op) from e
+
+    def _numbered(self, what: str | None, seq: int | None) -> contextlib.AbstractContextManager[None]:
+        if what is None:
+            return contextlib.nullcontext()
+        return self.log.waiting(self.log.start(what) if seq is None else seq, what)
 
     #: (on_failure="continue") a lost peer's (rank, why) once one is known, else None: the
     #: collectives that poll it give up waiting for a peer that fell silent (a host cut off,
@@ -430,21 +444,25 @@ class ProcessGroupCommunicator(Communicator):
         work.wait()  # its own error, if it failed
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> None:
-        with self._guard("all_reduce"):
+        with self._guard("all_reduce", describe("all_reduce", tensor)):
             if self.give_up_when is None:
                 dist.all_reduce(tensor, op=_DIST_OPS[op], group=self.group)
             else:
                 self._wait(dist.all_reduce(tensor, op=_DIST_OPS[op], group=self.group, async_op=True), "all_reduce")
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
+        what = describe("all_reduce", tensor)
+        seq = self.log.start(what)
         with self._guard("all_reduce"):
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _GuardedWork(work, self)
+        return _GuardedWork(work, self, "all_reduce", what, seq)
 
     def all_gather_async(self, tensor: torch.Tensor, out: list[torch.Tensor]) -> Any:
+        what = describe("all_gather", tensor)
+        seq = self.log.start(what)
         with self._guard("all_gather"):
             work = dist.all_gather(out, tensor, group=self.group, async_op=True)
-        return _GuardedWork(work, self, "all_gather")
+        return _GuardedWork(work, self, "all_gather", what, seq)
 
     def _start_all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
@@ -455,19 +473,21 @@ class ProcessGroupCommunicator(Communicator):
     def all_to_all_async(
         self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
     ) -> Any:
+        what = describe("all_to_all", send, sized=False)
+        seq = self.log.start(what)
         with self._guard("all_to_all"):
             work = self._start_all_to_all(send, recv, send_splits, recv_splits)
-        return _GuardedWork(work, self, "all_to_all")
+        return _GuardedWork(work, self, "all_to_all", what, seq)
 
     def all_to_all(
         self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
     ) -> None:
-        with self._guard("all_to_all"):
+        with self._guard("all_to_all", describe("all_to_all", send, sized=False)):
             self._wait(self._start_all_to_all(send, recv, send_splits, recv_splits), "all_to_all")
 
     def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        with self._guard("all_gather"):
+        with self._guard("all_gather", describe("all_gather", tensor)):
             if self.give_up_when is None:
                 dist.all_gather(out, tensor.contiguous(), group=self.group)
             else:
@@ -475,30 +495,30 @@ class ProcessGroupCommunicator(Communicator):
         return out
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
-        with self._guard("broadcast"):
+        with self._guard("broadcast", describe("broadcast", tensor)):
             dist.broadcast(tensor, src=self.global_ranks[src], group=self.group)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        with self._guard("all_gather_object"):
+        with self._guard("all_gather_object", "all_gather_object"):
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """``src``'s object on every member (one broadcast: the others send nothing)."""
         box = [obj if self.rank == src else None]
-        with self._guard("broadcast_object"):
+        with self._guard("broadcast_object", "broadcast_object"):
             dist.broadcast_object_list(box, src=self.global_ranks[src], group=self.group)
         return box[0]
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        with self._guard("gather_object"):
+        with self._guard("gather_object", "gather_object"):
             dist.gather_object(obj, out, dst=self.global_ranks[dst], group=self.group)
         return out
 
     def barrier(self) -> None:
-        with self._guard("barrier"):
+        with self._guard("barrier", "barrier"):
             if self.device.type == "cuda":
                 dist.barrier(group=self.group, device_ids=[self.device.index or 0])
             else:
@@ -541,13 +561,15 @@ eager_only(ProcessGroupCommunicator, ["broadcast_object"])
 
 
 class _GuardedWork:
-    def __init__(self, work: Any, comm: ProcessGroupCommunicator, op: str = "all_reduce") -> None:
+    def __init__(self, work: Any, comm: ProcessGroupCommunicator, op: str = "all_reduce",
+                 what: str | None = None, seq: int | None = None) -> None:  # fmt: skip
         self.work = work
         self.comm = comm
         self.op = op
+        self.what, self.seq = what, seq
 
     def wait(self) -> bool:
-        with self.comm._guard(self.op):
+        with self.comm._guard(self.op, self.what, self.seq):
             return bool(self.work.wait())
 
 

@@ -24,6 +24,11 @@ class ReplicaMismatchError(ValueError):
     """Replicas passed different structures, shapes or dtypes to the same collective."""
 
 
+class CollectiveMismatchError(ReplicaMismatchError, CollectiveError):
+    """Replicas wait in different collectives (the n-th of one is not the n-th of another), so
+    none of them can finish: a mistake in the program, found by the failure monitor."""
+
+
 _PEER_LOSS = ("connection", "closed", "reset by peer", "broken pipe", "eof", "peer", "socket")
 
 

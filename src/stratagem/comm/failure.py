@@ -40,7 +40,12 @@ from typing import Any
 import torch.distributed as dist
 
 from stratagem.cluster.stopping import explain_stops_with, mark_reported, record_followed
-from stratagem.comm.errors import CollectiveError, WorkerFailedError, looks_like_peer_loss
+from stratagem.comm.errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    WorkerFailedError,
+    looks_like_peer_loss,
+)
 from stratagem.comm.heartbeat import (
     ABORTED,
     DONE,
@@ -60,6 +65,7 @@ from stratagem.comm.heartbeat import (
     write_directory,
 )
 from stratagem.comm.interfaces import route_source
+from stratagem.comm.sequence import CollectiveLog, Position, disagreement, explain, odd_one
 from stratagem.comm.verdict import (
     ENDED_WHY,
     FailureProbe,
@@ -165,6 +171,9 @@ class Failure:
     rank: int | None
     why: str
     silent: bool = False
+    #: "failed" (a peer died, raised, fell silent) or "mismatch" (the replicas wait in different
+    #: collectives: a mistake in the program, which no replica can go on from)
+    kind: str = "failed"
 
 
 def _local_address(host: str, port: int) -> str:
@@ -262,6 +271,10 @@ class FailureMonitor:
         self._records_from = 0
         #: ranks some failure record names (the watcher does not publish a verdict on them again)
         self._recorded: set[int] = set()
+        #: the job's numbered collectives (``watch_collectives``), and whether a disagreement
+        #: between them was recorded already
+        self._log: CollectiveLog | None = None
+        self._mismatch_recorded = False
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> FailureMonitor:
@@ -273,6 +286,7 @@ class FailureMonitor:
         )
         me = (self._host, os.getpid(), self._address)
         self._heartbeat = Heartbeat(self._store, self._keys, self.rank)
+        self._heartbeat.where = self._where
         self._reader = VerdictReader(self._store, self._keys, self.options.dead_after_seconds)
         publish_self(self._store, self._keys, self.rank, me, self._heartbeat)
         self._peers[self.rank] = me
@@ -289,6 +303,15 @@ class FailureMonitor:
                                                   name="stratagem-failure-stall", daemon=True)
             self._stall_thread.start()
         return self
+
+    def watch_collectives(self, log: CollectiveLog) -> None:
+        """Say, in each beat, which of ``log``'s collectives this process waits in; the watcher
+        compares them (``comm.sequence``)."""
+        self._log = log
+
+    def _where(self) -> str | None:
+        pos = self._log.position() if self._log is not None else None
+        return pos.encode() if pos is not None else None
 
     def close(self) -> None:
         """The program ended: say so (unless the excepthook already did), let the store host wait
@@ -483,8 +506,29 @@ class FailureMonitor:
         self._ended_normally.update(w.book.ended_normally())
         if self._closing or self.failure is not None:
             return
+        self._compare_positions(w, members)
         for p in w.newly_silent(now, self._finished | self.left | self._recorded):
             self._publish(Failure(p, self._silence_why(self._peers.get(p)), silent=True))
+
+    def _compare_positions(self, w: Watcher, members: list[int]) -> None:
+        """The watcher: every rank's collective position from the beats just read (and its own);
+        one record when two ranks wait in different collectives at the same number."""
+        if self._mismatch_recorded:
+            return
+        positions = {p: pos for p in members if p not in self.left
+                     if (pos := Position.decode(w.book.wheres.get(p, ""))) is not None}  # fmt: skip
+        own = self._log.position() if self._log is not None else None
+        if own is not None:
+            positions[self.rank] = own
+        found = disagreement(positions)
+        if found is None:
+            return
+        seq, by_what = found
+        self._mismatch_recorded = True
+        odd = odd_one(by_what)
+        publish_record(self._store, self._keys, {"rank": odd, "why": explain(seq, by_what),
+                                                 "silent": True, "by": self.rank, "mismatch": True})
+        self._published_silent = odd  # its end waits until the others read it (it may take the store)
 
     # --- watching -----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -609,6 +653,7 @@ class FailureMonitor:
         do, ``communicator.ProcessGroupCommunicator._wait``)."""
         return (
             self.options.continues
+            and failure.kind != "mismatch"
             and failure.rank is not None
             and failure.rank != self.store_host_rank
             and failure.rank != self.rank
@@ -786,6 +831,9 @@ class FailureMonitor:
         for rec in read_records(self._store, self._keys, self._records_from, count):
             r = int(rec["rank"])
             self._recorded.add(r)
+            if found is None and rec.get("mismatch"):  # every rank's error, the named one's too
+                found = Failure(r, str(rec["why"]), silent=True, kind="mismatch")
+                continue
             if found is not None or r == self.rank or r in self.left:
                 continue
             if "why" in rec:  # another rank's verdict on a peer that fell silent, died or stopped
@@ -904,6 +952,8 @@ class FailureMonitor:
     # --- ending ---------------------------------------------------------------------------------
     def _message(self) -> str:
         f = self.failure
+        if f is not None and f.kind == "mismatch":
+            return f.why
         who = f"worker {f.rank}" if f is not None and f.rank is not None else "a peer worker"
         why = f": {f.why}" if f is not None and f.why else ""
         return f"{who} failed{why}"
@@ -923,15 +973,17 @@ class FailureMonitor:
 
     def _abort(self) -> None:
         """The main thread is stuck (in a collective that cannot be interrupted): end the process."""
-        err = WorkerFailedError(
-            f"{self._message()}; rank {self.rank} was blocked and is stopped "
-            f"(exit code {ABORT_EXIT_CODE})",
-            rank=self.failure.rank if self.failure else None,
-        )
+        err: CollectiveError
+        text = f"{self._message()}; rank {self.rank} was blocked and is stopped (exit code {ABORT_EXIT_CODE})"
+        if self.failure is not None and self.failure.kind == "mismatch":
+            err = CollectiveMismatchError(text)
+        else:
+            err = WorkerFailedError(text, rank=self.failure.rank if self.failure else None)
+        name = type(err).__name__
         mark_reported()
-        sys.stderr.write(f"stratagem: rank {self.rank}: WorkerFailedError: {err}\n")
+        sys.stderr.write(f"stratagem: rank {self.rank}: {name}: {err}\n")
         sys.stderr.flush()
-        record_followed(f"WorkerFailedError: {err}", err.rank)
+        record_followed(f"{name}: {err}", getattr(err, "rank", None))
         self._let_the_verdict_spread()
         self._mark(ABORTED)
         for child in multiprocessing.active_children():
@@ -950,7 +1002,8 @@ class FailureMonitor:
         failed = self._published_silent
         if failed is None or self._store_errors >= 2:
             return
-        want = self.world_size - 1  # every rank but the silent one (this one counted itself)
+        # every rank but the silent one (this one counted itself); all of them for a mismatch
+        want = self.world_size - (0 if self.failure is not None and self.failure.kind == "mismatch" else 1)
         deadline = time.monotonic() + 2 * self.options.heartbeat_seconds
         while time.monotonic() < deadline:
             # never blocked on the lock: a store call stuck in another thread may hold it

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,15 +58,23 @@ class Keys:
         return self.of("seen", rank)
 
 
-def encode_beat(n: int, state: str) -> str:
-    """A beat's value: its count and the process's state (``"12 run"``)."""
-    return f"{n} {state}"
+def encode_beat(n: int, state: str, where: str | None = None) -> str:
+    """A beat's value: its count, the process's state and, while it waits in a collective, which
+    one (``"12 run"``, ``"13 run 57:all_reduce/float32[10]"``: ``comm.sequence.Position``)."""
+    return f"{n} {state}" if not where else f"{n} {state} {where}"
 
 
 def decode_beat(raw: bytes | str) -> tuple[int, str]:
+    n, state, _ = decode_beat_where(raw)
+    return n, state
+
+
+def decode_beat_where(raw: bytes | str) -> tuple[int, str, str]:
+    """A beat's count, state and collective position ("" when it waits in none)."""
     text = raw.decode() if isinstance(raw, bytes) else raw
-    n, _, state = text.partition(" ")
-    return int(n), state or RUNNING
+    n, _, rest = text.partition(" ")
+    state, _, where = rest.partition(" ")
+    return int(n), state or RUNNING, where
 
 
 class Heartbeat:
@@ -75,12 +84,15 @@ class Heartbeat:
         self.store, self.keys, self.rank = store, keys, rank
         self.count = 0
         self.state = RUNNING
+        #: the collective this process waits in, encoded (None: it says none)
+        self.where: Callable[[], str | None] | None = None
 
     def beat(self, state: str | None = None) -> None:
         if state is not None:
             self.state = state
         self.count += 1
-        self.store.set(self.keys.beat(self.rank), encode_beat(self.count, self.state))
+        where = self.where() if self.where is not None and self.state == RUNNING else None
+        self.store.set(self.keys.beat(self.rank), encode_beat(self.count, self.state, where))
 
 
 @dataclass
@@ -89,10 +101,13 @@ class BeatBook:
 
     beats: dict[int, tuple[int, float]] = field(default_factory=dict)
     states: dict[int, str] = field(default_factory=dict)
+    #: the collective each rank said it waits in at its last beat ("" none)
+    wheres: dict[int, str] = field(default_factory=dict)
 
     def see(self, rank: int, raw: bytes | str, now: float) -> None:
-        n, state = decode_beat(raw)
+        n, state, where = decode_beat_where(raw)
         self.states[rank] = state
+        self.wheres[rank] = where
         last = self.beats.get(rank)
         if last is None or last[0] != n:
             self.beats[rank] = (n, now)
@@ -119,6 +134,7 @@ class BeatBook:
         or those ranks came back."""
         for r in list(self.beats) if ranks is None else ranks:
             self.beats.pop(r, None)
+            self.wheres.pop(r, None)
             if ranks is not None:
                 self.states.pop(r, None)
 

@@ -15,11 +15,13 @@ import torch.distributed as dist
 from stratagem.cluster.launch import children
 from stratagem.comm.errors import (
     CollectiveError,
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     WorkerFailedError,
     looks_like_peer_loss,
 )
 from stratagem.comm.heartbeat import BeatBook, Keys
+from stratagem.comm.sequence import MISMATCH_WHY
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,8 @@ def classify_failure(exc: BaseException, probe: FailureProbe | None, op: str) ->
         # nothing says a peer failed: this rank's own call went wrong (e.g. a tensor on a
         # device the backend does not serve); say so rather than blame another worker
         return CollectiveError(f"{op} failed on this worker: {type(exc).__name__}: {text}")
+    if why.startswith(MISMATCH_WHY):
+        return CollectiveMismatchError(f"{op} failed: {why} ({text})")
     if why == ENDED_WHY:
         return WorkerFailedError(
             f"{op} failed because {who} ended its program normally (it returned or exited with code 0) "

@@ -163,6 +163,7 @@ def _remember(
     if options.enabled:
         if options.continues:  # a wait for a peer known lost gives up
             comm.give_up_when = monitor.lost_peer
+        monitor.watch_collectives(comm.log)  # replicas in different collectives are told apart
         _joined["monitor"] = monitor.start()
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +56,20 @@ class FitFailover:
         self.survivors = Survivors(ext.world.world_size, ext.failure)  # type: ignore[attr-defined]
         self.committed = Committed()
         self._lost_since: float | None = None
+        #: facts agreed once (name: (get, put)), kept alike through a reform (``keep_agreed``)
+        self._facts: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        pieces = getattr(steps, "pieces", None)
+        if pieces is not None:  # the pieces' seed, the chief's, broadcast at the first step
+            self.keep_agreed("seed", lambda: pieces.base_seed, pieces.adopt_base_seed)
+
+    def keep_agreed(self, name: str, get: Callable[[], Any], put: Callable[[Any], None]) -> None:
+        """A fact the replicas agree on once, by a collective a failure can leave done on some
+        survivors and not on others (the pieces' seed, the callbacks' facts): its holder would go
+        on past it while the others make it again, and the survivors would wait in different
+        collectives. ``get()`` is this process's (JSON-able; None: not agreed yet); each survivor
+        reports its own in the round, and after it every survivor is ``put`` the first member's
+        that has one, so all go on alike."""
+        self._facts[name] = (get, put)
 
     def interrupted(self, step_began: float) -> None:
         """The step that began at ``step_began`` (``time.perf_counter``) failed: the cost of the
@@ -78,7 +92,13 @@ class FitFailover:
         """After ``error``: the job formed again over the survivors, every survivor at the same
         committed state; returns it (the caller puts its data and counters there)."""
         mine = self.committed
-        membership = self.survivors.go_on(error, {"updates": mine.updates})
+        facts = {name: get() for name, (get, _) in self._facts.items()}
+        membership = self.survivors.go_on(error, {"updates": mine.updates, "facts": facts})
+        for name, (_, put) in self._facts.items():
+            known = [membership.reports[m].get("facts", {}).get(name) for m in sorted(membership.reports)]
+            value = next((v for v in known if v is not None), None)
+            if value is not None:
+                put(value)
         updates = {m: int(r["updates"]) for m, r in membership.reports.items()}
         best = max(updates.values())
         if any(u != best for u in updates.values()):

@@ -48,6 +48,16 @@ def _may_stop_per_batch(cb: Callback) -> bool:
     return _acts_per_batch(cb) and bool(getattr(cb, "may_stop_per_batch", True))
 
 
+def _agreed_callback_facts(steps: Any, callbacks: Sequence[Callback]) -> tuple[bool, bool, bool]:
+    """Whether any replica's callbacks act per batch, may stop per batch, may stop at an epoch's
+    end: agreed across the job (``steps.agree``, once a fit), since each changes the collectives
+    fit makes. A logger or TensorBoard given to the chief only must not leave the others waiting
+    in another collective."""
+    return (steps.agree(any(_acts_per_batch(cb) for cb in callbacks)),
+            steps.agree(any(_may_stop_per_batch(cb) for cb in callbacks)),
+            steps.agree(any(not isinstance(cb, Progress) for cb in callbacks)))  # fmt: skip
+
+
 def _stop_asked(state: FitState) -> bool:
     """Whether this replica's callbacks asked to stop: ``state.stop_training`` or Keras's
     ``self.model.stop_training``."""
@@ -71,10 +81,11 @@ class _Cadence:
     use the mean of the proposals (summed in the sync they already do, so they agree). So a
     step of a few milliseconds or more keeps a log per step, as in Keras."""
 
-    def __init__(self, value: int | str, callbacks: Sequence[Callback]) -> None:
+    def __init__(self, value: int | str, callbacks: Sequence[Callback], acts_per_batch: bool | None = None) -> None:
         if value == "auto":
             self.size = 1
-            self.measuring = not any(_acts_per_batch(cb) for cb in callbacks)
+            acts = any(_acts_per_batch(cb) for cb in callbacks) if acts_per_batch is None else acts_per_batch
+            self.measuring = not acts
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"steps_per_execution must be a positive number of steps or 'auto', got {value!r}")
         else:
@@ -197,11 +208,16 @@ class _Loop:
         if mode is not None and not any(isinstance(cb, Progress) for cb in cbs):
             cbs.insert(0, Progress(mode))
         self.cblist = CallbackList(cbs, state)
+        self._steps_per_execution = steps_per_execution
+        # what the callbacks ask of the loop (a hook per batch, a stop per batch or epoch), agreed
+        # across the job at the first epoch (``_agree_callbacks``): these are this process's own
         self.cadence = _Cadence(steps_per_execution, cbs)
         self.per_batch_stop = any(_may_stop_per_batch(cb) for cb in cbs)
         # only a callback of the user's may ask to stop at an epoch's end (the progress bar
         # never does): without one there is nothing to agree on then
         self.epoch_stop = any(not isinstance(cb, Progress) for cb in cbs)
+        self._callbacks_agreed = False
+        self._agreed_facts: list[bool] | None = None
         state.capture = self.capture
         state.restore = self.restore
         #: FailureOptions(on_failure="continue"): what to do after a lost replica (train/failover.py)
@@ -217,6 +233,7 @@ class _Loop:
         )
         # the step's sync rides on the commit: a stop asked before it, a lost replica back
         self.steps.commit_extra = lambda: [float(_stop_asked(state)), float(failover.joins_waiting())]
+        failover.keep_agreed("callbacks", self._callback_facts, self._adopt_callback_facts)
 
     def capture(self, progress: FitProgress, *, epoch_end: bool) -> None:
         state = self.state
@@ -273,6 +290,22 @@ class _Loop:
             cblist.call("on_train_end", dict(logs))
         return self.history
 
+    def _agree_callbacks(self) -> None:
+        """The callbacks' facts that change fit's collectives, the same on every replica (a
+        callback given to one replica only would otherwise leave the others in other collectives)."""
+        if not self._callbacks_agreed:  # (adopted from a survivor after a failure in it)
+            self._adopt_callback_facts(list(_agreed_callback_facts(self.steps, self.cblist.callbacks)))
+
+    def _callback_facts(self) -> list[bool] | None:
+        return self._agreed_facts
+
+    def _adopt_callback_facts(self, facts: list[bool]) -> None:
+        acts, batch_stop, epoch_stop = (bool(f) for f in facts)
+        self._agreed_facts = [acts, batch_stop, epoch_stop]
+        self.cadence = _Cadence(self._steps_per_execution, self.cblist.callbacks, acts_per_batch=acts)
+        self.per_batch_stop, self.epoch_stop = batch_stop, epoch_stop
+        self._callbacks_agreed = True
+
     def _going_on(self, fn: Callable[[], _T]) -> _T:
         """``fn()`` (a collective part of an epoch's end: validation, the stop vote), done again
         after a lost replica under ``on_failure="continue"`` (every update of the epoch is
@@ -284,6 +317,19 @@ class _Loop:
                 if self.failover is None:
                     raise
                 self._recover(e, [])
+
+    def _take(self, n: int) -> list[Any]:
+        """The next execution's batches. The input's own collectives (its vote on the batches)
+        go on without a lost replica too (``on_failure="continue"``): the iterator the failure
+        broke is made again at the committed position."""
+        while True:
+            try:
+                return self.batches.take(n)
+            except CollectiveError as e:
+                if self.failover is None:
+                    raise
+                self._recover(e, [])
+                self.batches.load_state_dict(self.failover.committed.data)
 
     def _recover(self, error: CollectiveError, group: list[Any]) -> list[Any] | None:
         """After a lost replica: the survivors at the last committed update; returns the batches
@@ -319,6 +365,8 @@ class _Loop:
                 m.set_global_totals(m.local_totals())
             if self.failover is not None:
                 self.failover.record(epoch, self.batches.state_dict(), 0, state.iterations, tracked)
+        if not self._callbacks_agreed:  # after the first record: a replica lost now is gone on without
+            self._going_on(self._agree_callbacks)
         state.samples = int(tracked[0].global_totals()[1])
         steps.set_training(True)
         self.cblist.call("on_epoch_begin", epoch, None)
@@ -343,7 +391,7 @@ class _Loop:
         state, cadence, tracked = self.state, self.cadence, self.tracked
         retry: list[Any] | None = None
         while True:
-            group = retry if retry is not None else self.batches.take(cadence.size * self.accumulate)
+            group = retry if retry is not None else self._take(cadence.size * self.accumulate)
             retry = None
             if not group:
                 return
@@ -379,7 +427,9 @@ class _Loop:
                 cadence.agreed(summed[1:], self.strategy.num_replicas_in_sync)
             # asked in on_train_batch_end (Keras checks after each batch): agreed now, so every
             # replica stops after this batch (one small collective, only with such callbacks)
-            if summed[0] > 0 or (self.per_batch_stop and self.steps.agree(_stop_asked(state))):
+            # (on_failure="continue": a replica lost in a callback, after the commit, is gone on
+            # without here, and the survivors agree again)
+            if summed[0] > 0 or (self.per_batch_stop and self._going_on(lambda: self.steps.agree(_stop_asked(state)))):
                 state.stop_training = True
                 _set_model_flag(state.model, True)
                 return

@@ -77,6 +77,16 @@ class PieceRunner:
                     "Use GroupNorm or LayerNorm, freeze it (eval()), or disable_op_determinism()"
                 )
 
+    @property
+    def base_seed(self) -> int | None:
+        """The agreed seed (None: not agreed yet; it is at the first step)."""
+        return self._base
+
+    def adopt_base_seed(self, seed: int) -> None:
+        """The seed another replica agreed (``on_failure="continue"``: a survivor whose broadcast
+        of it failed takes it from one whose did not, instead of broadcasting again alone)."""
+        self._base = int(seed)
+
     def _agreed_base(self) -> int:
         """The chief's ``torch.initial_seed()``: the pieces' generators start from the same seed on
         every replica and on one process, as the user seeded it."""
