@@ -2,8 +2,9 @@
 
 1. ``--store``: a TCPStore's calls a second from 1 and 4 client processes (``cost_probe.store_rate``).
 2. For each N of ``--ranks``: the plain collectives (all-reduce, all-gather in both forms,
-   reduce-scatter, all-to-all) and a copy into a fresh buffer at a few sizes, fitted to a latency
-   a hop and a bus bandwidth each (``cost_model.fit_link``), timed in the same rounds as the
+   reduce-scatter, all-to-all) and a copy into a fresh buffer at a few sizes (the checks predict
+   from these points, ``cost_model.MeasuredLink``; the table prints the line of a latency a hop and
+   a bus bandwidth each fits, ``cost_model.fit_link``), timed in the same rounds as the
    library's exchanges of a 1.32 M-parameter MLP's gradient (5.3 MB; the MLP of
    ``benchmarks/determinism.py``): the default mode's buckets all-reduced and the deterministic
    mode's ``reduce_blocks`` (all-to-all of block sums, all-gather of finished slices). Printed:
@@ -171,7 +172,9 @@ def predictions(mfu: float = 0.4) -> None:
         for strategy in cm.STRATEGIES:
             if strategy == "multiworker":
                 continue
-            cells = [prediction(strategy, n, model, batch, opts, fabric, cm.H100, mfu) for n in SCALES]
+            # TPUStrategy on TPU v5p chips over ICI (published figures); every other strategy on H100s over NCCL
+            fab, chip = (cm.tpu_fabric(), cm.TPU_V5P) if strategy == "tpu" else (fabric, cm.H100)
+            cells = [prediction(strategy, n, model, batch, opts, fab, chip, mfu) for n in SCALES]
             print(f"  {strategy:13} | " + " | ".join(cells))
 
 

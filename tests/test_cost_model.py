@@ -1,7 +1,7 @@
 """The cost model of docs/SCALE.md (``stratagem.testing.cost_model``): its invariants, pure and fast,
 checked against the library's own plans where the library has one (``comm/blocks.SlicePlan``,
 ``comm/buckets.plan_buckets``, ``core/canonical.blocks``); and one small check of the model against
-a real gloo run of 2 processes."""
+a real gloo run of 2 processes (about 5 s)."""
 
 from __future__ import annotations
 
@@ -156,11 +156,11 @@ def test_limits_name_memory_and_batch() -> None:
     assert any(x.startswith("batch") for x in cm.limits(c))
 
 
-@pytest.mark.slow
 def test_model_predicts_a_real_gloo_exchange() -> None:
     """2 gloo processes: the default mode's buckets all-reduced, predicted from the plain
-    collectives timed in the same rounds. Loose (a factor 2): this 2-core machine is shared; the
-    20% check is the benchmark's (docs/SCALE.md, "The cost model")."""
+    collectives timed in the same rounds (both slow down together under load). Loose (0.4-2.5x):
+    this 2-core machine is shared; the 20% check is the benchmark's (docs/SCALE.md, "The cost
+    model"). About 5 s."""
     from stratagem.testing import cost_probe as cp
     from stratagem.testing import run_workers
 
@@ -169,6 +169,6 @@ def test_model_predicts_a_real_gloo_exchange() -> None:
     r = run_workers(cp.exchange_worker, 2, args=(numels, sizes, 2, 3), timeout=240)[0].value
     links = {k: cm.fit_link(k, 2, pts) for k, pts in r["collectives"].items() if k != "copy"}
     fab = cm.Fabric("gloo", links)
-    assert r["buckets"] == [b for b in r["buckets"] if b > 0] and sum(r["buckets"]) == 4 * sum(numels)
+    assert len(r["buckets"]) == 2 and sum(r["buckets"]) == 4 * sum(numels)  # the reducer's plan: 1 MB cap first
     pred = cm.reducer_exchange(r["buckets"], 2, flags=False).seconds(fab)
-    assert 0.5 < pred / r["default"] < 2.0, (pred, r["default"])
+    assert 0.4 < pred / r["default"] < 2.5, (pred, r["default"])

@@ -8,7 +8,8 @@ all-gather, a reduce-scatter or an all-to-all ``(N-1)/N``), its memory per rank,
 the watcher, about 6 a rank at start-up), what a rank copies locally, and the pipeline's bubble.
 A ``Fabric`` turns collectives into seconds (``latency`` per hop of the algorithm plus the bytes a
 rank sends over a bus bandwidth, as nccl-tests reports ``busbw``): ``fit_link`` calibrates one
-from timings taken here (``cost_probe.py``), ``nccl_fabric`` holds published NCCL figures.
+from timings taken here (``cost_probe.py``; ``MeasuredLink`` keeps the timed points themselves, what
+the checks at 2-16 processes predict from), ``nccl_fabric`` and ``tpu_fabric`` hold published figures.
 ``predict`` gives a step's time and scaling efficiency on accelerators and ``limits`` names what
 breaks first. ``benchmarks/cost_model.py`` measures the constants and checks the model against
 runs of 2-16 gloo processes; ``tests/test_cost_model.py`` holds its invariants.
