@@ -53,7 +53,9 @@ def run_demo(
     replicas: int = 2, epochs: int = 12, batch_size: int = 64, plot: str | None = None,
     custom_loop: bool = False, devices: str | None = None,
 ) -> int:
-    """Train on 80% of the digits, report held-out accuracy; exit code 0 when it is above 95%."""
+    """Train on 80% of the digits and print the held-out accuracy (about 0.98 after the default 12
+    epochs, less after fewer). The exit code is 0 whenever the run itself worked: the accuracy is
+    printed for the reader, not turned into a pass mark."""
     strategy = sg.MirroredStrategy(demo_devices(replicas, devices), num_replicas=replicas)
     chief = strategy.extended.should_checkpoint
     x_train, y_train, x_test, y_test = load_digits_split()
@@ -80,8 +82,9 @@ def run_demo(
             except ImportError as e:
                 print(f"no plot: {e}", flush=True)
     if chief:
-        print(f"final held-out accuracy {accuracy:.4f}", flush=True)
-    return 0 if accuracy > 0.95 else 1
+        print(f"final held-out accuracy {accuracy:.4f} after {epochs} epoch{'s' if epochs != 1 else ''}",
+              flush=True)
+    return 0
 
 
 def _custom_loop(
