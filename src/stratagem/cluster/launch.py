@@ -52,13 +52,28 @@ def relaunch_command(argv: Sequence[str] | None = None) -> list[str]:
         if name.endswith(".__main__"):
             name = name[: -len(".__main__")]
         return [sys.executable, "-m", name, *argv[1:]]
-    if not argv or argv[0] in ("", "-c") or not os.path.exists(argv[0]):
+    if not argv or argv[0] in ("", "-c") or not os.path.exists(argv[0]) or _in_notebook_or_ipython(argv):
         raise RuntimeError(
-            "this program cannot be re-run to start the other replicas (it is an interactive "
-            f"session or `python -c`; sys.argv={argv!r}). Put the code in a script and run "
-            "`stratagem run -n N script.py`, or use torchrun"
+            "this program cannot be re-run to start the other replicas (it is a notebook, an "
+            f"interactive session or `python -c`; sys.argv={argv!r}). From a notebook or a REPL, "
+            "put the training in a function and run `sg.launch(train_fn, num_replicas=N)`: it "
+            "starts the replicas as fresh processes, each making the strategy inside train_fn, "
+            "and returns rank 0's result (`pip install 'stratagem[launch]'` for a function "
+            "defined in the notebook itself). From a script: `stratagem run -n N script.py`, "
+            "or torchrun"
         )
     return [sys.executable, *argv]
+
+
+def _in_notebook_or_ipython(argv: Sequence[str]) -> bool:
+    """A Jupyter kernel or an IPython shell: its argv[0] (ipykernel_launcher.py, bin/ipython) is
+    a file, but running it again starts another kernel on the same ports (which kills the
+    notebook's) or an interactive shell, not this program."""
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    if get_ipython is None or get_ipython() is None:
+        return False
+    return os.path.basename(argv[0]).startswith(("ipykernel", "ipython", "jupyter"))
 
 
 class ReplicaProcesses:

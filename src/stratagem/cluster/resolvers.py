@@ -368,22 +368,63 @@ class TorchrunClusterResolver(ClusterResolver):
 
 
 def expand_hostlist(text: str) -> list[str]:
-    """Slurm's compressed host list (``node[01-03,7],gpu5``) as a list of host names."""
+    """Slurm's compressed host list as host names, in the order ``scontrol show hostnames`` gives.
+
+    ``node[01-03,7],gpu5`` is node01, node02, node03, node7, gpu5; a name with several bracket
+    groups is their product, the leftmost varying slowest (``rack[1-2]-node[01-02]``: rack1-node01,
+    rack1-node02, rack2-node01, rack2-node02). A range keeps its lower bound's zero padding.
+    """
+    from itertools import product
+
     hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", text):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if m is None:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for r in ranges.split(","):
-            lo, _, hi = r.partition("-")
-            if not hi:
-                hosts.append(f"{prefix}{lo}{suffix}")
-                continue
-            for i in range(int(lo), int(hi) + 1):
-                hosts.append(f"{prefix}{str(i).zfill(len(lo))}{suffix}")
+    for name in _split_top_level(text):
+        # literal text and bracket groups, alternating: rack, 1-2, -node, 01-02, ''
+        parts = re.split(r"\[([^\[\]]*)\]", name)
+        literals, groups = parts[0::2], parts[1::2]
+        if any("[" in lit or "]" in lit for lit in literals) or not all(g.strip() for g in groups):
+            raise ValueError(f"bad Slurm host list {text!r}: unbalanced or empty brackets in {name!r}")
+        choices = [[part] if i % 2 == 0 else _expand_group(part, name, text) for i, part in enumerate(parts)]
+        hosts.extend("".join(combo) for combo in product(*choices))
     return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    """``a[1,2],b`` split at the commas outside brackets: ``['a[1,2]', 'b']``."""
+    names: list[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            names.append(text[start:i])
+            start = i + 1
+        if depth not in (0, 1):
+            raise ValueError(f"bad Slurm host list {text!r}: brackets do not pair up at position {i}")
+    if depth != 0:
+        raise ValueError(f"bad Slurm host list {text!r}: a '[' is not closed")
+    names.append(text[start:])
+    return [n.strip() for n in names if n.strip()]
+
+
+def _expand_group(group: str, name: str, text: str) -> list[str]:
+    """One bracket group's alternatives: ``01-03,7`` is 01, 02, 03, 7."""
+    out: list[str] = []
+    for r in group.split(","):
+        lo, dash, hi = r.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(
+                f"bad Slurm host list {text!r}: {r!r} in {name!r} is not a number or a range "
+                "such as 01-04"
+            )
+        if not dash:
+            out.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"bad Slurm host list {text!r}: the range {r!r} in {name!r} runs backwards")
+        out.extend(str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1))
+    return out
 
 
 @final
