@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import sys
 import threading
@@ -265,8 +266,14 @@ def _leave() -> None:
     monitor = _joined.pop("monitor", None)
     if monitor is not None:
         monitor.close()
-    _joined.pop("store", None)
-    _joined.pop("hosted_store", None)
+    store = _joined.pop("store", None)
+    hosted = _joined.pop("hosted_store", None)
+    if store is not None or hosted is not None:
+        del store, hosted
+        # a reference to the store in a cycle (a sharded job's torch objects: DTensor's caches,
+        # DeviceMesh's groups) would keep its server thread running into finalization until the
+        # collector happens to run: collected now, while the interpreter is whole
+        gc.collect()
 
 
 def _close_groups() -> None:
