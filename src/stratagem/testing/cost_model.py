@@ -51,7 +51,7 @@ def sent_fraction(kind: str, n: int) -> float:
         return 0.0
     if kind == "all_reduce":
         return 2 * (n - 1) / n
-    if kind in ("all_gather", "all_gather_list", "reduce_scatter", "all_to_all"):
+    if kind in ("all_gather", "all_gather_list", "all_gather_fresh", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     if kind in ("broadcast", "send"):
         return 1.0
@@ -164,7 +164,8 @@ class Fabric:
 
     def link(self, kind: str, group: int) -> Link | MeasuredLink:
         table = self.inter if self.inter is not None and group > self.per_node else self.links
-        for k in (kind, "all_gather" if kind == "all_gather_list" else kind, "all_reduce"):
+        for k in (kind, "all_gather_list" if kind == "all_gather_fresh" else kind,
+                  "all_gather" if kind.startswith("all_gather") else kind, "all_reduce"):  # fmt: skip
             if k in table:
                 return table[k]
         raise KeyError(f"{self.name}: no link for {kind}")
@@ -388,8 +389,8 @@ def blocks_exchange(bucket_bytes: Sequence[float], n: int, k: int = 1, K: int | 
     blocks and all replicas ``K`` (default ``k n``): per bucket an all-to-all of the ``k`` block
     sums of each replica's slice and an all-gather of the finished slices. Copied: the block sums
     into the send buffer, the slice's tree, the root; ``fresh`` (``reduce_blocks``, made each
-    call): also the send buffer zeroed, the received blocks, the gathered slices and their
-    concatenation. One replica: nothing but the tree (``reduce_blocks`` combines its own)."""
+    call): also the send buffer zeroed and the received blocks (its gather into tensors made for
+    the call and their concatenation are timed whole, ``all_gather_fresh``). One replica: nothing but the tree (``reduce_blocks`` combines its own)."""
     if n <= 1:
         return Exchange((), 0.0)
     K = k * n if K is None else K
@@ -398,10 +399,13 @@ def blocks_exchange(bucket_bytes: Sequence[float], n: int, k: int = 1, K: int | 
     for b in bucket_bytes:
         width = math.ceil(b / 4 / n) * 4
         colls.append(Collective("all_to_all", k * width * n, n, hidden=True, what="a bucket's block sums"))
-        colls.append(Collective("all_gather_list", width * n, n, what="a bucket's finished slices, after backward"))
+        # reduce_blocks gathers into tensors made for the call and concatenates them (timed as
+        # one kind, "all_gather_fresh"); fit's exchange into buffers it keeps
+        gather = "all_gather_fresh" if fresh else "all_gather_list"
+        colls.append(Collective(gather, width * n, n, what="a bucket's finished slices, after backward"))
         copied += (k + (K - 1) / n + 1) * width * n
         if fresh:
-            copied += (k + K / n + 2) * width * n
+            copied += (k + K / n) * width * n
     return Exchange(tuple(colls), copied)
 
 

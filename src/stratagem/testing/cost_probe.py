@@ -24,7 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 #: the collectives timed, as the model names them; "copy" is a local copy into a fresh buffer
-KINDS = ("all_reduce", "all_gather", "all_gather_list", "reduce_scatter", "all_to_all", "copy")
+#: ("all_gather_fresh": the list form into tensors made for the call, then concatenated, as
+#: ``Communicator.all_gather_tensor`` and ``comm/blocks.SlicedTree.gathered`` do)
+KINDS = ("all_reduce", "all_gather", "all_gather_list", "all_gather_fresh", "reduce_scatter", "all_to_all", "copy")
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.4 has only the old ones
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -71,6 +73,9 @@ def _collective(kind: str, numel: int, world: int) -> Callable[[], Any]:
     if kind == "all_gather_list":
         outs, mine = list(torch.empty(numel).chunk(world)), torch.ones(numel // world)
         return lambda: dist.all_gather(outs, mine)
+    if kind == "all_gather_fresh":
+        part = torch.ones(numel // world)
+        return lambda: torch.cat([t for t in _gather_fresh(part, world)])
     if kind == "reduce_scatter":
         inp, out = torch.ones(numel), torch.empty(numel // world)
         return lambda: _reduce_scatter_flat(out, inp)
@@ -81,6 +86,12 @@ def _collective(kind: str, numel: int, world: int) -> Callable[[], Any]:
         src = torch.ones(numel)
         return lambda: torch.empty(numel).copy_(src)
     raise ValueError(f"unknown collective {kind!r}; one of {KINDS}")
+
+
+def _gather_fresh(part: torch.Tensor, world: int) -> list[torch.Tensor]:
+    outs = [torch.empty_like(part) for _ in range(world)]
+    dist.all_gather(outs, part)
+    return outs
 
 
 class Calibration:
