@@ -116,6 +116,10 @@ def test_the_readme_opens_with_install_and_its_extras_table_is_pyprojects():
         row = next(line for line in section.splitlines() if line.startswith(f"| `{name}` |"))
         for requirement in _pyproject()["project"]["optional-dependencies"][name]:
             assert re.split(r"[<>=!\[ ]", requirement)[0] in row, (name, requirement, row)
+    # examples/keras_way.py loads scikit-learn's digits: the table says it needs [demo]
+    assert "from sklearn" in (ROOT / "examples" / "keras_way.py").read_text()
+    demo_row = next(line for line in section.splitlines() if line.startswith("| `demo` |"))
+    assert "examples/keras_way.py" in demo_row
     # the version the README shows is the package's
     shown = re.search(r"stratagem --version\s+# stratagem (\S+)", section)
     assert shown is not None and shown.group(1) == sg.__version__
