@@ -628,7 +628,11 @@ def init_process_group(
     delta = datetime.timedelta(seconds=max(1.0, timeout - (time.monotonic() - start)))
     before_world_group()
     try:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
+        # the group's own keys (gloo's addresses) under this attempt's prefix, as torch elastic
+        # keys its rounds: a launcher's store outlives a restart, and an attempt that read the
+        # addresses of the one before it would connect to processes that are gone
+        group_store = dist.PrefixStore(f"stratagem/group/{attempt}/", store)
+        dist.init_process_group(backend, store=group_store, rank=rank, world_size=world_size, timeout=delta)
     except (RuntimeError, dist.DistError) as e:
         raise CollectiveError(
             f"rank {rank} of {world_size} could not form the process group at "
