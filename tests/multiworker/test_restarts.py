@@ -51,3 +51,43 @@ def test_every_restart_forms_a_fresh_group_and_recovers(tmp_path):
     assert "Connection refused" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"left running after {took:.0f}s: {left.stdout}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_worker_never_outlives_its_launcher(tmp_path):
+    """torch's agent SIGKILLed while its workers run: the workers end within seconds (the kernel's
+    SIGTERM at their parent's death), instead of running on, holding their devices."""
+    script = tmp_path / "wait.py"
+    script.write_text("import time, torch, stratagem as sg\n"
+                      "s = sg.MultiWorkerMirroredStrategy(devices='cpu')\n"
+                      "s.reduce('sum', torch.ones(1))\nprint('ready', flush=True)\ntime.sleep(90)\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        launcher = subprocess.Popen([sys.executable, "-m", "stratagem", "run", "-n", "2", str(script)], env=env,
+                                    stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while out.read_text().count("ready") < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, out.read_text()[-3000:]
+            time.sleep(0.2)
+        workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        assert len(workers) == 2, workers
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        while any(os.path.exists(f"/proc/{w}") and _alive(w) for w in workers):
+            assert time.monotonic() - killed < 10, f"workers {workers} outlived their launcher by 10 s"
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        subprocess.run(["pkill", "-9", "-f", str(script)])
+
+
+def _alive(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

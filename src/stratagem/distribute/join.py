@@ -65,6 +65,8 @@ def join(
     # a replica stopped from outside (the launcher, its parent's end) says so in one line, and
     # one that Ctrl-C finds blocked (forming the group with a peer that is gone) still ends
     report_stops(spec.rank, parent_pid=os.getppid() if spec.source == "self" and spec.rank != 0 else None)
+    if spec.agent_store:
+        _end_with_launcher(spec.rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -117,6 +119,20 @@ def join(
     # registered after the monitor's own exit hook, so it runs first (atexit is LIFO)
     atexit.register(_leave)
     return comm
+
+
+def _end_with_launcher(rank: int) -> None:
+    """A worker torch's agent started (torchrun, ``stratagem run``) ends when the agent does:
+    SIGTERM from the kernel at the agent's death (``PR_SET_PDEATHSIG``), which the stop reporter
+    turns into one line. Without it a SIGKILLed launcher left its workers running on, holding
+    their devices, until their own timeout."""
+    from stratagem.cluster.launch import _die_with_parent
+
+    _die_with_parent()
+    if os.getppid() == 1:  # the agent was gone before the request took effect
+        sys.stderr.write(f"stratagem: rank {rank}: its launcher (torch's agent) is gone; ending\n")
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _running_without_me(spec: ClusterSpec, timeout: float) -> bool:
