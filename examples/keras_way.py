@@ -1,3 +1,4 @@
+# needs scikit-learn (its digits): pip install 'stratagem[demo]'
 import numpy as np
 from sklearn.datasets import load_digits
 from torch import nn
