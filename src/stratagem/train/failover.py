@@ -163,6 +163,8 @@ class FitFailover:
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "committed": dataclasses.asdict(self.committed),
                 "pieces": (pieces.updates, pieces._base),
+                # what the members agreed once (a process let in agrees none of it again alone)
+                "facts": {name: get() for name, (get, _) in self._facts.items()},
             }
             if loop is not None:
                 progress = FitProgress()
@@ -188,6 +190,9 @@ class FitFailover:
             loop.restore(progress)
             self._restart_totals(loop.tracked)  # rank 0 holds the epoch's totals
         pieces.updates, pieces._base = state["pieces"]
+        for name, value in state["facts"].items():
+            if value is not None and name in self._facts:
+                self._facts[name][1](value)
 
 
 def _broadcast_state(comm: Any, state: Any, src: int) -> tuple[Any, int]:
