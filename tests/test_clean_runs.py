@@ -68,6 +68,7 @@ def test_every_python_block_is_a_program_or_says_why_not():
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("where,code", PROGRAMS, ids=[w for w, _ in PROGRAMS])
+@pytest.mark.slow
 def test_a_documented_program_runs_as_written_with_a_clean_stderr(where, code, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(code)
@@ -86,6 +87,7 @@ def test_stratagem_run_of_the_readme_example_is_clean(tmp_path):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_launch_from_python_c_is_clean():
     code = textwrap.dedent(
         """

@@ -59,6 +59,7 @@ def mirrored_compiled_vs_eager():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_compiled_step_under_mirrored_compiles_once_and_matches_eager():
     r = sg.launch(mirrored_compiled_vs_eager, num_replicas=2, timeout=100)
     # before the fix every gradient hook was traced and specialised per parameter: 7+ recompiles
@@ -173,6 +174,7 @@ def fit_jit_compile_vs_eager():
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_fit_with_jit_compile_compiles_once_and_trains_as_eager(capfd):
     r = sg.launch(fit_jit_compile_vs_eager, num_replicas=2, timeout=160)
     assert r["graphs"][0] == 0 and r["graphs"][1] >= 1, r  # eager fit compiles nothing; jit_compile does

@@ -157,6 +157,7 @@ def _custom_train_step_reference() -> dict[str, object]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.slow
 def test_custom_train_step_guide_gives_keras_numbers(tmp_path, replicas):
     ours = _run("keras_custom_train_step.py", tmp_path, replicas)
     ref = _custom_train_step_reference()
@@ -279,6 +280,7 @@ def callbacks_port(request, tmp_path_factory):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_callbacks_guide_fit_hooks_and_early_stopping_give_keras_numbers(callbacks_port, callbacks_reference):
     ours, ref = callbacks_port, callbacks_reference
     # fit's, evaluate's and predict's hooks, in Keras's order with Keras's log keys
@@ -290,6 +292,7 @@ def test_callbacks_guide_fit_hooks_and_early_stopping_give_keras_numbers(callbac
 
 @pytest.mark.timeout(120)
 @pytest.mark.xfail(strict=True, reason="get_weights() gives torch's (out, in) kernel where Keras gives (in, out)")
+@pytest.mark.slow
 def test_callbacks_guide_get_weights_is_keras_layout(callbacks_port, callbacks_reference):
     ours = callbacks_port["weights after early stopping"]
     assert np.asarray(ours[0]).shape == (64, 1)  # Keras's Dense kernel
@@ -342,6 +345,7 @@ def _serialization_reference(tmp_path: Path) -> dict[str, object]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.filterwarnings("ignore::UserWarning:keras")
+@pytest.mark.slow
 def test_serialization_guide_gives_keras_numbers(tmp_path, replicas):
     ours = _run("keras_serialization_and_saving.py", tmp_path / "port", replicas)
     ref = _serialization_reference(tmp_path)
@@ -431,6 +435,7 @@ def _save_and_load(tmp_path: Path, replicas: int) -> dict[str, object]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_save_and_load_tutorial_on_one_device(tmp_path):
     ours = _save_and_load(tmp_path, 1)
     # the saved model, loaded outside a scope and in OneDeviceStrategy's, continues alike

@@ -14,6 +14,7 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "mirrored_train.py")
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_plain_python_script_starts_its_own_replicas():
     r = run_script([SCRIPT], timeout=100)
     assert r.returncode == 0, r.stderr

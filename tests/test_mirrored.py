@@ -352,6 +352,7 @@ def stuck_peer_worker() -> str:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_stuck_replica_becomes_a_timeout_error_not_a_hang():
     r0, r1 = run_workers(stuck_peer_worker, 2, timeout=90)
     assert r0.value.startswith("CollectiveTimeoutError"), r0.value

@@ -15,6 +15,7 @@ HEARTBEAT, DEAD_AFTER = 1.0, 6.0
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_256_ranks_cost_under_4n_calls_a_second_no_false_failure_and_a_kill_is_blamed_in_time():
     r = simulate(N, seconds=5.0, heartbeat_seconds=HEARTBEAT, dead_after_seconds=DEAD_AFTER, faults=("kill",))
     assert r.calls_per_second < 4 * N, r.row()

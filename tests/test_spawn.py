@@ -40,6 +40,7 @@ def _python_c(code: str, timeout: float) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_launch_from_python_c_returns_rank_0_result_and_reports_a_failing_rank():
     code = TRAIN + textwrap.dedent(
         """
@@ -111,6 +112,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_launch_from_a_notebook_kernel():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

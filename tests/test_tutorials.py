@@ -557,6 +557,7 @@ def _ctl_lines(out: str) -> list[tuple[int, float, float]]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_multi_worker_custom_loop_tutorial_matches_tensorflow(tmp_path):
     """Two workers with TF_CONFIG, as the tutorial starts them: each epoch's printed accuracy and
     loss are one process's over the global batches, as TensorFlow reads the program; the chief

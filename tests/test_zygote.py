@@ -49,6 +49,7 @@ def zygote():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("what,code", [("ok", 0), ("raise", 1), ("exit", 3), ("kill", -9)])
+@pytest.mark.slow
 def test_a_forked_worker_is_what_a_fresh_process_would_be(zygote, tmp_path, what, code):
     def forked(env, out, err):
         child = zygote.start(CODE, env, str(tmp_path), out, err)

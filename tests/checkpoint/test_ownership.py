@@ -78,6 +78,7 @@ def test_a_holder_on_another_host_is_named_with_what_to_do(tmp_path):
         manager.restore_or_initialize()
 
 
+@pytest.mark.slow
 def test_the_lock_is_released_at_exit(tmp_path):
     code = (
         "import torch; from torch import nn; from stratagem.train.checkpoint import Checkpoint, CheckpointManager;"

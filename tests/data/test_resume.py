@@ -64,6 +64,7 @@ def test_representative_pipeline_every_step(tmp_path, parallel):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_representative_pipeline_fresh_process(tmp_path, monkeypatch):
     helpers.write_text_files(str(tmp_path), n_files=4, lines=7)
     monkeypatch.setenv("STRATAGEM_TEST_FILES", str(tmp_path))

@@ -209,6 +209,7 @@ def _class_func(k: int):
 
 
 @pytest.mark.parametrize("case", cases("rejection_resample"), ids=ids("rejection_resample"))
+@pytest.mark.slow
 def test_rejection_resample_contract(case):
     """Different random draws than tf.data: compare how many elements come out and the class
     distribution with tf.data's, and check every pair is (class_func(x), x)."""

@@ -100,6 +100,7 @@ PIPELINES = {
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", list(PIPELINES))
+@pytest.mark.slow
 def test_resumes_exactly_from_every_position(name):
     reference = assert_resumes_exactly(PIPELINES[name], [0])
     assert reference, "the pipeline yields elements"
@@ -157,6 +158,7 @@ def _mixture():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_mixture_of_windows_resumes_in_a_fresh_process():
     assert_resumes_exactly(_mixture, [4], fresh_process=True)
 

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
         ("pipeline", "stratagem run", "ctrl-c", 7.5),  # torch's agent between the terminal and the job
     ],
 )
+@pytest.mark.slow
 def test_a_stopped_job_ends_every_process_within_the_bound(tmp_path, mode, launcher, how, delay):
     # the delay counts from the job's `import torch` returning: a Ctrl-C during that import is
     # torch's to lose, before any stratagem code runs (docs/MULTIWORKER.md); on a busy machine

@@ -19,6 +19,7 @@ REPO = HERE.parent.parent
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_a_stopped_replica_ends_the_job_within_2s_and_is_not_left_behind():
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(HERE / "stopped_replica_job.py")], env=env,

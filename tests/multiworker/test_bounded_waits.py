@@ -53,6 +53,7 @@ def test_a_listener_that_never_answers_is_an_error_not_a_hang(silent_listener):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_stratagem_run_refuses_a_rendezvous_endpoint_that_never_answers(silent_listener, tmp_path, capsys):
     from stratagem.cli.run import _standalone
 

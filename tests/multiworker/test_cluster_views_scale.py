@@ -70,6 +70,7 @@ def _simulate(n: int, port: int, odd: dict[int, list[str]] | None = None, timeou
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_agreeing_views_meet_with_store_operations_per_rank_that_do_not_grow_with_the_job():
     ops = {}
     for n in (4, 64):

@@ -80,6 +80,7 @@ def test_run_builds_torchrun_arguments():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_stratagem_run_two_replicas(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()

@@ -45,6 +45,7 @@ def test_a_worker_listing_3_workers_where_the_chief_lists_2_is_told_both_views()
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_the_chief_listing_3_workers_where_a_worker_lists_2_is_told_too():
     results, _ = _results(join_with, ([(0, 3), (1, 2)],))
     for r in results:

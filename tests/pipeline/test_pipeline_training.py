@@ -195,6 +195,7 @@ def balance_checks() -> dict:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_two_stage_matrix():
     results = run_workers(matrix_worker, 2, timeout=200)
     r0, r1 = results[0].value, results[1].value
@@ -352,6 +353,7 @@ def test_hybrid_two_stages_two_copies():
 
 # --- launch 5: a plain `python script.py` starts its own second stage ----------------------------------
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_plain_script_launches_its_stages():
     import re
     from pathlib import Path

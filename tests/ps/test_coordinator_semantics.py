@@ -92,6 +92,7 @@ print("RESULT", float(metric.result()))
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_metric_the_chief_updated_ships_to_a_worker(tmp_path):
     r = _job(tmp_path, METRIC_SHIPPED)
     assert "RESULT 3.0" in r.stdout, r.stdout

@@ -291,6 +291,7 @@ CHIEF_RAISES = CHIEF_RUNS_ONE_FUNCTION + "raise ValueError(\"a bug in the chief'
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_a_chief_that_raises_under_stratagem_run_is_the_one_failure_reported(tmp_path):
     """The tasks leave as soon as the chief says it failed, before its traceback is out and it
     ends: `stratagem run` must still report the chief (its exit code), not the first task to exit."""

@@ -50,6 +50,7 @@ def test_mean_gradient_op_with_a_per_replica_mean_loss_equals_one_device() -> No
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_fit_checkpoint_resume_is_exact_and_one_process_restores(tmp_path: Path) -> None:
     outs = [r.value for r in run_workers(tx.fit_and_resume, 4, args=(str(tmp_path), STEPS), timeout=220)]
     for out in outs:

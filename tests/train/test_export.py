@@ -62,6 +62,7 @@ def _serve_in_fresh_process(path, inputs, tmp_path, code):
     return torch.load(tmp_path / "out.pt")
 
 
+@pytest.mark.slow
 def test_model_export_round_trip_without_the_models_code(tmp_path, capsys):
     torch.manual_seed(0)
     model = TwoHeads()

@@ -126,6 +126,7 @@ def _script(tmp_path, victim, call, again_call=0):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_a_lost_replica_started_again_comes_back_from_a_live_peer(tmp_path):
     """MirroredStrategy(3) starting its replicas itself, max_restarts=1: replica 2 is killed
     mid-step, the others go on, rank 0 starts it again and it is let in between two steps with
@@ -144,6 +145,7 @@ def test_a_lost_replica_started_again_comes_back_from_a_live_peer(tmp_path):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_a_replica_started_again_after_training_ended_ends_quietly(tmp_path):
     """Killed in the last step, started again: the training ends before it can be let in; it ends
     (by itself, or stopped by rank 0 when it is still starting), one line says so, and the
@@ -159,6 +161,7 @@ def test_a_replica_started_again_after_training_ended_ends_quietly(tmp_path):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_a_replica_that_came_back_and_fails_again_is_lost_again(tmp_path):
     """Killed, started again, let in, killed again after a few pieces (no restart left): the two
     others go on once more and end with the hash and losses of the run in which nothing failed."""
@@ -176,6 +179,7 @@ def test_a_replica_that_came_back_and_fails_again_is_lost_again(tmp_path):
 
 @pytest.mark.skipif(bool(__import__("stratagem.testing.hosts", fromlist=["x"]).unavailable()), reason="needs root and ip")
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_a_worker_whose_host_is_cut_off_is_gone_on_without(tmp_path):
     """Three TF_CONFIG workers on hosts of their own; worker 2's link is cut silently mid-training
     (no reset: its collectives would wait out gloo's timeout). The others find it silent, give up
