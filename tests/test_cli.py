@@ -89,6 +89,7 @@ def test_main_returns_2_for_the_missing_extra_in_process(monkeypatch, capsys):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_one_epoch_of_the_demo_prints_its_accuracy_and_exits_0(tmp_path):
     """One epoch reaches about 0.85 held-out accuracy: printed for the reader, never a hidden
     pass mark turned into `replica 1 failed`."""

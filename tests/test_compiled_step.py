@@ -188,6 +188,7 @@ def test_fit_with_jit_compile_compiles_once_and_trains_as_eager(capfd):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_keras_compile_jit_compile_true_compiles_fit():
     from torch._dynamo.utils import counters
 

@@ -299,6 +299,7 @@ def test_callbacks_guide_get_weights_is_keras_layout(callbacks_port, callbacks_r
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_callbacks_guide_best_weights_restored_are_keras_weights(callbacks_port, callbacks_reference):
     ours, ref = callbacks_port["weights after early stopping"], callbacks_reference["weights after early stopping"]
     for a, b in zip(ours, ref):  # torch's layout compared with Keras's transposed
@@ -412,6 +413,7 @@ def _loop_reference() -> dict[str, object]:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_training_loop_from_scratch_guide_gives_keras_numbers(tmp_path):
     ours = _run("keras_training_loop_from_scratch.py", tmp_path, 1)
     ref = _loop_reference()

@@ -78,6 +78,7 @@ def test_an_environment_that_differs_at_import_is_not_forked(zygote):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_killed_worker_s_group_goes_and_the_zygote_serves_on(zygote, tmp_path):
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     child = zygote.start("import time; time.sleep(60)", _env(None, {}), str(tmp_path), out, err)
@@ -111,6 +112,7 @@ def stuck_worker() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_a_worker_still_running_at_the_timeout_prints_where_it_is():
     """A hang in CI is one chance to learn where it was: a worker that outlives run_workers'
     timeout prints every thread's Python stack before it is killed, and the error shows it."""

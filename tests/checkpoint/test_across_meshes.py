@@ -132,6 +132,7 @@ def pipeline_sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_pipeline_x_sharded_checkpoint_trains_on_in_one_plain_process(pipeline_sharded_checkpoint: str) -> None:
     torch.manual_seed(7)
     model = build()

@@ -82,6 +82,7 @@ def test_agreeing_views_meet_with_store_operations_per_rank_that_do_not_grow_wit
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_one_rank_of_64_told_another_cluster_stops_every_rank_naming_it():
     port = find_free_port()
     wrong = [f"127.0.0.1:{port + i}" for i in range(64)]

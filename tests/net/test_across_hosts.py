@@ -52,6 +52,7 @@ def _same_model(outs: list[str], procs) -> None:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow
 def test_tf_config_multi_worker_forms_and_trains_across_two_hosts():
     """The docs' TF_CONFIG program, one worker per host, nothing else set."""
     with Hosts(2) as hosts:

@@ -257,6 +257,7 @@ def test_fit_needs_steps_per_epoch_and_then_equals_fit_in_one_process():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_tasks_that_never_come_are_named(tmp_path):
     """The chief alone: the error names each missing task and its address, within the timeout."""
     import json
@@ -318,6 +319,7 @@ def test_a_chief_that_raises_under_stratagem_run_is_the_one_failure_reported(tmp
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_when_the_chief_vanishes_the_other_tasks_leave_by_themselves(tmp_path):
     """Workers and ps tasks watch the chief through its TCPStore (no rpc pings: an rpc call in
     flight while the group's members change can crash a task); each leaves when it is gone."""

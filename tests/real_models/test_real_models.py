@@ -30,6 +30,7 @@ TOL = 1e-5
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_mirrored_and_sharded_equal_one_device(tmp_path: Path) -> None:
     names = ["nanogpt", "gpt2", "bert", "resnet"]
     outs = [r.value for r in run_workers(w.data_parallel, 2, args=(names, str(tmp_path)), timeout=230)]

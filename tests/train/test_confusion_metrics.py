@@ -222,6 +222,7 @@ def test_compile_auc_precision_recall_fit_and_evaluate_give_keras_history():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_fit_and_evaluate_under_mirrored_strategy_equal_one_device():
     pytest.importorskip("torchmetrics")
     want = program(sg.OneDeviceStrategy("cpu"))

@@ -209,6 +209,7 @@ def test_save_then_load_model_continues_bit_for_bit(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.keras"]  # no staging left behind
 
 
+@pytest.mark.slow
 def test_save_and_load_model_under_mirrored(tmp_path):
     got = [r.value for r in run_workers(_mirrored_save_load, 2, args=(str(tmp_path),), timeout=240)]
     for out in got:
