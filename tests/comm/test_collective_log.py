@@ -37,7 +37,7 @@ def test_the_book_keeps_each_ranks_last_position():
 def test_the_log_numbers_collectives_and_says_the_oldest_one_waited_in():
     log = CollectiveLog()
     assert log.position() is None
-    first = log.start("all_reduce float32[4]")  # started asynchronously, not waited for yet
+    first = log.start()  # started asynchronously, not waited for yet
     with log.collective("broadcast int64[2]"):
         assert log.position() == Position(2, "broadcast int64[2]")
         with log.waiting(first, "all_reduce float32[4]"):

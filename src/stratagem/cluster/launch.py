@@ -34,7 +34,7 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -272,7 +272,7 @@ def ensure_replicas(
         env = {**base, **ClusterSpec.local(rank, num_replicas, port).to_environ()}
         if again:
             env["STRATAGEM_REPLACEMENT"] = "1"
-        return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
 
     procs = [spawn(rank) for rank in range(1, num_replicas)]
     _children = ReplicaProcesses(procs, grace, tolerate=tolerate, restarts=restarts,

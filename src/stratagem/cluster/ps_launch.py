@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
-from stratagem.cluster.launch import _die_with_parent, find_free_port
+from stratagem.cluster.launch import die_with_parent, find_free_port
 from stratagem.cluster.ps_spec import EXIT_CHIEF_LOST
 
 #: seconds between SIGTERM and SIGKILL when the launcher stops a task
@@ -141,7 +141,7 @@ class PSJob:
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env.update(task_environ(self.cluster, task_type, index, restarts))
         env["STRATAGEM_WORKER_RESTARTS"] = str(self.max_restarts)  # the chief waits for restarted workers
-        return subprocess.Popen(list(self.command), env=env, preexec_fn=_die_with_parent)
+        return subprocess.Popen(list(self.command), env=env, preexec_fn=die_with_parent)
 
     def run(self) -> int:
         """Run the job to its end; the chief's exit code (1 when a ps task failed; 130 or 143 when

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from stratagem.cluster.launch import _die_with_parent, find_free_port
+from stratagem.cluster.launch import die_with_parent, find_free_port
 from stratagem.cluster.spec import ClusterSpec
 
 #: the child's entry point; its environment names the payload and the result files.
@@ -85,7 +85,7 @@ def _dumps(obj: Any, what: str) -> bytes:
 def _child_main() -> None:  # runs in each replica: load the payload, run fn, report
     import traceback
 
-    _die_with_parent()  # here, not in preexec_fn: that is unsafe when the caller has threads
+    die_with_parent()  # here, not in preexec_fn: that is unsafe when the caller has threads
     if os.getppid() != int(os.environ.pop(_PARENT_VAR, os.getppid())):
         os._exit(1)  # the caller died before the line above took effect
     result_path = os.environ.pop(_RESULT_VAR)

@@ -421,7 +421,7 @@ class ProcessGroupCommunicator(Communicator):
     def _numbered(self, what: str | None, seq: int | None) -> contextlib.AbstractContextManager[None]:
         if what is None:
             return contextlib.nullcontext()
-        return self.log.waiting(self.log.start(what) if seq is None else seq, what)
+        return self.log.collective(what) if seq is None else self.log.waiting(seq, what)
 
     #: (on_failure="continue") a lost peer's (rank, why) once one is known, else None: the
     #: collectives that poll it give up waiting for a peer that fell silent (a host cut off,
@@ -452,14 +452,14 @@ class ProcessGroupCommunicator(Communicator):
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
         what = describe("all_reduce", tensor)
-        seq = self.log.start(what)
+        seq = self.log.start()
         with self._guard("all_reduce"):
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _GuardedWork(work, self, "all_reduce", what, seq)
 
     def all_gather_async(self, tensor: torch.Tensor, out: list[torch.Tensor]) -> Any:
         what = describe("all_gather", tensor)
-        seq = self.log.start(what)
+        seq = self.log.start()
         with self._guard("all_gather"):
             work = dist.all_gather(out, tensor, group=self.group, async_op=True)
         return _GuardedWork(work, self, "all_gather", what, seq)
@@ -474,7 +474,7 @@ class ProcessGroupCommunicator(Communicator):
         self, send: torch.Tensor, recv: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
     ) -> Any:
         what = describe("all_to_all", send, sized=False)
-        seq = self.log.start(what)
+        seq = self.log.start()
         with self._guard("all_to_all"):
             work = self._start_all_to_all(send, recv, send_splits, recv_splits)
         return _GuardedWork(work, self, "all_to_all", what, seq)

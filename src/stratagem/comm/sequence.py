@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -64,10 +63,10 @@ class CollectiveLog:
     def __init__(self) -> None:
         self._seq = 0
         self._group = 0
-        self._waiting: dict[int, tuple[str, float]] = {}
+        self._waiting: dict[int, str] = {}
         self._lock = threading.Lock()
 
-    def start(self, what: str) -> int:
+    def start(self) -> int:
         """Number the next collective (every member numbers its own alike)."""
         with self._lock:
             self._seq += 1
@@ -77,7 +76,7 @@ class CollectiveLog:
     def waiting(self, seq: int, what: str) -> Iterator[None]:
         """This process waits in collective ``seq`` meanwhile."""
         with self._lock:
-            self._waiting[seq] = (what, time.monotonic())
+            self._waiting[seq] = what
         try:
             yield
         finally:
@@ -87,7 +86,7 @@ class CollectiveLog:
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
         """A collective that starts and is waited for in one call."""
-        with self.waiting(self.start(what), what):
+        with self.waiting(self.start(), what):
             yield
 
     def position(self) -> Position | None:
@@ -96,7 +95,7 @@ class CollectiveLog:
             if not self._waiting:
                 return None
             seq = min(self._waiting)
-            return Position(seq, self._waiting[seq][0], self._group)
+            return Position(seq, self._waiting[seq], self._group)
 
     def reset(self) -> None:
         """The group was formed again (every member starts numbering afresh)."""

@@ -126,9 +126,9 @@ def _end_with_launcher(rank: int) -> None:
     SIGTERM from the kernel at the agent's death (``PR_SET_PDEATHSIG``), which the stop reporter
     turns into one line. Without it a SIGKILLed launcher left its workers running on, holding
     their devices, until their own timeout."""
-    from stratagem.cluster.launch import _die_with_parent
+    from stratagem.cluster.launch import die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() == 1:  # the agent was gone before the request took effect
         sys.stderr.write(f"stratagem: rank {rank}: its launcher (torch's agent) is gone; ending\n")
         sys.stderr.flush()

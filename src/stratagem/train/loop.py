@@ -216,8 +216,7 @@ class _Loop:
         # only a callback of the user's may ask to stop at an epoch's end (the progress bar
         # never does): without one there is nothing to agree on then
         self.epoch_stop = any(not isinstance(cb, Progress) for cb in cbs)
-        self._callbacks_agreed = False
-        self._agreed_facts: list[bool] | None = None
+        self._agreed_facts: list[bool] | None = None  # (acts, batch_stop, epoch_stop), once agreed
         state.capture = self.capture
         state.restore = self.restore
         #: FailureOptions(on_failure="continue"): what to do after a lost replica (train/failover.py)
@@ -293,7 +292,7 @@ class _Loop:
     def _agree_callbacks(self) -> None:
         """The callbacks' facts that change fit's collectives, the same on every replica (a
         callback given to one replica only would otherwise leave the others in other collectives)."""
-        if not self._callbacks_agreed:  # (adopted from a survivor after a failure in it)
+        if self._agreed_facts is None:  # (else adopted from a survivor after a failure in it)
             self._adopt_callback_facts(list(_agreed_callback_facts(self.steps, self.cblist.callbacks)))
 
     def _callback_facts(self) -> list[bool] | None:
@@ -304,7 +303,6 @@ class _Loop:
         self._agreed_facts = [acts, batch_stop, epoch_stop]
         self.cadence = _Cadence(self._steps_per_execution, self.cblist.callbacks, acts_per_batch=acts)
         self.per_batch_stop, self.epoch_stop = batch_stop, epoch_stop
-        self._callbacks_agreed = True
 
     def _going_on(self, fn: Callable[[], _T]) -> _T:
         """``fn()`` (a collective part of an epoch's end: validation, the stop vote), done again
@@ -365,7 +363,7 @@ class _Loop:
                 m.set_global_totals(m.local_totals())
             if self.failover is not None:
                 self.failover.record(epoch, self.batches.state_dict(), 0, state.iterations, tracked)
-        if not self._callbacks_agreed:  # after the first record: a replica lost now is gone on without
+        if self._agreed_facts is None:  # after the first record: a replica lost now is gone on without
             self._going_on(self._agree_callbacks)
         state.samples = int(tracked[0].global_totals()[1])
         steps.set_training(True)
