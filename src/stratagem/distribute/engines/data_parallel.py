@@ -23,6 +23,7 @@ from stratagem.core.batches import place, to_tensors
 from stratagem.core.eager import eager_only
 from stratagem.distribute import context
 from stratagem.distribute.determinism import op_determinism
+from stratagem.distribute.engines import loader
 from stratagem.distribute.engines.device_feed import feed, feeds
 from stratagem.distribute.engines.input import (
     DistributedDataset,
@@ -280,6 +281,8 @@ class DataParallelExtended(StrategyExtended):
                 batch = data.last_batch(dataset)
                 drop = bool(batch is not None and batch.drop_remainder)
                 out = ShardedDataset(mine, self.comm, place_on, drop_remainder=drop)
+        if n > 1 and loader.shards(dataset):  # a DataLoader: each replica fetches its share
+            out = loader.ShardedLoader(dataset, self.comm, place_on)  # type: ignore[arg-type]
         if out is None:
             out = DistributedDataset(dataset, self.comm, place_on)
         return feed(out, self._device, options)

@@ -539,7 +539,7 @@ class PerReplicaIterator(_IteratorApi):
             if better is None:
                 raise
             raise better from e.__cause__
-        facts = self.first_facts if not self._voted else None
+        facts = self._first_facts() if not self._voted else None
         most, least, same = self.vote.counts(len(batches), facts.digest() if facts is not None else 0)
         if not self._voted and not same:
             _facts_error(self.comm, facts)
@@ -553,6 +553,11 @@ class PerReplicaIterator(_IteratorApi):
             empty = self._empty_from_peers()
             batches += [empty] * (most - len(batches))
         return [place(b, self.device) for b in batches[:most]]
+
+    def _first_facts(self) -> FirstFacts | None:
+        """What the first vote compares, asked once the first batches are read (a sharded
+        DataLoader adds the first global batch's sample indices then)."""
+        return self.first_facts
 
     def _convert(self, batch: Any) -> Any:
         batch = _tensors(batch)
