@@ -76,15 +76,19 @@ class FitFailover:
         failure is counted until the next commit."""
         self._lost_since = step_began
 
-    def record(self, epoch: int, data: dict[str, Any], step: int, iterations: int, tracked: Sequence[Metric]) -> None:
-        """An update committed (or an epoch begun, with its zero totals): remember where fit is."""
+    def record(self, epoch: int, data: dict[str, Any], step: int, iterations: int, tracked: Sequence[Metric],
+               *, committing: bool = False) -> None:  # fmt: skip
+        """An update committed (``committing``: called from its commit, before the pieces count
+        it) or an epoch begun, with its zero totals: remember where fit is. The updates recorded
+        are those done with this one: an epoch's start and its first commit must never report the
+        same count, or survivors one update apart would take themselves for level."""
         since = self._lost_since
         if since is not None:
             self._lost_since = None
             FIGURES.append({"event": "lost", "round_s": self.survivors.rounds[-1],
                             "lost_s": time.perf_counter() - since})  # fmt: skip
         self.committed = Committed(
-            epoch, dict(data), step, iterations, int(self.steps.pieces.updates),
+            epoch, dict(data), step, iterations, int(self.steps.pieces.updates) + int(committing),
             [m.global_totals().tolist() for m in tracked],
         )  # fmt: skip
 

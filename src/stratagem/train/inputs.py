@@ -113,9 +113,9 @@ class WholeBatches:
         device = self.strategy.extended.device
         for batch in source:
             batch = place(to_tensors(batch), device)
-            if not self._checked:
-                self._checked = True
+            if not self._checked:  # (checked once it is done: a failure in it leaves it to do again)
                 _check_same_batch(self.strategy.extended.world, batch, optimizer_facts(self.optimizer))
+                self._checked = True
             yield batch
 
 

@@ -228,11 +228,16 @@ class _Loop:
         self.failover = failover
         state, batches, tracked = self.state, self.batches, self.tracked
         self.steps.on_commit = lambda: failover.record(
-            state.epoch, batches.state_dict(), state.step + 1, state.iterations + 1, tracked
+            state.epoch, batches.state_dict(), state.step + 1, state.iterations + 1, tracked, committing=True
         )
         # the step's sync rides on the commit: a stop asked before it, a lost replica back
         self.steps.commit_extra = lambda: [float(_stop_asked(state)), float(failover.joins_waiting())]
         failover.keep_agreed("callbacks", self._callback_facts, self._adopt_callback_facts)
+        # the first global batch compared across replicas: once (a survivor whose comparison
+        # finished must not wait in it again while another, whose comparison broke, makes it)
+        whole = batches.dist
+        failover.keep_agreed("first batch", lambda: True if whole._checked else None,
+                             lambda _: setattr(whole, "_checked", True))  # fmt: skip
 
     def capture(self, progress: FitProgress, *, epoch_end: bool) -> None:
         state = self.state
