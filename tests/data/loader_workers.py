@@ -29,6 +29,10 @@ class Counted(tud.Dataset):
         self.seen.append(int(i))
         return self.x[i], self.y[i]
 
+    def loader(self) -> tud.DataLoader:
+        """In batches of 6, shuffled without a generator."""
+        return tud.DataLoader(self, batch_size=6, shuffle=True)
+
 
 class Stream(tud.IterableDataset):
     """The examples of ``Counted(n)`` in order, as an iterable-style dataset."""

@@ -302,6 +302,8 @@ class GlobalBatches:
         source = first.get("iterator", {}).get("source")  # a stratagem Dataset iterator's state
         if isinstance(source, dict) and source.get("seed") is not None:
             out["seed"] = int(source["seed"])
+        if isinstance(source, dict) and source.get("loader"):  # a sharded DataLoader's position:
+            out["iterator"] = first["iterator"]  # global (pass, seed, batches), whatever the split
         return out
 
 

@@ -160,7 +160,7 @@ class _Pass:
         return self.batches.first
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "seed": self.seed, "consumed": self.consumed,
+        return {"loader": True, "epoch": self.epoch, "seed": self.seed, "consumed": self.consumed,
                 "generators": [_encode(s) for s in self.states]}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -209,6 +209,15 @@ class ShardedLoader:
         self.device = device
         self.rank, self.world = comm.rank, comm.world_size
         sampler = getattr(loader.batch_sampler, "sampler", None)
+        if isinstance(sampler, tud.DistributedSampler):
+            raise TypeError(
+                "this DataLoader's sampler is a DistributedSampler, which already gives each replica "
+                "its own examples, while experimental_distribute_dataset (and fit) take global "
+                "batches and shard a DataLoader themselves: pass DataLoader(dataset, "
+                "batch_size=global_batch_size, shuffle=...) without the DistributedSampler, or keep "
+                "one loader per replica with strategy.distribute_datasets_from_function(lambda ctx: "
+                "loader) (its batch_size is then per replica)"
+            )
         self.seed: int | None = None  # the job seed, for an unseeded sampler
         if _unseeded(sampler):
             self.seed = int(comm.broadcast_object(torch.initial_seed() if self.rank == 0 else None))
