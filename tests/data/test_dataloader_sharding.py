@@ -112,13 +112,14 @@ def test_an_iterable_dataset_loader_is_read_whole_and_split(more):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_replicas_drawing_different_batches_are_an_error_naming_the_sampler(more):
+def test_replicas_drawing_different_batches_are_an_error_saying_to_seed_them(more):
     for r in more:
         assert r["mismatch"] is not None
         assert r["mismatch"].startswith(
-            "ReplicaMismatchError: the DataLoader's first global batches differ"
+            "ReplicaMismatchError: the dataset yielded different first global batches on different "
+            "replicas (the DataLoader's sample indices: crc32 "
         )
-        assert "seed the sampler alike on every replica" in r["mismatch"]
+        assert "seed any shuffling alike on every replica" in r["mismatch"]
 
 
 # --- one replica's view, in this process (a communicator standing for N agreeing replicas) -----

@@ -12,7 +12,9 @@ The position (pass, batches consumed in the pass and in the epoch) can be saved 
 For a stratagem Dataset it includes this replica's pipeline state, so a restore resumes the
 pipeline exactly (shuffles included; pass ``p`` is ``data.iterator(epoch=p)``). For other
 iterables a restore replays pass ``p`` from its start and skips the consumed batches: exact only
-when iterating ``data`` again gives the same batches (no unseeded shuffling).
+when iterating ``data`` again gives the same batches (no unseeded shuffling). A map-style torch
+DataLoader on several replicas is sharded and seeded per job (``distribute.engines.loader``): its
+position (pass, job seed, global batches, a user generator's state) resumes exactly.
 """
 
 from __future__ import annotations

@@ -269,7 +269,8 @@ class DataParallelExtended(StrategyExtended):
 
         A stratagem Dataset ending in ``batch(B)`` (B divisible by the replicas, auto-shard
         policy not OFF) is rebatched to ``B / N`` and auto-sharded, so each replica's pipeline
-        reads only its share; anything else is read whole by every replica and split. On a GPU
+        reads only its share; a map-style torch DataLoader is sharded by its batch sampler
+        (``engines.loader``); anything else is read whole by every replica and split. On a GPU
         the batches are copied to it ahead of need (``InputOptions.experimental_fetch_to_device``).
         """
         n = self.num_replicas_in_sync

@@ -116,12 +116,23 @@ class _LoaderFacts(FirstFacts):
 
     def mismatch(self, everyone: Sequence[Mapping[str, str]]) -> str | None:
         if self.inner is not None:
-            theirs = [{k: v for k, v in e.items() if k != _INDICES} for e in everyone]
-            problem = self.inner.mismatch(theirs)
+            problem = self.inner.mismatch(
+                [{k: v for k, v in e.items() if k != _INDICES} for e in everyone]
+            )
             if problem is not None:
                 return problem
-        return FirstFacts.mismatch(
-            self, [{_INDICES: e.get(_INDICES, "<no batch>")} for e in everyone]
+        digests = [e.get(_INDICES, "no batch") for e in everyone]
+        other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+        if other is None:
+            return None
+        return (
+            "the dataset yielded different first global batches on different replicas (the "
+            f"DataLoader's sample indices: crc32 {digests[other]} on replica {other}, "
+            f"{digests[0]} on replica 0); experimental_distribute_dataset expects every replica to "
+            "see the same global batches: seed any shuffling alike on every replica (e.g. "
+            "DataLoader(..., generator=torch.Generator().manual_seed(0)), or a batch_sampler "
+            "drawing from a generator seeded so); a shuffle=True without a generator is seeded "
+            "for the job already"
         )
 
 
@@ -178,14 +189,7 @@ class LoaderIterator(PerReplicaIterator):
         values = dict(inner.values) if inner is not None else {}
         if self.source.first is not None:
             values[_INDICES] = f"{self.source.first:08x}"
-        return _LoaderFacts(
-            "the DataLoader's first global batches",
-            values,
-            "every replica must draw the same global batches: seed the sampler alike on every "
-            "replica (DataLoader(..., generator=torch.Generator().manual_seed(0)), or a "
-            "batch_sampler whose sampler has a seeded generator)",
-            inner,
-        )
+        return _LoaderFacts("the DataLoader's first global batches", values, "", inner)
 
     def state_dict(self) -> dict[str, Any]:
         return {"source": self.source.state_dict()}
