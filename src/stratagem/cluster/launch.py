@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import dataclasses
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from typing import Any
 
 from stratagem.cluster.spec import ClusterSpec
 from stratagem.cluster.stopping import mark_reported, reported
+from stratagem.cluster.store_keeper import start_keeper
 
 _PR_SET_PDEATHSIG = 1
 
@@ -88,8 +90,13 @@ class ReplicaProcesses:
         tolerate: bool = False,
         restarts: int = 0,
         restart: Callable[[int], subprocess.Popen[bytes]] | None = None,
+        outlive: bool = False,
     ) -> None:
         self.procs = procs
+        #: the children go on when this process (rank 0) is lost: the job's store is outside it
+        #: (a store keeper), so at its exit they are waited for, however long the training takes
+        #: them, not stopped (but after a Ctrl-C, as always)
+        self.outlive = outlive
         self.grace = grace
         self.on_failure = on_failure
         #: the job goes on without a failed child (``FailureOptions(on_failure="continue")``):
@@ -183,6 +190,8 @@ class ReplicaProcesses:
             self._stop.set()
         if self._interrupted:
             wait = self.interrupt_wait
+        elif self.outlive:  # rank 0 ended (or failed): the others finish the training without it
+            wait = float("inf")
         elif self._crashed:
             wait = self.crash_wait
         deadline = time.monotonic() + wait
@@ -268,16 +277,26 @@ def ensure_replicas(
     cmd = relaunch_command()
     port = find_free_port()
     base = dict(os.environ)
+    # a job that goes on without lost replicas keeps its store outside them (a keeper), so rank 0
+    # can be lost like any other: its children then do not die with it
+    keeper = start_keeper("127.0.0.1", port, num_replicas) if tolerate else None
+    spec = dataclasses.replace(ClusterSpec.local(0, num_replicas, port), launcher_store=keeper is not None)
+
     def spawn(rank: int, again: bool = False) -> subprocess.Popen[bytes]:
-        env = {**base, **ClusterSpec.local(rank, num_replicas, port).to_environ()}
+        env = {**base, **dataclasses.replace(spec, rank=rank, local_rank=rank).to_environ()}
         if again:
             env["STRATAGEM_REPLACEMENT"] = "1"
-        return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+        if keeper is None:
+            return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+        return subprocess.Popen(cmd, env=env, pass_fds=(keeper.fd,))
 
     procs = [spawn(rank) for rank in range(1, num_replicas)]
+    if keeper is not None:
+        keeper.wait_listening("127.0.0.1", port, timeout=60.0)
     _children = ReplicaProcesses(procs, grace, tolerate=tolerate, restarts=restarts,
-                                 restart=lambda rank: spawn(rank, again=True))  # fmt: skip
-    _started = ClusterSpec.local(0, num_replicas, port)
+                                 restart=lambda rank: spawn(rank, again=True),
+                                 outlive=keeper is not None)  # fmt: skip
+    _started = spec
     return _started
 
 

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+#: where the store is when not on rank 0: "launcher" (a store keeper the launcher started)
+STORE_VAR = "STRATAGEM_STORE"
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Where this process stands in the cluster: workers, its task, its rank, the rendezvous."""
@@ -32,6 +36,9 @@ class ClusterSpec:
     source: str = "simple"  # who described the job: torchrun, self, tf_config, slurm, simple, single
     restart_count: int = 0
     agent_store: bool = False  # the store is hosted by torchrun's agent, not by rank 0
+    #: the store is hosted by a process of the launcher's that trains nothing (a store keeper:
+    #: ``cluster/store_keeper.py``), so every replica, rank 0 too, can be lost (``STRATAGEM_STORE=launcher``)
+    launcher_store: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -120,6 +127,7 @@ class ClusterSpec:
             tuple("" for _ in range(nnodes)), min(node, nnodes - 1), rank, world, local_rank,
             local_world, env["MASTER_ADDR"], port, 0, env.get("STRATAGEM_LAUNCHER", "torchrun"),
             restarts, env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            env.get(STORE_VAR, "") == "launcher",
         )  # fmt: skip
 
     def to_environ(self) -> dict[str, str]:
@@ -132,4 +140,10 @@ class ClusterSpec:
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
             "STRATAGEM_LAUNCHER": self.source,
+            **({STORE_VAR: "launcher"} if self.launcher_store else {}),
         }
+
+    @property
+    def store_outside(self) -> bool:
+        """Whether the job's store lives outside the replicas (torchrun's agent, a store keeper)."""
+        return self.agent_store or self.launcher_store

@@ -65,23 +65,30 @@ def agree(
     if me not in previous:
         raise LeftOutError(f"replica {me} is not a member of the job any more (members: {list(previous)})")
     store.set(_key(generation, "in", me), json.dumps(report))
-    leader = min(previous)
     decided = _key(generation, "decided")
-    if me == leader:
-        deadline = time.monotonic() + timeout
-        while True:
-            arrived = [m for m in previous if store.check([_key(generation, "in", m)])]
-            pending = [m for m in previous if m not in arrived and not gone(m)]
-            if not pending or time.monotonic() >= deadline:
-                break
-            time.sleep(poll)
-        reports = {m: json.loads(store.get(_key(generation, "in", m))) for m in arrived}
-        _decide(store, generation, arrived, reports)
-    elif await_keys(store, [decided], timeout):
-        raise CollectiveError(
-            f"replica {me}: replica {leader}, which decides who is left after a failure, did not decide "
-            f"within {timeout:g}s; the job cannot go on"
-        )
+    deadline = time.monotonic() + timeout
+    # the leader is the lowest member not known gone: the store's host where a replica hosts it
+    # (alive whenever the store is); where the store is outside the replicas (a store keeper)
+    # the lowest may be the one lost, and the next takes over. A decision is written once
+    # (compare_set): two that both took themselves for the leader cannot decide differently.
+    # A member that is not the leader waits for the decision, looking again whether the leader
+    # is gone every quarter second (one member at a time: not a look at every member per poll).
+    candidates = [m for m in previous if m <= me]
+    while True:
+        while candidates[0] != me and gone(candidates[0]):
+            candidates.pop(0)
+        leader = candidates[0]
+        if leader == me:
+            if not store.check([decided]):
+                _lead(store, generation, previous, gone, deadline, poll)
+            break
+        if not await_keys(store, [decided], min(0.25, max(deadline - time.monotonic(), 0.0))):
+            break
+        if time.monotonic() >= deadline:
+            raise CollectiveError(
+                f"replica {me}: replica {leader}, which decides who is left after a failure, did not "
+                f"decide within {timeout:g}s; the job cannot go on"
+            )
     membership = _decision(store, generation)
     members = membership.members
     if me not in members:
@@ -93,6 +100,21 @@ def agree(
     return membership
 
 
+def _lead(
+    store: Any, generation: int, previous: Sequence[int], gone: Callable[[int], bool], deadline: float, poll: float
+) -> None:
+    """The leader's part of a round: wait until every previous member arrived or is known gone
+    (or the deadline), then decide (unless another decided first)."""
+    while True:
+        arrived = [m for m in previous if store.check([_key(generation, "in", m)])]
+        pending = [m for m in previous if m not in arrived and not gone(m)]
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(poll)
+    reports = {m: json.loads(store.get(_key(generation, "in", m))) for m in arrived}
+    _decide(store, generation, arrived, reports)
+
+
 def _decision(store: Any, generation: int) -> Membership:
     raw = json.loads(store.get(_key(generation, "decided")))
     return Membership(generation, tuple(int(m) for m in raw["members"]), {int(m): r for m, r in raw["reports"].items()})
@@ -102,8 +124,13 @@ CURRENT = "stratagem/members/current"
 
 
 def _decide(store: Any, generation: int, members: Sequence[int], reports: dict[int, Any]) -> None:
-    store.set(_key(generation, "decided"),
-              json.dumps({"members": list(members), "reports": {str(m): r for m, r in reports.items()}}))  # fmt: skip
+    """Write round ``generation``'s decision once: a decision already there is kept (the round's
+    one answer), and the job's current membership is the one kept."""
+    value = json.dumps({"members": list(members), "reports": {str(m): r for m, r in reports.items()}})
+    kept = store.compare_set(_key(generation, "decided"), "", value)
+    if isinstance(kept, bytes):
+        kept = kept.decode()
+    members = json.loads(kept)["members"]
     store.set(CURRENT, json.dumps({"generation": generation, "members": list(members)}))
 
 

@@ -83,15 +83,16 @@ def join(
         )
     monitor = FailureMonitor(
         spec.rank, spec.world_size, spec.master_addr, spec.master_port,
-        store_host_rank=None if spec.agent_store else 0,
+        store_host_rank=None if spec.store_outside else 0,
         prefix=f"stratagem/failure/{spec.restart_count}/",
         options=options,
         shutdown_wait=timeout,
         close_connections=_close_groups,
     )  # fmt: skip
-    if options.continues and spec.rank != 0 and _running_without_me(spec, timeout):
+    # (rank 0 too may be one started again, where the store is outside the replicas)
+    if options.continues and (spec.rank != 0 or spec.store_outside) and _running_without_me(spec, timeout):
         return _come_back(spec, device, backend, timeout, monitor, options)
-    host = spec.rank == 0 and not spec.agent_store
+    host = spec.rank == 0 and not spec.store_outside
     hosted = None
     if spec.source in DESCRIBED_BY_EACH:  # each process read its own TF_CONFIG: compare them first
         hosted = compare_views(spec, timeout=timeout, attempt=spec.restart_count, host=host)
