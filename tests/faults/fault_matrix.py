@@ -1,9 +1,17 @@
-"""The fault matrix: inject each fault, print one line per case with what a user would get.
+"""The one-process fault matrix: every case a mistake a user makes or a fault one process meets
+(a checkpoint damaged or its disk full, a rendezvous nobody answers, the public API misused,
+a cluster description that cannot work, a ``stratagem`` command given bad arguments, the
+readers of untrusted bytes fuzzed), each with what it must give: an error of a named class whose
+message names the cause, or ``ok`` (handled: the case checks the result), and a bound.
 
-Outcomes: ``clear error`` (raised, naming what failed and where), ``ok`` (the fault is handled:
-taken over, recovered, restored with parity), and the ones that must stay at zero: ``hang``,
-``silent wrong``, ``data lost``, ``leak``, ``unclear error``. Every case runs in a forked process
-with a hard timeout (a case past it is a ``hang``). Run: ``python tests/faults/fault_matrix.py``.
+Outcomes: ``clear error`` and ``ok``, and the ones that must stay at zero: ``hang`` (no answer
+within the bound: the process is killed), ``silent wrong``, ``data lost``, ``leak`` (a process
+the case started outlived it), ``unclear error`` (another class, or a message that does not say
+what it must). Every case runs in a forked process; three at a time. The cases: this file
+(checkpoints, rendezvous), misuse_cases.py, config_cases.py, fuzz_cases.py (helpers:
+matrix_kit.py). The matrix tier runs them (tests/faults/test_matrix.py) and writes their rows
+into docs/MULTIWORKER.md's table with the multi-process ones. Run:
+``python tests/faults/fault_matrix.py [--write-doc] [NAME-SUBSTRING ...]``.
 """
 
 from __future__ import annotations
@@ -25,9 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from matrix_kit import Outcome, Spec, expect_error
 from torch import nn
 
 GOOD = ("clear error", "ok")
+BAD = ("hang", "silent wrong", "data lost", "leak", "unclear error")
 
 
 @dataclass(frozen=True)
@@ -35,28 +45,12 @@ class Row:
     case: str
     outcome: str
     detail: str
+    expect: str = ""
+    bound: float = 0.0
+    seconds: float = 0.0
 
     def __str__(self) -> str:
-        return f"{self.case:<46} {self.outcome:<13} {self.detail[:150]}"
-
-
-class Outcome(Exception):
-    def __init__(self, outcome: str, detail: str) -> None:
-        super().__init__(detail)
-        self.outcome = outcome
-
-
-def expect_error(fn: Callable[[], object], *needles: str, kind: type[BaseException] = Exception) -> str:
-    """Run ``fn``; a clear error is one of ``kind`` whose message holds every needle."""
-    try:
-        fn()
-    except kind as e:
-        text = f"{type(e).__name__}: {e}"
-        missing = [n for n in needles if n not in text]
-        if missing:
-            raise Outcome("unclear error", f"{text[:200]} (does not say {missing})") from None
-        return text
-    raise Outcome("silent wrong", "no error was raised")
+        return f"{self.case:<52} {self.outcome:<13} {self.seconds:5.2f}s/{self.bound:g}s {self.detail[:150]}"
 
 
 # --- checkpoints ------------------------------------------------------------------------------------
@@ -345,68 +339,158 @@ def case_exit_while_watching(d: Path) -> str:
     return "both ranks exit 1 with their own error; no abort at interpreter exit"
 
 
-CASES: dict[str, Callable[[Path], str]] = {
-    "checkpoint: disk full during save": case_disk_full,
-    "checkpoint: a value that cannot be encoded": case_unencodable,
-    "checkpoint: a second job on the same directory": case_concurrent_writer,
-    "checkpoint: writer killed mid-save, then resumed": case_dead_writer,
-    "checkpoint: a bit flipped": case_bitflip,
-    "checkpoint: a file truncated": case_truncated,
-    "checkpoint: metadata points outside": case_outside,
-    "checkpoint: a part replaced by a FIFO": case_fifo,
-    "checkpoint: a part linked to /dev/zero": case_device,
-    "checkpoint: a pickle planted as a part": case_pickle,
-    "checkpoint: restore into another shape": case_shape_mismatch,
-    "checkpoint: load into a plain nn.Module": case_portable_to_plain_module,
-    "rendezvous: listener that never answers": case_silent_listener,
-    "rendezvous: nobody at the address": case_refused,
-    "fit: a loss function that sums": case_summing_loss,
-    "workers: a replica killed mid-training": case_replica_killed,
-    "workers: a later global batch of another shape": case_batch_shapes_differ,
-    "workers: exit while the watcher is in the store": case_exit_while_watching,
-}
+_ORIGINAL: list[Spec] = [
+    Spec("checkpoint: disk full during save", case_disk_full, "OSError 'step 2', 'No space left on device'; no leftovers"),
+    Spec("checkpoint: a value that cannot be encoded", case_unencodable, "TypeError 'odd.x'; no leftovers"),
+    Spec("checkpoint: a second job on the same directory", case_concurrent_writer,
+         "CheckpointDirectoryLockedError 'pid <holder>'", 60.0),
+    Spec("checkpoint: writer killed mid-save, then resumed", case_dead_writer,
+         "ok: lock taken over, ckpt-1 intact", 60.0),
+    Spec("checkpoint: a bit flipped", case_bitflip, "CheckpointCorruptError 'shared.safetensors', 'sha256'"),
+    Spec("checkpoint: a file truncated", case_truncated, "CheckpointCorruptError 'shared.safetensors', 'bytes'"),
+    Spec("checkpoint: metadata points outside", case_outside,
+         "CheckpointCorruptError 'not a plain name inside the checkpoint directory'"),
+    Spec("checkpoint: a part replaced by a FIFO", case_fifo, "CheckpointCorruptError 'shared.json', 'FIFO'"),
+    Spec("checkpoint: a part linked to /dev/zero", case_device, "CheckpointCorruptError 'shared.safetensors', 'symbolic link'"),
+    Spec("checkpoint: a pickle planted as a part", case_pickle, "CheckpointCorruptError 'shared.safetensors'; the pickle never runs"),
+    Spec("checkpoint: restore into another shape", case_shape_mismatch, "ValueError '1.weight', 'shape'; the model unchanged"),
+    Spec("checkpoint: load into a plain nn.Module", case_portable_to_plain_module, "ok: equal weights"),
+    Spec("rendezvous: listener that never answers", case_silent_listener,
+         "ClusterConfigurationError '<address>', 'rank 1', 'phase: store handshake'", 30.0),
+    Spec("rendezvous: nobody at the address", case_refused, "ClusterConfigurationError '<address>', 'rank 1'", 30.0),
+    Spec("fit: a loss function that sums", case_summing_loss, "ValueError 'sum of the batch's losses', \"reduction='mean'\""),
+]
 
 
-def _child(fn: Callable[[Path], str], d: str, conn: object) -> None:
+def _all_specs() -> list[Spec]:
+    from config_cases import SPECS as config_specs
+    from fuzz_cases import SPECS as fuzz_specs
+    from misuse_cases import SPECS as misuse_specs
+
+    specs = [*_ORIGINAL, *misuse_specs, *config_specs, *fuzz_specs]
+    names = [s.name for s in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    assert not dup, f"two cases of one name: {dup}"
+    return specs
+
+
+#: every one-process case, by name (each one forked, with its bound)
+CASES: dict[str, Spec] = {s.name: s for s in _all_specs()}
+
+#: multi-process cases the script runs too (each is a test of its own in tests/multiworker)
+WORKER_CASES: dict[str, Spec] = {s.name: s for s in [
+    Spec("workers: a replica killed mid-training", case_replica_killed, "WorkerFailedError 'worker 1 failed'", 90.0),
+    Spec("workers: a later global batch of another shape", case_batch_shapes_differ,
+         "RuntimeError 'global batch 3 has different'", 90.0),
+    Spec("workers: exit while the watcher is in the store", case_exit_while_watching, "ok: both ranks exit 1", 90.0),
+]}
+
+
+def _child(spec: Spec, d: str, conn: object) -> None:
+    import psutil
+
     try:
-        detail = fn(Path(d))
+        detail = spec.fn(Path(d))
         outcome = "clear error" if detail.split(":")[0].endswith("Error") else "ok"
-        conn.send((outcome, detail))  # type: ignore[attr-defined]
+        if spec.expect_class is None and outcome != "ok":
+            outcome, detail = "unclear error", f"expected {spec.expect}, got {detail}"
+        elif spec.expect_class is not None and outcome != "clear error":
+            outcome, detail = "silent wrong", f"expected {spec.expect_class}, got {detail}"
     except Outcome as o:
-        conn.send((o.outcome, str(o)))  # type: ignore[attr-defined]
+        outcome, detail = o.outcome, str(o)
     except BaseException as e:  # noqa: BLE001
-        conn.send(("unclear error", f"{type(e).__name__}: {e} {traceback.format_exc()[-300:]}"))  # type: ignore[attr-defined]
-
-
-def run(names: list[str] | None = None, timeout: float = 60.0) -> list[Row]:
-    """Every case (or those named) in a forked process with a hard timeout."""
-    ctx = multiprocessing.get_context("fork")
-    rows = []
-    for name, fn in CASES.items():
-        if names is not None and name not in names:
-            continue
-        with tempfile.TemporaryDirectory() as d:
-            here, there = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(fn, d, there))
-            p.start()
-            if here.poll(timeout):
-                outcome, detail = here.recv()
-            else:
-                outcome, detail = "hang", f"no answer within {timeout:.0f}s"
-            p.join(5)
-            if p.is_alive():
+        outcome, detail = "unclear error", f"{type(e).__name__}: {e} {traceback.format_exc()[-300:]}"
+    # nothing the case started outlives it
+    left = [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+    if left:
+        _, alive = psutil.wait_procs(left, timeout=2)
+        if alive:
+            outcome, detail = "leak", f"{len(alive)} process(es) outlived the case: {[p.pid for p in alive]}; {detail}"
+            for p in alive:
                 p.kill()
-                p.join()
-            rows.append(Row(name, outcome, " ".join(detail.split())))
-    return rows
+    conn.send((outcome, detail))  # type: ignore[attr-defined]
+
+
+def run(names: list[str] | None = None, jobs: int = 3, cases: dict[str, Spec] | None = None) -> list[Row]:
+    """Every case (or those named), each in a forked process that must answer within its
+    bound (past it: a hang, and the process is killed); ``jobs`` of them at a time."""
+    from multiprocessing.connection import wait
+
+    ctx = multiprocessing.get_context("fork")
+    table = CASES if cases is None else cases
+    # the cases that start processes of their own (the longest bounds) first: the short ones fill the gaps
+    todo = sorted((s for n, s in table.items() if names is None or n in names), key=lambda s: -s.bound)
+    done: dict[str, Row] = {}
+    running: dict[object, tuple[Spec, object, tempfile.TemporaryDirectory[str], float]] = {}
+    while todo or running:
+        while todo and len(running) < jobs:
+            spec = todo.pop(0)
+            tmp = tempfile.TemporaryDirectory(prefix="sg-fm-")
+            here, there = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(spec, tmp.name, there))
+            p.start()
+            there.close()
+            running[here] = (spec, p, tmp, time.monotonic())
+        now = time.monotonic()
+        timeout = max(0.0, min(start + spec.bound for spec, _, _, start in running.values()) - now)
+        ready = wait(list(running), timeout=timeout)
+        now = time.monotonic()
+        for conn in list(running):
+            spec, p, tmp, start = running[conn]
+            if conn in ready:
+                try:
+                    outcome, detail = conn.recv()  # type: ignore[attr-defined]
+                except EOFError:
+                    outcome, detail = "unclear error", "the case's process died without an answer"
+            elif now >= start + spec.bound:
+                outcome, detail = "hang", f"no answer within its bound of {spec.bound:g}s"
+            else:
+                continue
+            seconds = now - start
+            del running[conn]
+            p.join(5)  # type: ignore[attr-defined]
+            if p.is_alive():  # type: ignore[attr-defined]
+                p.kill()  # type: ignore[attr-defined]
+                p.join()  # type: ignore[attr-defined]
+            tmp.cleanup()
+            done[spec.name] = Row(spec.name, outcome, " ".join(detail.split()), spec.expect, spec.bound, seconds)
+    return [done[n] for n in table if n in done]
+
+
+def summary(rows: list[Row]) -> str:
+    counts = {k: sum(r.outcome == k for r in rows) for k in (*GOOD, *BAD)}
+    return f"{len(rows)} cases: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+
+
+def write_doc(rows: list[Row], seconds: float) -> None:
+    """Rewrite the one-process rows of docs/MULTIWORKER.md's table (the multi-process rows of
+    the last full run of the matrix tier stay as they are)."""
+    import matrix_table
+
+    mp_stamp, mp, _ = matrix_table.read()
+    op = [matrix_table.one_process_cells(r) for r in rows]
+    op_stamp = (f"{matrix_table.machine()}, `python tests/faults/fault_matrix.py --write-doc` "
+                f"({len(op)} cases, every one forked, in {seconds:.0f} s)")
+    matrix_table.write(matrix_table.render(mp_stamp, mp, op_stamp, op))
 
 
 def main() -> None:
-    rows = run()
+    """``python tests/faults/fault_matrix.py [--write-doc] [NAME-SUBSTRING ...]``: the cases (the
+    multi-process "workers:" ones too, unless --write-doc), one line each."""
+    args = sys.argv[1:]
+    doc = "--write-doc" in args
+    wanted = [a for a in args if a != "--write-doc"]
+    table = CASES if doc else {**CASES, **WORKER_CASES}
+    start = time.monotonic()
+    rows = run([n for n in table if not wanted or any(w in n for w in wanted)], cases=table)
+    seconds = time.monotonic() - start
     for row in rows:
         print(row)
-    counts = {k: sum(r.outcome == k for r in rows) for k in ("clear error", "ok", "unclear error", "hang", "silent wrong", "data lost", "leak")}
-    print(f"{len(rows)} cases: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    print(summary(rows), f"in {seconds:.0f} s")
+    if doc:
+        if wanted or any(r.outcome not in GOOD for r in rows):
+            raise SystemExit("--write-doc writes the rows of a run of every case, all of them good")
+        write_doc(rows, seconds)
 
 
 if __name__ == "__main__":

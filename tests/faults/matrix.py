@@ -27,6 +27,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -499,15 +500,33 @@ NEVER = [Case("multiworker", "never", "worker 1"), Case("multiworker", "never", 
 CASES = ONE_HOST + PS_ONE_HOST + ACROSS_HOSTS + NEVER
 
 
+def expected(case: Case) -> str:
+    """What a case must see, in a few words (the table's "expected" column)."""
+    if case.fault == "slow":
+        return "no process ends or declares a failure while the link is slow"
+    if case.fault == "never":
+        return f"the others give up within {case.bound:g} s, naming {case.target}"
+    if case.carries_on:
+        return f"the chief names {case.target} as failed and goes on"
+    extra = "; every checkpoint in sight whole, the newest restores" if case.fault == "save-cut" else ""
+    return f"every process ends, the others naming {case.target}; nothing left running{extra}"
+
+
+def cells(r: Row) -> Any:
+    """The row in the table's columns (tests/faults/matrix_table.py)."""
+    from matrix_table import Cells  # noqa: PLC0415
+
+    times = ", ".join(f"{k} {_secs(v)}" for k, v in r.times.items())
+    said = "; ".join(f"{k}: `{v[:110]}`" for k, v in r.says.items() if v)
+    return Cells(r.case.name, expected(r.case), f"{r.case.bound:g} s", times, r.outcome, said)
+
+
 def table(rows: list[Row]) -> str:
-    """The markdown table docs/MULTIWORKER.md shows."""
-    out = ["| case | bound | every process ended (s after the fault) | what the others said | outcome |",
-           "|---|---|---|---|---|"]
-    for r in rows:
-        times = ", ".join(f"{k} {_secs(v)}" for k, v in r.times.items())
-        said = "; ".join(f"{k}: `{v[:110]}`" for k, v in r.says.items() if v) or "-"
-        out.append(f"| {r.case.name} | {r.case.bound:g} s | {times} | {said} | {r.outcome} |")
-    return "\n".join(out)
+    """The rows as docs/MULTIWORKER.md shows them (its one table also holds the one-process
+    matrix's rows: tests/faults/matrix_table.py)."""
+    from matrix_table import HEADER  # noqa: PLC0415
+
+    return "\n".join([HEADER, *(cells(r).line() for r in rows)])
 
 
 def main() -> None:

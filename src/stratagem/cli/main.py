@@ -44,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "demo":
+        for flag, value in (("--replicas", args.replicas), ("--epochs", args.epochs), ("--batch-size", args.batch_size)):
+            if value < 1:  # said at once, not after torch and scikit-learn are imported
+                demo.error(f"{flag} must be >= 1, got {value}")
         missing = missing_demo_packages(plot=bool(args.plot))
         if missing:  # before torch is imported and before any replica starts: said once
             print(demo_missing_message(missing, plot=bool(args.plot)), file=sys.stderr, flush=True)

@@ -114,15 +114,19 @@ def torchrun_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         raise ValueError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise ValueError("--nnodes > 1 needs --rdzv-endpoint host:port (the first machine's address)")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0 (0: no restart), got {max_restarts}")
+    if not args.monitor_interval > 0:
+        raise ValueError(f"--monitor-interval must be > 0 seconds, got {args.monitor_interval}")
+    if args.rdzv_endpoint:  # (before torch is imported: a mistake here is said at once)
+        host, port = split_address(args.rdzv_endpoint, "--rdzv-endpoint")
+    else:
+        host, port = "127.0.0.1", find_free_port("127.0.0.1")
     from stratagem.comm.interfaces import (  # (imports torch: not for --ps)
         interface_of,
         route_source,
     )
 
-    if args.rdzv_endpoint:
-        host, port = split_address(args.rdzv_endpoint, "--rdzv-endpoint")
-    else:
-        host, port = "127.0.0.1", find_free_port("127.0.0.1")
     bind = args.bind
     if bind is None:
         bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else route_source(host, port)
@@ -205,6 +209,8 @@ def main(args: argparse.Namespace) -> int:
             return 2
         return job.run()
     try:
+        if not args.module and not os.path.isfile(args.script):  # not N replicas' tracebacks
+            raise ValueError(f"no such script: {args.script!r} (for a module, add -m)")
         targs, env = torchrun_args(args)
     except ValueError as e:
         sys.stderr.write(f"stratagem run: {e}\n")

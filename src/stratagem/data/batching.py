@@ -219,6 +219,12 @@ class _UnbatchIterator(StatefulIterator):
         self.snap = self.child.state_dict()
         self.batch = next(self.child)
         self.leaves = flatten(self.batch)
+        scalar = [x for x in self.leaves if not shape_of(x) and not hasattr(x, "__len__") or getattr(x, "ndim", 1) == 0]
+        if scalar:
+            raise ValueError(
+                f"unbatch: {describe(self.batch)} has a scalar component, which has no first "
+                "dimension to split; unbatch elements that are batches (e.g. after batch())"
+            )
         sizes = {shape_of(x)[0] if shape_of(x) else len(x) for x in self.leaves}
         if len(sizes) != 1:
             raise ValueError(

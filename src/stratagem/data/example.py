@@ -102,20 +102,42 @@ def _packed_varints_np(buf: bytes) -> np.ndarray:
     return np.bitwise_or.reduceat(parts, starts)
 
 
+def _wire(wire: int, allowed: tuple[int, ...], what: str) -> None:
+    """A known field of another wire type is a corrupt record (a bytes value read as an int,
+    or an int as bytes, would be a wrong value without a word)."""
+    if wire not in allowed:
+        raise ExampleParseError(f"{what} has wire type {wire} in a serialized Example (expected {allowed})")
+
+
 def _decode_feature(buf: bytes) -> tuple[str, Any]:
     """("bytes"|"float"|"int64"|"none", values) of a Feature message."""
-    for field, _, body in _fields(buf):
+    for field, wire, body in _fields(buf):
+        if field in (1, 2, 3):
+            _wire(wire, (2,), "a Feature's list")
         if field == 1:
-            return "bytes", [bytes(v) for f, w, v in _fields(body) if f == 1]
+            out = []
+            for f, w, v in _fields(body):
+                if f == 1:
+                    _wire(w, (2,), "a BytesList value")
+                    out.append(bytes(v))
+            return "bytes", out
         if field == 2:
             # packed (wire type 2) or one fixed32 (wire type 5) per value: the same bytes
-            parts = [np.frombuffer(v, dtype="<f4") for f, _, v in _fields(body) if f == 1]
+            parts = []
+            for f, w, v in _fields(body):
+                if f != 1:
+                    continue
+                _wire(w, (2, 5), "a FloatList value")
+                if len(v) % 4:
+                    raise ExampleParseError(f"a packed FloatList of {len(v)} bytes (not 4 per float) in a serialized Example")
+                parts.append(np.frombuffer(v, dtype="<f4"))
             return "float", np.concatenate(parts) if parts else np.zeros(0, np.float32)
         if field == 3:
             chunks: list[Any] = []
             for f, w, v in _fields(body):
                 if f != 1:
                     continue
+                _wire(w, (0, 2), "an Int64List value")
                 chunks.append(np.asarray(_packed_varints(v) if w == 2 else [v], dtype=np.uint64))
             arr = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint64)
             return "int64", arr.view(np.int64)
@@ -134,10 +156,17 @@ def decode_example(serialized: bytes) -> dict[str, tuple[str, Any]]:
             if f != 1 or w != 2:
                 continue
             name, value = "", b""
-            for ef, _, ev in _fields(entry):
+            for ef, ew, ev in _fields(entry):
                 if ef == 1:
-                    name = ev.decode("utf-8")
+                    _wire(ew, (2,), "a feature's name")
+                    try:
+                        name = ev.decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise ExampleParseError(
+                            f"a feature name in a serialized Example is not UTF-8 text: {ev[:40]!r}"
+                        ) from None
                 elif ef == 2:
+                    _wire(ew, (2,), "a feature's value")
                     value = ev
             out[name] = _decode_feature(value)
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -132,14 +133,29 @@ class _RecordIterator(StatefulIterator):
             "with ignore_errors()"
         )
 
+    def _raw(self, n: int) -> bytes:
+        """Up to ``n`` bytes of the (uncompressed) stream; a compressed stream that cannot be
+        decompressed (cut short, not of its kind) is a corrupt record naming the file."""
+        assert self.fh is not None
+        try:
+            return self.fh.read(n)  # type: ignore[no-any-return]
+        except (OSError, EOFError, zlib.error) as e:
+            if not self.kind:
+                raise
+            err = CorruptRecordError(
+                f"corrupt {self._where()}: the {self.kind} stream cannot be decompressed "
+                f"({type(e).__name__}: {e}); {self._hint()}"
+            )
+            raise err from e
+
     def _read(self, n: int, what: str) -> bytes:
         assert self.fh is not None
         if n <= _CHUNK:
-            data = self.fh.read(n)
+            data = self._raw(n)
         else:
             parts, got = [], 0
             while got < n:
-                part = self.fh.read(min(_CHUNK, n - got))
+                part = self._raw(min(_CHUNK, n - got))
                 if not part:
                     break
                 parts.append(part)
@@ -159,7 +175,11 @@ class _RecordIterator(StatefulIterator):
                 self.fh = compression.open_read(path, self.kind)
                 self.fh.seek(self.offset)
                 self.size = None if self.kind else os.fstat(self.fh.fileno()).st_size
-            header = self.fh.read(12)
+            try:
+                header = self._raw(12)
+            except CorruptRecordError:
+                self._skip_file()
+                raise
             if not header:
                 self.fh.close()
                 self.fh, self.file_index, self.offset = None, self.file_index + 1, 0

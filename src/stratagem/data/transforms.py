@@ -3,6 +3,7 @@ concatenate, with_options."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +82,14 @@ class _FilterIterator(_Unary):
         while True:
             x = next(self.child)
             self.pos += 1
-            if bool(call_checked(self.predicate, x, self.pos - 1, "filter")):
+            keep = call_checked(self.predicate, x, self.pos - 1, "filter")
+            shape = tuple(getattr(keep, "shape", ()))
+            if shape and math.prod(shape) != 1:
+                raise ValueError(
+                    f"filter: the predicate must return one bool per element; for element "
+                    f"{self.pos - 1} it returned a tensor of shape {list(keep.shape)}"
+                )
+            if bool(keep):
                 return x
 
 

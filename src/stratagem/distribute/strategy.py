@@ -281,6 +281,33 @@ class ValueContext:
     num_replicas_in_sync: int = 1
 
 
+def _check_run_arguments(fn: Any, args: Any, kwargs: Any) -> None:
+    """``run``'s arguments as tf.distribute takes them: a callable, a sequence, a mapping (a
+    tensor passed as ``args`` would otherwise be unpacked row by row into ``fn``)."""
+    if not callable(fn):
+        raise TypeError(f"strategy.run(fn, ...): fn must be callable, got {type(fn).__name__}")
+    if isinstance(args, (str, bytes, Mapping)) or hasattr(args, "shape") or not hasattr(args, "__iter__"):
+        hint = " (write args=(x,) for one argument)" if hasattr(args, "shape") else ""
+        raise TypeError(f"strategy.run(fn, args=...): args must be a tuple or list of fn's positional "
+                        f"arguments, got {type(args).__name__}{hint}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"strategy.run(fn, kwargs=...): kwargs must be a dict of keyword arguments, "
+                        f"got {type(kwargs).__name__}")
+
+
+def _check_axis(what: str, value: Any, axis: int | None) -> None:
+    """An axis the (tensor) value has, named in the error instead of torch's IndexError."""
+    if axis is None or not isinstance(value, torch.Tensor):
+        return
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(f"strategy.{what}(..., axis=...): axis must be an int or None, got {type(axis).__name__}")
+    n = value.dim()
+    if not -max(n, 1) <= axis < max(n, 1):
+        raise ValueError(f"strategy.{what}(..., axis={axis}): the value has {n} dimension"
+                         f"{'' if n == 1 else 's'} (shape {list(value.shape)}); axis must be in "
+                         f"[{-max(n, 1)}, {max(n, 1) - 1}]")
+
+
 class Strategy:
     """Distribution of one training program over replicas (tf.distribute.Strategy's API)."""
 
@@ -314,6 +341,7 @@ class Strategy:
         """Run ``fn(*args, **kwargs)`` on every replica; returns this process's per-replica value.
 
         ``options=RunOptions(precision="bf16")`` runs ``fn`` under autocast on the replica's device."""
+        _check_run_arguments(fn, args, kwargs)
         if options is not None and options.precision is not None:
             policy = Policy.of(options.precision)
             if policy.name != "32":
@@ -332,20 +360,33 @@ class Strategy:
         an axis the values are also reduced along it, and MEAN divides by the true number of
         elements along that axis over all replicas. The result is the same on every replica.
         """
-        return _mark_cross_replica(self._extended.reduce(ReduceOp.of(reduce_op), value, axis))
+        op = ReduceOp.of(reduce_op)
+        _check_axis("reduce", value, axis)
+        return _mark_cross_replica(self._extended.reduce(op, value, axis))
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate per-replica ``value`` along ``axis`` in replica order (sizes may differ)."""
+        _check_axis("gather", value, axis)
         return _mark_cross_replica(self._extended.gather(value, axis))
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Iterable[Any]:
         """Global batches in, this replica's slice of each out (zero-size when it gets none)."""
+        if not hasattr(dataset, "__iter__"):
+            raise TypeError(
+                "experimental_distribute_dataset takes an iterable of global batches (a stratagem "
+                f"Dataset, a DataLoader, a list of batches); got {type(dataset).__name__}"
+            )
         return self._extended.distribute_dataset(dataset, options)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None
     ) -> Iterable[Any]:
         """Per-replica batches from ``dataset_fn(InputContext)``, called once per input pipeline."""
+        if not callable(dataset_fn):
+            raise TypeError(
+                "distribute_datasets_from_function takes a function of an InputContext that "
+                f"returns this pipeline's dataset; got {type(dataset_fn).__name__}, which is not callable"
+            )
         return self._extended.distribute_datasets_from_function(dataset_fn, options)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:

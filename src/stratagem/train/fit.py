@@ -194,6 +194,7 @@ def fit(
                            dict(class_weight) if class_weight is not None else None,
                            jit_compile=jit_compile is True)
     _check_fit(strategy, optimizer, loss_fn, epochs, initial_epoch, lr_scheduler, lr_scheduler_interval)
+    _check_optimizer_over(model, optimizer, strategy)
     runner = runner_for(strategy)  # how this strategy runs steps: its limits, its steps, its loop
     train_metrics = _tracked_metrics(model, loss_fn, metrics, weighted_metrics)
     runner.check_metrics(weighted_metrics)
@@ -276,6 +277,22 @@ def _check_fit(
     if loss_fn is not None:
         check_loss_fn(loss_fn)
     _check_scheduler(lr_scheduler, interval, strategy, optimizer)
+
+
+def _check_optimizer_over(model: Any, optimizer: Any, strategy: Strategy) -> None:
+    """An optimizer made over another model's parameters (a second ``model = ...`` after the
+    optimizer was made, a copy) would update none of this model's weights: fit would train
+    nothing without a word. (Strategies that place parameters elsewhere are left out.)"""
+    if type(strategy).__name__ in ("ParameterServerStrategy", "PipelineStrategy") or not isinstance(model, nn.Module):
+        return
+    mine = {id(p) for p in model.parameters() if p.requires_grad}
+    theirs = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if mine and theirs and not mine & theirs:
+        raise ValueError(
+            f"the optimizer updates none of the model's parameters ({len(theirs)} tensors, none of "
+            f"the model's {len(mine)}): it was made over another model's parameters; make it over "
+            "this one's (torch.optim.SGD(model.parameters(), ...)) after the model"
+        )
 
 
 def _log_names(tracked: Sequence[Metric], validation: bool) -> list[str]:

@@ -574,6 +574,8 @@ class Model(ModelAPI, nn.Module):
             )
         if shuffle == "batch":
             raise ValueError("fit(shuffle='batch') is not offered (it exists in Keras for HDF5 files); use shuffle=True")
+        if not isinstance(shuffle, bool | np.bool_):
+            raise ValueError(f"fit(shuffle={shuffle!r}): shuffle is True or False")
         strategy = self.distribute_strategy
         apply_trainable(self)
         val = validation_data
@@ -922,6 +924,7 @@ def _opened(path: Path) -> Any:
     one (every replica its own; member names checked to stay inside it)."""
     import tempfile
     import zipfile
+    import zlib
 
     if path.is_dir():
         yield path
@@ -931,12 +934,15 @@ def _opened(path: Path) -> Any:
     if not zipfile.is_zipfile(path):
         raise ValueError(f"load_model: {path} is not a model saved by Model.save (not a .keras zip nor a directory)")
     with tempfile.TemporaryDirectory(prefix="stratagem-model-") as tmp:
-        with zipfile.ZipFile(path) as z:
-            for name in z.namelist():
-                target = (Path(tmp) / name).resolve()
-                if not str(target).startswith(str(Path(tmp).resolve()) + os.sep):
-                    raise ValueError(f"load_model: {path} holds a member {name!r} outside the model; refusing it")
-            z.extractall(tmp)
+        try:
+            with zipfile.ZipFile(path) as z:
+                for name in z.namelist():
+                    target = (Path(tmp) / name).resolve()
+                    if not str(target).startswith(str(Path(tmp).resolve()) + os.sep):
+                        raise ValueError(f"load_model: {path} holds a member {name!r} outside the model; refusing it")
+                z.extractall(tmp)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+            raise ValueError(f"load_model: {path} is damaged (cut short or altered): {type(e).__name__}: {e}") from e
         yield Path(tmp)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -91,6 +92,11 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"gradient_accumulation_steps must be a positive integer, got {self.accumulate!r}")
+        if self.class_weight is not None:
+            bad = [k for k in self.class_weight if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0]
+            if bad:
+                raise TypeError(f"class_weight maps class ids (ints >= 0) to weights; got the key(s) "
+                                f"{', '.join(repr(k) for k in bad)}")
         for name in ("clipnorm", "clipvalue", "global_clipnorm"):
             v = getattr(self, name)
             if v is not None and not v > 0:
