@@ -139,22 +139,15 @@ class _LoaderFacts(FirstFacts):
 class _Pass:
     """One pass over this replica's loader; counts the global batches it gave (its position)."""
 
-    def __init__(
-        self,
-        owner: ShardedLoader,
-        epoch: int,
-        seed: int | None,
-        skip: int,
-        states: list[torch.Tensor],
-    ) -> None:
-        self.owner, self.epoch, self.seed, self.consumed, self.states = (
-            owner,
-            epoch,
-            seed,
-            skip,
-            states,
-        )
-        self.batches, self.it = owner._start(epoch, seed, skip)
+    def __init__(self, owner: ShardedLoader, *position: Any) -> None:
+        self.owner = owner
+        self._begin(*position)
+
+    def _begin(self, epoch: int, seed: int | None, skip: int, states: list[torch.Tensor]) -> None:
+        """Pass ``epoch`` (job seed ``seed``) after its first ``skip`` global batches; ``states``:
+        the user's generators' states at the pass's start (restored already)."""
+        self.epoch, self.seed, self.consumed, self.states = epoch, seed, skip, states
+        self.batches, self.it = self.owner._start(epoch, seed, skip)
 
     def __iter__(self) -> _Pass:
         return self
@@ -175,7 +168,7 @@ class _Pass:
                 "generators": [_encode(s) for s in self.states]}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__init__(self.owner, *self.owner._restore(state))  # type: ignore[misc]
+        self._begin(*self.owner._restore(state))
 
 
 class LoaderIterator(PerReplicaIterator):
@@ -298,7 +291,9 @@ class ShardedLoader:
             source = copy.copy(source)
             source.sampler = sampler
         if self.loader.persistent_workers and self.loader.num_workers > 0:
-            if self._persistent is None:  # one loader: its workers live across passes
+            # one loader, whose workers live across passes (so one pass at a time reads it, as
+            # with the user's own persistent loader)
+            if self._persistent is None:
                 self._persistent_batches = _ShardBatches(self.rank, self.world)
                 self._persistent = self._replica_loader(self._persistent_batches)
             batches, loader = self._persistent_batches, self._persistent
