@@ -86,6 +86,14 @@ def _(d: Path) -> str:
     return f"2000 inputs: {_counts(c)}"
 
 
+def _flips(raw: bytes):
+    """Each bit of ``raw`` flipped in turn: (bit, the flipped bytes)."""
+    for bit in range(len(raw) * 8):
+        b = bytearray(raw)
+        b[bit // 8] ^= 1 << (bit % 8)
+        yield bit, bytes(b)
+
+
 @ok(
     "fuzz: Example decoder, random Example-shaped bytes",
     "decoded or ExampleParseError, nothing else",
@@ -140,9 +148,7 @@ def _(d: Path) -> str:
 def _(d: Path) -> str:
     raw = _example()
     c: Counter[str] = Counter()
-    for bit in range(len(raw) * 8):
-        b = bytearray(raw)
-        b[bit // 8] ^= 1 << (bit % 8)
+    for bit, b in _flips(raw):
         flipped = bytes(b)
         _decode_outcome(lambda flipped=flipped: decode_example(flipped), c, f"bit {bit}")
     return f"{len(raw) * 8} flips: {_counts(c)}"
@@ -155,9 +161,7 @@ def _(d: Path) -> str:
 def _(d: Path) -> str:
     raw = _example()
     c: Counter[str] = Counter()
-    for bit in range(len(raw) * 8):
-        b = bytearray(raw)
-        b[bit // 8] ^= 1 << (bit % 8)
+    for bit, b in _flips(raw):
         try:
             out = parse_single_example(bytes(b), FEATURES)
         except ExampleParseError:
@@ -283,9 +287,7 @@ def _(d: Path) -> str:
     ends = _boundaries(records)
     bad = d / "flipped.tfrecord"
     n = 0
-    for bit in range(len(raw) * 8):
-        b = bytearray(raw)
-        b[bit // 8] ^= 1 << (bit % 8)
+    for bit, b in _flips(raw):
         bad.write_bytes(bytes(b))
         got, e = _read(bad)
         rec = max(i for i, s in enumerate(ends[:-1]) if s <= bit // 8)
