@@ -283,7 +283,11 @@ def _check_optimizer_over(model: Any, optimizer: Any, strategy: Strategy) -> Non
     """An optimizer made over another model's parameters (a second ``model = ...`` after the
     optimizer was made, a copy) would update none of this model's weights: fit would train
     nothing without a word. (Strategies that place parameters elsewhere are left out.)"""
-    if type(strategy).__name__ in ("ParameterServerStrategy", "PipelineStrategy") or not isinstance(model, nn.Module):
+    # Only where the strategy trains the model's own parameter objects: ShardedStrategy and
+    # ModelParallelStrategy swap them for shards when fit starts (and re-point the optimizer), the
+    # parameter server and the pipeline keep them elsewhere, TPUStrategy may move them.
+    own = ("DefaultStrategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy")
+    if type(strategy).__name__ not in own or not isinstance(model, nn.Module):
         return
     mine = {id(p) for p in model.parameters() if p.requires_grad}
     theirs = {id(p) for g in optimizer.param_groups for p in g["params"]}
