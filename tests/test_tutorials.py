@@ -21,14 +21,22 @@ def _run(name: str, tmp_path: Path, timeout: float, launcher: tuple[str, ...] = 
     return r.stdout
 
 
+@pytest.fixture(scope="module")
+def eager_tutorial(tmp_path_factory) -> tuple[str, Path]:
+    """custom_training.py as written, on two replicas (run once for the tests that compare with it):
+    its output and its checkpoint directory."""
+    folder = tmp_path_factory.mktemp("two")
+    return _run("custom_training.py", folder, 200), folder / "ckpt"
+
+
 def _numbers(line: str) -> list[float]:
     return [float(v) for v in re.findall(r"-?\d+\.?\d*(?:e-?\d+)?", line)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_custom_training_loop_tutorial(tmp_path, monkeypatch):
-    out = _run("custom_training.py", tmp_path / "two", 200)
+def test_custom_training_loop_tutorial(tmp_path, monkeypatch, eager_tutorial):
+    out, ckpt = eager_tutorial
     lines = [line for line in out.splitlines() if line.startswith(("Epoch", "Accuracy after"))]
     epochs = re.findall(r"Epoch (\d), Loss: [\d.]+, Accuracy: [\d.]+, Test Loss: [\d.]+, Test Accuracy: ([\d.]+)", out)
     assert [e for e, _ in epochs] == ["1", "2", "3", "4"], out  # printed once, by the chief
@@ -36,7 +44,7 @@ def test_custom_training_loop_tutorial(tmp_path, monkeypatch):
     # the restored checkpoint is the last one saved (ckpt-2, after epoch 3): its test accuracy
     restored = re.search(r"Accuracy after restoring the saved model without strategy: ([\d.]+)", out)
     assert restored is not None and float(restored.group(1)) == pytest.approx(float(epochs[2][1]))
-    assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["checkpoint", "ckpt-1", "ckpt-2"]  # TF's state file, ckpt-1, ckpt-2
+    assert sorted(os.listdir(ckpt)) == ["checkpoint", "ckpt-1", "ckpt-2"]  # TF's state file, ckpt-1, ckpt-2
     assert len(lines) == 4 + 1 + 4 + 4, out  # the training loop, the restore, iterators, epoch function
     # the reference: the same program on one device (the same global batches); every number it prints
     monkeypatch.setenv("NUM_REPLICAS", "1")
@@ -50,7 +58,7 @@ def test_custom_training_loop_tutorial(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_custom_training_tutorial_in_graph_mode_as_tensorflow_writes_it(tmp_path):
+def test_custom_training_tutorial_in_graph_mode_as_tensorflow_writes_it(tmp_path, eager_tutorial):
     """TensorFlow's tutorial puts @tf.function on distributed_train_step, distributed_test_step and
     distributed_train_epoch (a function that iterates a distributed dataset, with a partial last
     batch each epoch, metrics updated inside the step and sg.optimizers' Adam). The same program
@@ -71,7 +79,7 @@ def test_custom_training_tutorial_in_graph_mode_as_tensorflow_writes_it(tmp_path
     env.pop("TF_CONFIG", None)
     r = run_script([str(tmp_path / "custom_training_graph.py")], timeout=250, env=env)
     assert_clean_run(r, what="custom_training.py with @sg.function")
-    eager = _run("custom_training.py", tmp_path / "eager", 200)
+    eager, _ = eager_tutorial
     graph_lines = [line for line in r.stdout.splitlines() if line.startswith(("Epoch", "Accuracy after"))]
     eager_lines = [line for line in eager.splitlines() if line.startswith(("Epoch", "Accuracy after"))]
     assert len(graph_lines) == len(eager_lines) == 13, r.stdout
