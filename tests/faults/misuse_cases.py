@@ -361,6 +361,27 @@ def _(d: Path) -> str:
     return "fit(epochs=1, initial_epoch=3): nothing trained, History empty (Keras's behaviour)"
 
 
+@err("fit: no batch at all (an empty list)", ValueError, "fit read no batch in epoch 1", "empty")
+def _(d: Path) -> object:
+    return _fit([])
+
+
+@err("fit: a dataset whose drop_remainder drops everything", ValueError, "fit read no batch", "drop_remainder")
+def _(d: Path) -> object:
+    x, y = _xy(3)
+    return _fit(Dataset.from_tensor_slices((x, y)).batch(4, drop_remainder=True))
+
+
+@err("fit: empty validation_data", ValueError, "fit's validation_data gave no batch")
+def _(d: Path) -> object:
+    return _fit([_xy()], validation_data=[])
+
+
+@err("evaluate: no batch at all", ValueError, "evaluate's data gave no batch")
+def _(d: Path) -> object:
+    return sg.evaluate(_model(), nn.CrossEntropyLoss(), [])
+
+
 @ok("fit: numpy float64 through a distributed dataset", "cast to float32 as fit casts")
 def _(d: Path) -> str:
     s = _one()

@@ -158,18 +158,27 @@ def _run_test(
     tracked: Sequence[Metric],
     cblist: CallbackList | None,
     steps: int | None = None,
+    what: str = "evaluate's data",
 ) -> Logs:
     _reset(tracked)
     if cblist is not None:
         cblist.call("on_test_begin", None)
     logs: Logs = {}
+    read = 0
     for i, batch in enumerate(_batches(strategy, data, steps)):
+        read += 1
         if cblist is not None:
             cblist.call("on_test_batch_begin", i, None)
         runner.test(batch, tracked[0], tracked[1:])
         if cblist is not None:
             sync_metrics(strategy, tracked)
             cblist.call("on_test_batch_end", i, _logs(tracked))
+    if read == 0 and steps != 0:  # every replica: each reads the same global batches
+        raise ValueError(
+            f"{what} gave no batch: the data is empty, so there is no loss or metric to report (Keras "
+            "raises here too); check the dataset's length, a filter that drops everything, or "
+            "drop_remainder=True on fewer examples than one global batch"
+        )
     sync_metrics(strategy, tracked)
     logs = _logs(tracked)
     if cblist is not None:
@@ -374,12 +383,18 @@ class _Loop:
         steps.set_training(True)
         self.cblist.call("on_epoch_begin", epoch, None)
         self._train()
+        if state.step == 0:  # on every replica alike (each reads the same global batches)
+            raise ValueError(
+                f"fit read no batch in epoch {epoch + 1}: the data is empty, so nothing was trained "
+                "(Keras raises here too); check the dataset's length, a filter that drops everything, "
+                "or drop_remainder=True on fewer examples than one global batch"
+            )
         logs = _logs(tracked)
         if self.validation is not None:
             steps.set_training(False)
             validation = self.validation
             val = self._going_on(lambda: _run_test(self.strategy, steps, validation[0], self.val_tracked, self.cblist,
-                                                   validation[1]))  # fmt: skip
+                                                   validation[1], "fit's validation_data"))  # fmt: skip
             logs.update({f"val_{k}": v for k, v in val.items()})
             steps.set_training(True)
         self.history.record(epoch, logs)
