@@ -4,7 +4,8 @@ A test module that starts processes (the N-process harness, a launcher, a script
 would) has its tests marked ``multiprocess``. The multi-process tests whose outcome depends on
 timing (a failure, a stuck peer or a signal must reach every process within a bound; output must
 stay clean while processes end at different moments) are also marked ``stress``: `.ci/run` runs
-them a second time beside a CPU hog (`scripts/stress_tier.sh`), so a test that only passes on an
+them a second time beside a CPU hog (`scripts/stress_tier.sh`; those of the slow tier only when
+asked), so a test that only passes on an
 idle machine fails the session that submits it, not the next user. (All the multi-process tests
 beside a hog take about 23 minutes here: `bash scripts/stress_tier.sh -m "multiprocess and not
 slow"` runs them all.)
